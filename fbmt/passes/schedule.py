@@ -1,0 +1,91 @@
+"""Schedule: order communication against compute. In a graph, scheduling is moving nodes.
+
+Requires: the collectives of the shard pass (each start right before its wait).
+Ensures, by strategy (registered by name in STRATEGIES; a strategy is a plain function
+`(program, *, prefetch) -> summary` that reorders `program.graph` in place):
+- "none": no overlap; every collective is waited right after it is issued.
+- "prefetch": in each phase, the gather of the k-th group (in order of use) is issued before the
+  first compute node of the (k - prefetch)-th group's block, so block i+1's parameters arrive while
+  block i computes; each reduce-scatter is issued as soon as its gradients exist (the shard pass
+  placed it there) and waited only when the next one is issued (the last at the end), so it
+  overlaps the backward of the blocks before it while at most one is in flight.
+Moves only starts earlier and waits later, so data dependencies are preserved by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch.fx as fx
+
+from fbmt.program import BWD, FWD, Program
+from fbmt.runtime import collectives
+
+Strategy = Callable[..., str]
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(name: str) -> Callable[[Strategy], Strategy]:
+    def deco(fn: Strategy) -> Strategy:
+        STRATEGIES[name] = fn
+        return fn
+    return deco
+
+
+def schedule_overlap(program: Program, *, strategy: str = "prefetch", prefetch: int = 1) -> Program:
+    started = time.perf_counter()
+    if strategy not in STRATEGIES:
+        raise ValueError(f"fbmt.compile(schedule={strategy!r}): known strategies are {sorted(STRATEGIES)}; "
+                         "add one with fbmt.passes.schedule.register_strategy")
+    if prefetch < 1:
+        raise ValueError(f"fbmt.compile(prefetch={prefetch}): must be at least 1")
+    program = program.copy()
+    summary = STRATEGIES[strategy](program, prefetch=prefetch)
+    program.graph.lint()
+    program.record("schedule", started, f"{strategy}: {summary}")
+    return program
+
+
+def pairs(program: Program, start_fn: Callable, phase: str) -> list[tuple[fx.Node, fx.Node]]:
+    """(start, wait) of one collective kind in one phase, in graph order of the waits."""
+    out = []
+    for n in program.graph.nodes:
+        if n.target is collectives.wait and n.args[0].target is start_fn and n.meta.get("fbmt_phase") == phase:
+            out.append((n.args[0], n))
+    return out
+
+
+@register_strategy("none")
+def _no_overlap(program: Program, *, prefetch: int) -> str:
+    for n in list(program.graph.nodes):
+        if n.target is collectives.wait and n.args[0].next is not n:
+            n.args[0].append(n)
+    return "each collective is waited right after it is issued"
+
+
+@register_strategy("prefetch")
+def _prefetch(program: Program, *, prefetch: int) -> str:
+    g = program.graph
+    blocks = {grp.index: grp.block for grp in program.layout.groups}
+    moved = 0
+    for phase in (FWD, BWD):
+        gathers = pairs(program, collectives.all_gather, phase)
+        order = {n: i for i, n in enumerate(g.nodes)}
+        anchors = []
+        for start, wait in gathers:
+            block = blocks[wait.meta["fbmt_group"]]
+            first = min((n for n in g.nodes if n.meta.get("fbmt_block") == block
+                         and n.meta.get("fbmt_phase") == phase and n.target not in collectives.EFFECTFUL),
+                        key=order.__getitem__, default=wait)
+            anchors.append(min(first, wait, key=order.__getitem__))
+        for k in range(prefetch, len(gathers)):
+            start, anchor = gathers[k][0], anchors[k - prefetch]
+            if order[start] > order[anchor]:
+                anchor.prepend(start)
+                moved += 1
+    scatters = pairs(program, collectives.reduce_scatter, BWD)
+    output = program.output_node()
+    for (_, wait), nxt in zip(scatters, [s for s, _ in scatters[1:]] + [output]):
+        nxt.prepend(wait)
+    return f"{moved} gathers issued {prefetch} block(s) ahead; {len(scatters)} reduce-scatters overlapped"

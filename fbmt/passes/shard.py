@@ -1,0 +1,195 @@
+"""Shard (ZeRO-3 / ZeRO-2): parameters live as flat 1/N shards; gather on use, reduce-scatter grads.
+
+Requires: a joint Program whose parameters are `param` placeholders (after blocks/remat).
+Ensures, for each flat group of the layout:
+- one `shard` placeholder replaces the group's `param` placeholders;
+- forward: one `all_gather` + `wait` right before the group's first forward use, the parameters as
+  views of the gathered buffer, and (ZeRO-3) a `release` right after the last forward use;
+- backward: ZeRO-3 gathers again right before the first backward use; ZeRO-2 keeps the forward
+  buffer (the partitioner saves it) and reads the views from it; either way a `release` follows
+  the last backward use;
+- gradients: the group's parameter gradients are flattened into one buffer right after the last of
+  them is computed, and one `reduce_scatter` (mean over ranks) + `wait` yields the shard gradient
+  (output role `shard_grad`). A group none of whose parameters gets a gradient returns None, as
+  eager autograd leaves `.grad` None for unused parameters.
+Forward values computed from parameters alone (transposes, casts) that the backward reads are
+recomputed in the backward from the backward's own views, so no view of a released buffer is saved.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fbmt.passes.remat import recomputable
+from fbmt.program import BWD, FWD, FlatGroup, Program, Role, buffer_readers
+from fbmt.runtime import collectives
+
+aten = torch.ops.aten
+
+
+def shard_parameters(program: Program, *, zero: int = 3) -> Program:
+    started = time.perf_counter()
+    if zero not in (2, 3):
+        raise ValueError(f"fbmt.compile(zero={zero}): expected 3 (re-gather for backward) or 2 (keep gathered)")
+    program = program.copy()
+    g = program.graph
+    roles = dict(zip(program.placeholders(), program.inputs))
+    params = {role.key: n for n, role in roles.items() if role.kind == "param"}
+    _recompute_param_chains(program, set(params.values()))
+    grads = {r.key: v for r, v in zip(program.outputs, program.output_values()) if r.kind == "grad"}
+
+    first_compute = next(n for n in g.nodes if n.op != "placeholder")
+    shards = []
+    for group in program.layout.groups:  # all placeholders first: gathers may move anywhere after them
+        with g.inserting_before(first_compute):
+            shards.append(g.placeholder(f"shard{group.index}"))
+        shards[-1].meta["val"] = _fake(program, (group.shard_numel,), group.dtype)
+        roles[shards[-1]] = Role("shard", group.index)
+    shard_grads: list[tuple[Role, Any]] = []
+    gathers = 0
+    for group, shard in zip(program.layout.groups, shards):
+        members = [params[s.name] for s in group.slots]
+        fwd_buffer = None
+        read_by = {ph: [u for p in members for u in p.users if u.meta.get("fbmt_phase") == ph] for ph in (FWD, BWD)}
+        for phase, users in read_by.items():
+            if not users:
+                continue
+            first = min(users, key=_order(g).__getitem__)
+            with g.inserting_before(first):
+                if phase == FWD or zero == 3 or fwd_buffer is None:
+                    buffer = _gather(g, shard, group, phase)
+                    gathers += 1
+                else:
+                    buffer = fwd_buffer  # ZeRO-2: the forward's gathered buffer lives on
+                views = _views(g, buffer, group, phase)
+            for p, view in zip(members, views):
+                for u in [u for u in p.users if u.meta.get("fbmt_phase") == phase]:
+                    u.replace_input_with(p, view)
+            if phase == FWD:
+                fwd_buffer = buffer
+            if phase == BWD or zero == 3 or not read_by[BWD]:  # ZeRO-2 keeps it only for a backward reader
+                _release_after_last_use(g, buffer, phase)
+        if group.requires_grad and program.needs_grad:
+            shard_grads.append((Role("shard_grad", group.index), _reduce_scatter(program, group, grads)))
+    for p in params.values():
+        assert not p.users, f"parameter placeholder {p.name} still has users {list(p.users)}"
+        g.erase_node(p)
+        del roles[p]
+    program.inputs = [roles[n] for n in program.placeholders()]
+    kept = [(r, v) for r, v in zip(program.outputs, program.output_values()) if r.kind != "grad"]
+    kept += shard_grads
+    program.set_outputs([v for _, v in kept], [r for r, _ in kept])
+    g.lint()
+    n_rs = sum(1 for _, v in shard_grads if v is not None)
+    program.record("shard", started, f"zero={zero}: {len(program.layout.groups)} flat groups, "
+                   f"{gathers} all-gathers, {n_rs} reduce-scatters")
+    return program
+
+
+def _order(g: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(g.nodes)}
+
+
+def _fake(program: Program, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    for n in program.placeholders():
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+            with v.fake_mode:
+                return torch.empty(shape, dtype=dtype, device=v.device)
+    return None
+
+
+def emit(g: fx.Graph, target: Any, args: tuple, phase: str, **meta: Any) -> fx.Node:
+    """Create a call_function node at the current insert point, with its phase and fake value."""
+    node = g.call_function(target, args)
+    node.meta.update(fbmt_phase=phase, **meta)
+    if isinstance(target, torch._ops.OpOverload):
+        vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
+        fake = next((v for v in vals if hasattr(v, "fake_mode")), None)
+        if fake is not None:
+            with fake.fake_mode:
+                node.meta["val"] = target(*vals)
+    return node
+
+
+def _gather(g: fx.Graph, shard: fx.Node, group: FlatGroup, phase: str) -> fx.Node:
+    start = emit(g, collectives.all_gather, (shard, group.world_size), phase, fbmt_group=group.index)
+    buffer = emit(g, collectives.wait, (start,), phase, fbmt_group=group.index)
+    v = shard.meta.get("val")
+    if v is not None:
+        with v.fake_mode:
+            buffer.meta["val"] = torch.empty(group.padded_numel, dtype=group.dtype, device=v.device)
+    return buffer
+
+
+def _views(g: fx.Graph, buffer: fx.Node, group: FlatGroup, phase: str) -> list[fx.Node]:
+    views = []
+    for s in group.slots:
+        piece = emit(g, aten.slice.Tensor, (buffer, 0, s.offset, s.offset + s.numel), phase)
+        views.append(emit(g, aten.view.default, (piece, list(s.shape)), phase))
+    return views
+
+
+def _release_after_last_use(g: fx.Graph, buffer: fx.Node, phase: str) -> None:
+    """Insert `release(buffer)` after the last node of `phase` that reads the buffer or its views."""
+    readers, returned = buffer_readers(buffer)
+    if returned:
+        return  # the buffer itself is returned: it must stay alive
+    readers = [r for r in readers if r.meta.get("fbmt_phase") == phase]
+    last = max(readers, key=_order(g).__getitem__)
+    with g.inserting_before(last.next):
+        emit(g, collectives.release, (buffer,), phase, fbmt_group=buffer.meta.get("fbmt_group"))
+
+
+def _reduce_scatter(program: Program, group: FlatGroup, grads: dict[str, Any]) -> fx.Node | None:
+    g = program.graph
+    values = [grads.get(s.name) for s in group.slots]
+    produced = [v for v in values if isinstance(v, fx.Node)]
+    if not produced:
+        return None
+    last = max(produced, key=_order(g).__getitem__)
+    with g.inserting_before(last.next):
+        pieces = [emit(g, aten.reshape.default, (v, [-1]), BWD) if isinstance(v, fx.Node)
+                  else emit(g, aten.new_zeros.default, (produced[0], [s.numel]), BWD)
+                  for s, v in zip(group.slots, values)]
+        if group.padded_numel > group.numel:
+            pieces.append(emit(g, aten.new_zeros.default, (produced[0], [group.padded_numel - group.numel]), BWD))
+        flat = emit(g, aten.cat.default, (pieces,), BWD) if len(pieces) > 1 else pieces[0]
+        start = emit(g, collectives.reduce_scatter, (flat, group.world_size), BWD, fbmt_group=group.index)
+        return emit(g, collectives.wait, (start,), BWD, fbmt_group=group.index)
+
+
+def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:
+    """Backward reads of forward values computed from parameters alone become backward recomputes."""
+    g = program.graph
+    derived: dict[fx.Node, bool] = {}
+
+    def is_derived(n: fx.Node) -> bool:
+        if n not in derived:
+            derived[n] = n in params or (recomputable(n) and bool(n.all_input_nodes)
+                                         and all(is_derived(a) for a in n.all_input_nodes))
+        return derived[n]
+
+    env: dict[fx.Node, fx.Node] = {}
+
+    def clone(n: fx.Node, before: fx.Node) -> fx.Node:
+        if n in params:
+            return n
+        if n not in env:
+            for a in n.all_input_nodes:
+                clone(a, before)
+            with g.inserting_before(before):
+                env[n] = g.node_copy(n, lambda a: env.get(a, a))
+            env[n].meta.update(fbmt_phase=BWD, fbmt_recompute=True)
+        return env[n]
+
+    for u in list(g.nodes):
+        if u.meta.get("fbmt_phase") != BWD or u in env.values():
+            continue
+        for a in u.all_input_nodes:
+            if a.meta.get("fbmt_phase") == FWD and a not in params and is_derived(a):
+                u.replace_input_with(a, clone(a, u))

@@ -1,0 +1,275 @@
+"""The IR every pass reads and returns: a joint forward+backward fx graph plus typed metadata.
+
+A `Program` is what `fbmt.trace` produces and what each pass in `fbmt.passes` transforms. It
+holds:
+
+- `graph`: one aten-level `torch.fx.Graph` with the forward *and* the backward of one call of the
+  model. Every node carries `meta["fbmt_phase"]` (``"fwd"`` or ``"bwd"``); forward nodes carry
+  `meta["fbmt_module"]` (the innermost module path that produced them) and, after the blocks pass,
+  `meta["fbmt_block"]`.
+- `inputs` / `outputs`: the role of each placeholder and each output slot (a parameter, a buffer,
+  a user input, a tangent, a shard, a shard gradient, ...), so the runtime knows what to feed.
+- `layout`: how parameters are grouped into flat, sharded buffers (decided at compile time, since
+  `model.parameters()` must exist before the first call).
+- `history`: one record per pass: its name, time, a summary, and the program text after it, so a
+  notebook can show each pass's diff.
+
+See NOTE: [Phases] below for how forward and backward are told apart.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+# NOTE: [Phases]
+# The joint graph is traced as "forward, then autograd.grad", so every forward node precedes every
+# backward node. Trace stamps meta["fbmt_phase"] on each node; passes stamp the nodes they insert.
+# The partitioner splits by phase, never by re-deriving dependencies, and `verify` checks that the
+# phases are contiguous (all "fwd" before all "bwd") and that no forward node reads a tangent.
+FWD, BWD = "fwd", "bwd"
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter inside a flat group: where its elements live in the flat buffer."""
+
+    name: str  # canonical fully-qualified name (first name of a tied parameter)
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """Parameters of one block with one dtype and one requires_grad, stored as one flat buffer.
+
+    Rank r owns elements [r * shard_numel, (r + 1) * shard_numel) of the zero-padded flat buffer.
+    """
+
+    index: int
+    block: str
+    dtype: torch.dtype
+    requires_grad: bool
+    slots: tuple[ParamSlot, ...]
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def name(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        return f"{self.block or '<root>'}/{dt}{'' if self.requires_grad else '/frozen'}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a model's parameters are blocked and sharded. Shared by every Program of one model."""
+
+    blocks: tuple[str, ...]  # module paths, in module order; "" is the root's own parameters
+    groups: tuple[FlatGroup, ...]
+    aliases: dict[str, str]  # every parameter name (tied ones too) -> canonical name
+    world_size: int
+
+    def group_of(self, param_name: str) -> tuple[FlatGroup, ParamSlot]:
+        canonical = self.aliases[param_name]
+        for g in self.groups:
+            for s in g.slots:
+                if s.name == canonical:
+                    return g, s
+        raise KeyError(param_name)
+
+    def block_of_module(self, module_path: str | None) -> str | None:
+        """The block a module path belongs to: the longest block path that prefixes it."""
+        if module_path is None:
+            return None
+        best = None
+        for b in self.blocks:
+            if b == "" or module_path == b or module_path.startswith(b + "."):
+                if best is None or len(b) > len(best):
+                    best = b
+        return best
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a placeholder or output slot is. `key` is a name or an index, by kind."""
+
+    kind: str  # param | buffer | input | tangent | shard | output | grad | input_grad | shard_grad
+    key: Any
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{self.key}]"
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    seconds: float
+    summary: str
+    text: str
+
+
+@dataclass
+class Program:
+    graph: fx.Graph
+    inputs: list[Role]  # one per placeholder, in order
+    outputs: list[Role]  # one per slot of the output node's flat list
+    layout: Layout
+    out_spec: Any  # pytree spec of the user's output (its leaves are the "output" slots)
+    out_constants: dict[int, Any]  # non-tensor leaves of the user's output, by leaf index
+    needs_grad: bool  # False: a forward-only (inference) program, no tangents, no backward
+    history: list[PassRecord] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)  # compile options the passes read
+
+    # ---- structure helpers passes share -------------------------------------------------
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def placeholder(self, kind: str, key: Any) -> fx.Node | None:
+        for node, role in zip(self.placeholders(), self.inputs):
+            if role.kind == kind and role.key == key:
+                return node
+        return None
+
+    def output_node(self) -> fx.Node:
+        return next(iter(reversed(self.graph.nodes)))
+
+    def output_values(self) -> list[Any]:
+        return list(self.output_node().args[0])
+
+    def set_outputs(self, values: list[Any], roles: list[Role]) -> None:
+        out = self.output_node()
+        out.args = (list(values),)
+        self.outputs = list(roles)
+
+    def copy(self) -> Program:
+        """A deep copy of the graph (node metadata included) with the same layout."""
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        graph.output(graph.graph_copy(self.graph, env))  # graph_copy returns the mapped outputs
+        return dataclasses.replace(self, graph=graph, inputs=list(self.inputs), outputs=list(self.outputs),
+                                   history=list(self.history), options=dict(self.options))
+
+    def record(self, name: str, started: float, summary: str) -> None:
+        self.history.append(PassRecord(name, time.perf_counter() - started, summary, format_graph(self)))
+
+    def collectives(self) -> list[fx.Node]:
+        from fbmt.runtime import collectives
+
+        return [n for n in self.graph.nodes if n.op == "call_function" and n.target in collectives.STARTS]
+
+    def __str__(self) -> str:
+        head = [f"# fbmt Program: world_size={self.layout.world_size}, "
+                f"{len(self.layout.blocks)} blocks, {len(self.layout.groups)} flat groups, "
+                f"{'forward+backward' if self.needs_grad else 'forward only'}"]
+        for r in self.history:
+            head.append(f"# pass {r.name:<10} {r.seconds * 1e3:7.1f} ms  {r.summary}")
+        return "\n".join(head) + "\n" + format_graph(self)
+
+    __repr__ = __str__
+
+
+# ---- printing -----------------------------------------------------------------------------
+
+def _fmt_arg(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return "%" + a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt_arg(x) for x in a)
+        return f"[{inner}]"
+    if isinstance(a, torch.dtype):
+        return str(a).removeprefix("torch.")
+    return repr(a)
+
+
+def _fmt_val(node: fx.Node) -> str:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+    return ""
+
+
+def _target_name(t: Any) -> str:
+    if isinstance(t, torch._ops.OpOverload):
+        return str(t).removeprefix("aten.").removesuffix(".default")
+    return getattr(t, "__name__", str(t))
+
+
+def format_graph(program: Program) -> str:
+    """One line per node: `%name: dtype[shape] = op(args)   # phase block [recompute]`."""
+    roles = dict(zip(program.placeholders(), program.inputs))
+    lines = []
+    for n in program.graph.nodes:
+        if n.op == "placeholder":
+            lines.append(f"%{n.name}: {_fmt_val(n)} = input {roles.get(n, '?')}")
+            continue
+        if n.op == "output":
+            outs = ", ".join(f"{r}=%{v.name}" if isinstance(v, fx.Node) else f"{r}={v!r}"
+                             for r, v in zip(program.outputs, n.args[0]))
+            lines.append(f"return {outs}")
+            continue
+        args = [_fmt_arg(a) for a in n.args] + [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]
+        note = [n.meta.get("fbmt_phase", "?")]
+        if n.meta.get("fbmt_block") is not None:
+            note.append(n.meta["fbmt_block"] or "<root>")
+        if n.meta.get("fbmt_recompute"):
+            note.append("recompute")
+        lhs = f"%{n.name}: {_fmt_val(n)}" if _fmt_val(n) else f"%{n.name}"
+        lines.append(f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {' '.join(note)}")
+    return "\n".join(lines)
+
+
+def tensor_meta(node: fx.Node) -> torch.Tensor | None:
+    v = node.meta.get("val")
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def clone_meta(node: fx.Node, **updates: Any) -> dict[str, Any]:
+    meta = copy.copy(node.meta)
+    meta.update(updates)
+    return meta
+
+
+def is_view(node: fx.Node) -> bool:
+    """True if the node's output aliases its first input (view, slice, t, transpose, expand, ...)."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
+        return False
+    returns = t._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None
+
+
+def buffer_readers(buffer: fx.Node) -> tuple[list[fx.Node], bool]:
+    """Nodes that read `buffer` directly or through views of it; and whether the output returns it."""
+    readers, todo, returned = [], [buffer], False
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op == "output":
+                returned = True
+                continue
+            readers.append(u)
+            if is_view(u) and u.args[0] is n:
+                todo.append(u)
+    return readers, returned

@@ -1,0 +1,1 @@
+"""Runtime: collectives as graph nodes, shards, partition into forward/backward, the compiled module."""

@@ -1,0 +1,64 @@
+"""Communication as ordinary graph nodes.
+
+Every collective of a compiled program is a visible node: a *start* that issues the operation
+asynchronously and returns a `Pending` handle, and a `wait` that returns the result. The schedule
+pass overlaps communication with compute simply by moving starts earlier and waits later.
+
+On NCCL, `async_op=True` runs the collective on ProcessGroupNCCL's own stream, and `wait()` only
+makes the current (compute) stream wait on an event: no host synchronization inside a step. On gloo
+the collective runs on gloo's worker thread and `wait()` blocks the host.
+
+`release(buffer)` marks the end of a gathered buffer's life. The generated code drops every value
+after its last use, so once `release` has run nothing references the buffer and its memory returns
+to the allocator. `verify` checks that no node reads a buffer after its release.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Pending:
+    """An issued collective: its output tensor and the work handle to wait on."""
+
+    __slots__ = ("tensor", "work", "divisor")
+
+    def __init__(self, tensor: torch.Tensor, work: object | None, divisor: int = 1):
+        self.tensor, self.work, self.divisor = tensor, work, divisor
+
+
+def all_gather(shard: torch.Tensor, world_size: int) -> Pending:
+    """Start gathering a flat shard from every rank into one flat buffer (rank-major)."""
+    if world_size == 1:
+        return Pending(shard, None)
+    out = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=shard.device)
+    return Pending(out, _all_gather_into(out, shard, async_op=True))
+
+
+def reduce_scatter(flat: torch.Tensor, world_size: int) -> Pending:
+    """Start reducing a flat gradient over ranks; this rank receives the mean of its shard."""
+    if world_size == 1:
+        return Pending(flat, None)
+    out = torch.empty(flat.numel() // world_size, dtype=flat.dtype, device=flat.device)
+    return Pending(out, _reduce_scatter_into(out, flat, async_op=True), divisor=world_size)
+
+
+def wait(pending: Pending) -> torch.Tensor:
+    if pending.work is not None:
+        pending.work.wait()
+    if pending.divisor != 1:
+        pending.tensor.div_(pending.divisor)
+    return pending.tensor
+
+
+def release(buffer: torch.Tensor) -> None:
+    """End of a gathered buffer's life; see the module docstring."""
+    return None
+
+
+STARTS = (all_gather, reduce_scatter)
+EFFECTFUL = (all_gather, reduce_scatter, wait, release)

@@ -1,0 +1,216 @@
+"""The module `fbmt.compile` returns: shards as parameters, a program per input signature.
+
+`CompiledModule.forward` looks up (or traces, runs the passes on and partitions) the program for
+the call's input shapes, dtypes, training flags and grad mode, then runs it. With gradients, the
+forward and backward graphs run inside one `autograd.Function`, so the training loop stays plain
+PyTorch and autograd accumulates each shard's gradient into `shard.grad`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fbmt.passes import default_pipeline, run_pipeline
+from fbmt.program import Layout, Program
+from fbmt.runtime.params import copy_into_shard, gather_group
+from fbmt.runtime.partition import Executable, partition
+from fbmt.trace import trace
+
+log = logging.getLogger("fbmt")
+
+
+class _RunProgram(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, exe: Executable, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        results = exe.forward(*args)
+        outs = results[:exe.n_outputs]
+        ctx.exe, ctx.saved, ctx.n_args = exe, results[exe.n_outputs:], len(args)
+        diff = set(exe.diff_outputs)
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        exe = ctx.exe
+        if ctx.saved is None:
+            raise RuntimeError("fbmt: backward through the same compiled call twice is not supported "
+                               "(its saved values were freed); run the forward again")
+        tangents = [grads[i].contiguous() for i in exe.diff_outputs]
+        results = exe.backward(*ctx.saved, *tangents)
+        ctx.saved = None  # free activations as soon as the backward has consumed them
+        by_role = dict(zip(exe.grad_roles, results))
+        out: list[torch.Tensor | None] = [None] * ctx.n_args
+        for i, role in enumerate(exe.fwd_inputs):
+            key = {"shard": "shard_grad", "input": "input_grad"}.get(role.kind)
+            if key is not None:
+                out[i] = by_role.get(type(role)(key, role.key))
+        return (None, *out)
+
+
+class CompiledModule(nn.Module):
+    """A module compiled by `fbmt.compile`; see that function for the options."""
+
+    def __init__(self, module: nn.Module, layout: Layout, shards: list[nn.Parameter], *,
+                 options: Any, device: torch.device, rank: int):
+        super().__init__()
+        self.__dict__["_orig"] = module  # not a submodule: its parameters are meta placeholders
+        self.flat_params = nn.ParameterList(shards)
+        self.layout, self.options, self.device, self.rank = layout, options, device, rank
+        self.programs: dict[Any, Program] = {}
+        self._executables: dict[Any, Executable] = {}
+        self._checked: set[str] = set()
+        self.program: Program | None = None
+        self.train(module.training)
+
+    # ---- calling ----
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        needs_grad = torch.is_grad_enabled() and (any(p.requires_grad for p in self.flat_params)
+                                                  or any(x.requires_grad for x in inputs))
+        key = self._key(args, kwargs, needs_grad)
+        exe = self._executables.get(key)
+        if exe is None:
+            exe = self._build(key, args, kwargs, needs_grad)
+        self._check_ranks_agree(exe)
+        feed = self._feed(exe, inputs)
+        if exe.backward is None:
+            with torch.no_grad():
+                outs = exe.forward(*feed)[:exe.n_outputs]
+        else:
+            outs = _RunProgram.apply(exe, *feed)
+        program = self.programs[key]
+        flat: list[Any] = [None] * (len(program.out_constants) + exe.n_outputs)
+        for k, v in program.out_constants.items():
+            flat[k] = v
+        for k, v in zip(exe.output_keys, outs):
+            flat[k] = v
+        return pytree.tree_unflatten(flat, program.out_spec)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Program:
+        """The transformed program for this call, without running it (works at any world size)."""
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.flat_params)
+        key = self._key(args, kwargs, needs_grad)
+        if key not in self.programs:
+            self._build(key, args, kwargs, needs_grad)
+        return self.programs[key]
+
+    def _key(self, args: tuple, kwargs: dict, needs_grad: bool) -> tuple:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        sig = tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
+                    for x in leaves)
+        return (spec, sig, tuple(m.training for m in self._orig.modules()), needs_grad)
+
+    def _build(self, key: tuple, args: tuple, kwargs: dict, needs_grad: bool) -> Executable:
+        o = self.options
+        started = time.perf_counter()
+        buffers = OrderedDict(self._orig.named_buffers())
+        program = trace(self._orig, self.layout, buffers, args, kwargs, param_device=self.device,
+                        needs_grad=needs_grad)
+        traced = time.perf_counter()
+        program = run_pipeline(program, default_pipeline(zero=o.zero, remat=o.remat, schedule=o.schedule,
+                                                         prefetch=o.prefetch),
+                               disable=o.disable, checks=o.checks, dump_dir=o.dump_dir)
+        exe = partition(program)
+        if self.programs:
+            log.info("fbmt: compiling a new program for a new input signature (%d cached)", len(self.programs))
+        log.info("fbmt: traced in %.2fs, passes+partition in %.2fs", traced - started, time.perf_counter() - traced)
+        self.programs[key], self._executables[key], self.program = program, exe, program
+        return exe
+
+    def _feed(self, exe: Executable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        buffers = dict(self._orig.named_buffers())
+        feeders: dict[str, Callable[[Any], torch.Tensor]] = {
+            "shard": lambda k: self.flat_params[k], "buffer": buffers.__getitem__, "input": inputs.__getitem__}
+        return [feeders[r.kind](r.key) for r in exe.fwd_inputs]
+
+    def _check_ranks_agree(self, exe: Executable) -> None:
+        """Ranks that traced different programs would deadlock in mismatched collectives: fail instead."""
+        if exe.signature in self._checked:
+            return
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            sigs: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(sigs, exe.signature)
+            if len(set(sigs)) > 1:
+                raise RuntimeError(
+                    f"fbmt: ranks compiled different programs (collective signatures {sigs}); every rank "
+                    "must call the model with the same input shapes, dtypes and train/eval mode")
+        self._checked.add(exe.signature)
+
+    # ---- module protocol ----
+    def train(self, mode: bool = True) -> CompiledModule:
+        super().train(mode)
+        self._orig.train(mode)
+        return self
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """The original module's buffers (replicated on every rank, not sharded)."""
+        return self._orig.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            orig = self.__dict__.get("_orig")
+            if orig is None:
+                raise
+            return getattr(orig, name)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, gathered whole, by canonical name (a collective: call it on every rank)."""
+        out = {}
+        with torch.no_grad():
+            for group, shard in zip(self.layout.groups, self.flat_params):
+                flat = gather_group(shard, group)
+                for s in group.slots:
+                    out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+        return out
+
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient, gathered whole (a collective: call it on every rank)."""
+        out: dict[str, torch.Tensor | None] = {}
+        for group, shard in zip(self.layout.groups, self.flat_params):
+            flat = gather_group(shard.grad, group) if shard.grad is not None else None
+            for s in group.slots:
+                out[s.name] = None if flat is None else flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+        return out
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The original module's state dict, with full (gathered) parameters. A collective."""
+        full = self.full_parameters()
+        out = OrderedDict() if destination is None else destination
+        for k, v in self._orig.state_dict(keep_vars=True).items():
+            out[prefix + k] = full[self.layout.aliases[k]] if k in self.layout.aliases else v.detach()
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load full tensors (as `state_dict()` returns); each rank keeps only its shard."""
+        expected = list(self._orig.state_dict(keep_vars=True))
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self._orig).__name__}: "
+                               f"missing keys {missing}, unexpected keys {unexpected}")
+        by_canonical = {self.layout.aliases[k]: v for k, v in state_dict.items() if k in self.layout.aliases}
+        buffers = dict(self._orig.named_buffers())
+        with torch.no_grad():
+            for group, shard in zip(self.layout.groups, self.flat_params):
+                for s in group.slots:
+                    v = by_canonical.get(s.name)
+                    if v is not None and tuple(v.shape) != s.shape:
+                        raise RuntimeError(f"size mismatch for {s.name}: checkpoint has {tuple(v.shape)}, "
+                                           f"model has {s.shape}")
+                copy_into_shard(shard, group, self.rank, by_canonical)
+            for k, b in buffers.items():
+                if k in state_dict:
+                    b.copy_(state_dict[k])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+

@@ -1,0 +1,125 @@
+"""Flat shards: build them from a module (materializing `meta` modules block by block), gather them.
+
+NOTE: [Materializing shard by shard]
+A model built under `torch.device("meta")` has no storage. For each block in turn, its parameters
+(and the buffers of its modules) get real, uninitialized storage on the target device; each module
+that owns them is initialized with `init_fn(module)` if given, else its `reset_parameters()`; this
+rank copies its slice into the shards; the block goes back to `meta`. Every rank draws the same
+random numbers (one seed broadcast from rank 0), so the slices agree, and no rank holds more than
+one block of full parameters at a time. A module that owns meta state and has neither an init_fn
+nor `reset_parameters()` is an error: its values would be uninitialized memory.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fbmt.program import FlatGroup, Layout
+from fbmt.runtime import collectives
+
+InitFn = Callable[[nn.Module], None]
+
+
+def copy_into_shard(shard: torch.Tensor, group: FlatGroup, rank: int, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy this rank's slice of each parameter of `group` found in `values` (by name) into `shard`."""
+    lo, hi = rank * group.shard_numel, (rank + 1) * group.shard_numel
+    for s in group.slots:
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b and s.name in values:
+            src = values[s.name].detach().reshape(-1)[a - s.offset:b - s.offset]
+            shard[a - lo:b - lo].copy_(src)
+
+
+def build_shards(module: nn.Module, layout: Layout, rank: int, device: torch.device,
+                 init_fn: InitFn | None) -> list[nn.Parameter]:
+    refs = _param_refs(module)
+    params = dict(module.named_parameters())
+    shards = []
+    with torch.no_grad():
+        seed = _shared_seed() if any(p.is_meta for p in params.values()) else None
+        for block in layout.blocks:
+            groups = [g for g in layout.groups if g.block == block]
+            names = [s.name for g in groups for s in g.slots]
+            if seed is not None:
+                _materialize(module, layout, block, names, refs, device, init_fn, seed)
+                params = dict(module.named_parameters())
+            for g in groups:
+                shard = torch.zeros(g.shard_numel, dtype=g.dtype, device=device)
+                copy_into_shard(shard, g, rank, params)
+                shards.append(nn.Parameter(shard, requires_grad=g.requires_grad))
+            for n in names:
+                _to_meta(params[n], refs)
+    for m in module.modules():  # buffers are replicated: every rank keeps them whole, on the device
+        for k, b in m._buffers.items():
+            if b is not None:
+                if b.is_meta:
+                    raise ValueError(f"buffer '{k}' of {type(m).__name__} is on the meta device and no block "
+                                     "initialized it; give fbmt.compile an init_fn(module) that fills it")
+                m._buffers[k] = b.to(device)
+    return shards
+
+
+def gather_group(shard: torch.Tensor, group: FlatGroup) -> torch.Tensor:
+    """The whole flat buffer of a group (a blocking all-gather)."""
+    return collectives.wait(collectives.all_gather(shard.detach(), group.world_size))
+
+
+def _param_refs(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    refs: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for m in module.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                refs[id(p)].append((m, k))
+    return refs
+
+
+def _swap(p: torch.Tensor, new: nn.Parameter, refs: dict) -> None:
+    owners = refs.pop(id(p))
+    for m, k in owners:
+        m._parameters[k] = new  # tied parameters stay tied: every owner gets the same object
+    refs[id(new)] = owners
+
+
+def _to_meta(p: torch.Tensor, refs: dict) -> None:
+    if not p.is_meta:
+        _swap(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad), refs)
+
+
+def _shared_seed() -> int:
+    seed = [int(torch.randint(0, 2**62, ()).item())]
+    if dist.is_initialized():
+        dist.broadcast_object_list(seed, src=0)
+    return seed[0]
+
+
+def _materialize(module: nn.Module, layout: Layout, block: str, names: list[str], refs: dict,
+                 device: torch.device, init_fn: InitFn | None, seed: int) -> None:
+    owners: dict[str, nn.Module] = {}
+    params = dict(module.named_parameters())
+    for n in names:
+        path = n.rpartition(".")[0]
+        owners[path] = module.get_submodule(path)
+        p = params[n]
+        _swap(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad), refs)
+    for path, m in module.named_modules():
+        if layout.block_of_module(path) == block and any(b is not None and b.is_meta for b in m._buffers.values()):
+            owners[path] = m
+            for k, b in m._buffers.items():
+                if b is not None and b.is_meta:
+                    m._buffers[k] = torch.empty_like(b, device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed + layout.blocks.index(block))
+        for path, m in owners.items():
+            if init_fn is not None:
+                init_fn(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+            else:
+                raise ValueError(f"module '{path or '<root>'}' ({type(m).__name__}) was built on the meta device "
+                                 "and has no reset_parameters(); pass fbmt.compile(..., init_fn=fn) where "
+                                 "fn(module) initializes the parameters and buffers the module owns directly")

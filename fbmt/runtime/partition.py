@@ -1,0 +1,115 @@
+"""Partition a joint Program into a forward and a backward GraphModule.
+
+The split is by phase (NOTE: [Phases]). The forward graph takes the Program's non-tangent inputs
+and returns the user's outputs followed by the *saved* values: every forward node or input that a
+backward node reads. The backward graph takes the saved values and the tangents and returns the
+gradient slots (shard gradients, input gradients) in the Program's output order. After the passes,
+what is saved is exactly what remat and shard chose: block boundaries, random masks and (ZeRO-2)
+gathered buffers. Dead pure nodes are dropped; effectful ones (collectives, random ops, buffer
+updates) are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fbmt.passes.verify import collective_signature
+from fbmt.program import BWD, FWD, Program, Role
+from fbmt.runtime import collectives
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Executable:
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    fwd_inputs: list[Role]  # what to feed the forward graph, in order
+    n_outputs: int  # the forward graph's first n_outputs results are the user's tensor outputs
+    output_keys: list[int]  # leaf index in the user's output of each of those
+    diff_outputs: list[int]  # positions (among the n_outputs) that receive a tangent, in tangent order
+    grad_roles: list[Role]  # what each backward result is
+    signature: str  # digest of the collective sequence, compared across ranks before the first run
+    saved_names: list[str]
+
+
+def partition(program: Program) -> Executable:
+    g = program.graph
+    roles = dict(zip(program.placeholders(), program.inputs))
+    tangents = [n for n in program.placeholders() if roles[n].kind == "tangent"]
+    out_pairs = list(zip(program.outputs, program.output_values()))
+    user_out = [(r, v) for r, v in out_pairs if r.kind == "output"]
+    grad_out = [(r, v) for r, v in out_pairs if r.kind != "output"]
+    bwd_nodes = [n for n in g.nodes if n.meta.get("fbmt_phase") == BWD]
+    bwd_set = set(bwd_nodes)
+    saved = list(dict.fromkeys(a for n in bwd_nodes for a in n.all_input_nodes
+                               if a not in bwd_set and a not in tangents))
+    mutated = {n.args[0] for n in g.nodes if n.target is aten.copy_.default and n.meta.get("fbmt_phase") == FWD}
+
+    # ---- forward ----
+    fg = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    fwd_inputs = []
+    for n in program.placeholders():
+        if roles[n].kind != "tangent":
+            env[n] = fg.node_copy(n)
+            fwd_inputs.append(roles[n])
+    saved_values: dict[fx.Node, fx.Node] = {}
+    for n in saved:  # a buffer the forward overwrites must be saved as it was read, not as it ends
+        if n in mutated:
+            saved_values[n] = fg.call_function(aten.clone.default, (env[n],))
+    for n in g.nodes:
+        if n.meta.get("fbmt_phase") == FWD:
+            env[n] = fg.node_copy(n, env.__getitem__)
+    fg.output(tuple([env[v] if isinstance(v, fx.Node) else v for _, v in user_out]
+                    + [saved_values.get(n) or env[n] for n in saved]))
+    _eliminate_dead_code(fg)
+
+    # ---- backward ----
+    backward = None
+    if program.needs_grad:
+        bg = fx.Graph()
+        benv: dict[fx.Node, fx.Node] = {}
+        for n in saved:
+            benv[n] = bg.placeholder(f"saved_{n.name}")
+            benv[n].meta = dict(n.meta)
+        for n in tangents:
+            benv[n] = bg.node_copy(n)
+        for n in bwd_nodes:
+            benv[n] = bg.node_copy(n, benv.__getitem__)
+        bg.output(tuple(benv[v] if isinstance(v, fx.Node) else v for _, v in grad_out))
+        _eliminate_dead_code(bg)
+        backward = fx.GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
+
+    diff_keys = [roles[t].key for t in tangents]
+    output_keys = [r.key for r, _ in user_out]
+    return Executable(
+        forward=fx.GraphModule(torch.nn.Module(), fg, class_name="FbmtForward"),
+        backward=backward,
+        fwd_inputs=fwd_inputs,
+        n_outputs=len(user_out),
+        output_keys=output_keys,
+        diff_outputs=[output_keys.index(k) for k in diff_keys],
+        grad_roles=[r for r, _ in grad_out],
+        signature=collective_signature(program),
+        saved_names=[n.name for n in saved],
+    )
+
+
+def _effectful(n: fx.Node) -> bool:
+    t = n.target
+    if t in collectives.EFFECTFUL:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags
+    return False
+
+
+def _eliminate_dead_code(g: fx.Graph) -> None:
+    for n in reversed(list(g.nodes)):
+        if n.op == "call_function" and not n.users and not _effectful(n):
+            g.erase_node(n)
+    g.lint()

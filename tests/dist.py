@@ -1,0 +1,39 @@
+"""Spawn N gloo ranks on CPU, run a function on each, return what each returned."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FBMT_INIT_TIMEOUT="60")
+    torch.set_num_threads(1)
+    import fbmt
+    import torch.distributed as dist
+
+    fbmt.init_distributed(seed=0)
+    try:
+        torch.save(fn(rank, world, *args), os.path.join(folder, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` spawned gloo ranks; raise if any rank raised."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_worker, args=(world, _free_port(), folder, fn, args), nprocs=world,
+                           join=True, start_method="spawn")
+        return [torch.load(os.path.join(folder, f"{r}.pt"), weights_only=False) for r in range(world)]

@@ -1,0 +1,73 @@
+"""Tiny reference models for the tests: each exercises a different part of the compiler."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fbmt.models import GPT, GPTConfig
+
+
+class MLP(nn.Module):
+    """Blocks come from top-level children; ReLU has no parameters."""
+
+    def __init__(self, d: int = 12):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(4 * d, 2 * d)
+        self.fc3 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+class Buffered(nn.Module):
+    """Persistent and non-persistent buffers, a buffer updated in forward, kwargs, dict/tuple outputs."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+        self.register_buffer("shift", torch.full((d,), 0.1), persistent=False)
+        self.register_buffer("running_mean", torch.zeros(d))
+
+    def forward(self, x: torch.Tensor, *, bias: torch.Tensor | None = None, power: int = 2) -> dict:
+        h = self.proj(x) * self.scale + self.shift
+        if bias is not None:
+            h = h + bias
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return {"out": h, "aux": (h.pow(power).mean(), power)}
+
+
+def gpt(dropout: float = 0.0, n_layer: int = 2) -> GPT:
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, d_model=16, dropout=dropout))
+
+
+def batch(name: str, step: int, global_batch: int = 8) -> tuple[tuple, dict, torch.Tensor]:
+    """(args, kwargs, target) of one global batch for a model, the same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "gpt":
+        idx = torch.randint(0, 64, (global_batch, 16), generator=g)
+        return (idx,), {}, torch.randint(0, 64, (global_batch, 16), generator=g)
+    if name == "mlp":
+        return (torch.randn(global_batch, 12, generator=g),), {}, torch.randn(global_batch, 12, generator=g)
+    x = torch.randn(global_batch, 8, generator=g)
+    return (x,), {"bias": torch.randn(8, generator=g), "power": 2}, torch.randn(global_batch, 8, generator=g)
+
+
+def loss_of(name: str, out, target: torch.Tensor) -> torch.Tensor:
+    if name == "gpt":
+        return F.cross_entropy(out.view(-1, out.size(-1)), target.view(-1))
+    if name == "mlp":
+        return F.mse_loss(out, target)
+    return F.mse_loss(out["out"], target) + 0.1 * out["aux"][0]
+
+
+BUILDERS = {"mlp": MLP, "gpt": gpt, "buffered": Buffered}
