@@ -234,7 +234,7 @@ def format_graph(program: Program) -> str:
         if n.meta.get("fbmt_block") is not None:
             note.append(n.meta["fbmt_block"] or "<root>")
         if n.meta.get("fbmt_recompute"):
-            note.append("recompute")
+            note.append(f"recompute:{n.meta['fbmt_recompute']}")
         lhs = f"%{n.name}: {_fmt_val(n)}" if _fmt_val(n) else f"%{n.name}"
         lines.append(f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {' '.join(note)}")
     return "\n".join(lines)

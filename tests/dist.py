@@ -31,9 +31,18 @@ def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: t
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
-    """Run `fn(rank, world, *args)` on `world` spawned gloo ranks; raise if any rank raised."""
-    with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_worker, args=(world, _free_port(), folder, fn, args), nprocs=world,
-                           join=True, start_method="spawn")
-        return [torch.load(os.path.join(folder, f"{r}.pt"), weights_only=False) for r in range(world)]
+def run_ranks(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` spawned gloo ranks; raise if any rank raised.
+
+    `env` is added to the ranks' environment (read by their C libraries at start-up).
+    """
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            mp.start_processes(_worker, args=(world, _free_port(), folder, fn, args), nprocs=world,
+                               join=True, start_method="spawn")
+            return [torch.load(os.path.join(folder, f"{r}.pt"), weights_only=False) for r in range(world)]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

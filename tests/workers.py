@@ -86,3 +86,84 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
         compare(train_compiled(name, rank, world, cfg, accum=2), want, what, buffers=False)
         done.append(what)
     return done
+
+
+def dropout_recompute(rank: int, world: int) -> None:
+    """With dropout on, saving activations and recomputing them must give identical training."""
+    from tests.models.reference import gpt
+
+    results = []
+    for remat in ("block", "none"):
+        torch.manual_seed(0)
+        model = fbmt.compile(gpt(dropout=0.3), remat=remat, checks=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        torch.manual_seed(100 + rank)
+        for step in range(3):
+            args, _, target = batch("gpt", step)
+            loss_of("gpt", model(_local(args[0], rank, world)), _local(target, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        results.append(model.full_parameters())
+    for n in results[0]:
+        torch.testing.assert_close(results[0][n], results[1][n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def state_dict_round_trip(rank: int, world: int) -> None:
+    from tests.models.reference import gpt
+
+    torch.manual_seed(0)
+    ref = gpt()
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt(), checks=True)
+    sd = model.state_dict()
+    assert list(sd) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v)
+    torch.manual_seed(5)
+    other = fbmt.compile(gpt(), checks=True)
+    other.load_state_dict(sd)
+    (idx,), _, _ = batch("gpt", 0)
+    torch.testing.assert_close(other(idx), ref(idx))
+
+
+def meta_init_memory(rank: int, world: int, blocks: int, width: int) -> dict:
+    """Peak RSS growth while compiling a meta-built model: shards plus one block, never the whole."""
+    import resource
+
+    import torch.nn as nn
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x
+
+    with torch.device("meta"):
+        fbmt.compile(nn.ModuleList([nn.Linear(8, 8)]))  # warm-up: torch's one-time allocations on first use
+        deep = Deep()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = fbmt.compile(deep)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    full = model.full_parameters()
+    w = full["layers.3.weight"]
+    bound = 1 / width ** 0.5  # nn.Linear's reset_parameters: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert 0.9 * bound < w.abs().max() <= bound and abs(w.mean()) < 0.01 * bound, "not initialized as nn.Linear"
+    shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model_bytes = sum(v.numel() * v.element_size() for v in full.values())
+    return dict(peak=peak, shard_bytes=shard_bytes, model_bytes=model_bytes)
+
+
+def mismatched_shapes(rank: int, world: int) -> str:
+    from tests.models.reference import MLP
+
+    model = fbmt.compile(MLP())
+    try:
+        with torch.set_grad_enabled(rank == 0):  # rank 1 would skip the backward's collectives
+            model(torch.randn(2, 12))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

@@ -5,7 +5,7 @@ Ensures, with `policy="block"`: no forward value computed inside a block is read
 except (a) the block's outputs (values that other blocks' forward reads: the next block's inputs,
 saved anyway), and (b) values that cannot be recomputed: random ops (recomputing would draw a new
 dropout mask) and mutating ops. Their recomputed copies are placed together right before the first
-backward node that needs any of them, tagged `fbmt_recompute`. With `policy="none"` the pass
+backward node that needs any of them, tagged `fbmt_recompute="activation"`. With `policy="none"` the pass
 declines and says so in the history.
 """
 
@@ -67,7 +67,7 @@ def recompute_blocks(program: Program, *, policy: str = "block") -> Program:
         with g.inserting_before(first_user):
             for n in sorted(closure, key=order.__getitem__):
                 env[n] = g.node_copy(n, lambda a: env.get(a, a))
-                env[n].meta.update(fbmt_phase=BWD, fbmt_recompute=True)
+                env[n].meta.update(fbmt_phase=BWD, fbmt_recompute="activation")
         copies = set(env.values())
         for n in needed:
             for u in list(n.users):

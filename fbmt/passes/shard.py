@@ -184,7 +184,7 @@ def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:
                 clone(a, before)
             with g.inserting_before(before):
                 env[n] = g.node_copy(n, lambda a: env.get(a, a))
-            env[n].meta.update(fbmt_phase=BWD, fbmt_recompute=True)
+            env[n].meta.update(fbmt_phase=BWD, fbmt_recompute="param")
         return env[n]
 
     for u in list(g.nodes):

@@ -142,7 +142,7 @@ class CompiledModule(nn.Module):
             if len(set(sigs)) > 1:
                 raise RuntimeError(
                     f"fbmt: ranks compiled different programs (collective signatures {sigs}); every rank "
-                    "must call the model with the same input shapes, dtypes and train/eval mode")
+                    "must call the model with the same input shapes, dtypes, train/eval mode and grad mode")
         self._checked.add(exe.signature)
 
     # ---- module protocol ----

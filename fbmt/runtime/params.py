@@ -38,22 +38,22 @@ def copy_into_shard(shard: torch.Tensor, group: FlatGroup, rank: int, values: Ma
 def build_shards(module: nn.Module, layout: Layout, rank: int, device: torch.device,
                  init_fn: InitFn | None) -> list[nn.Parameter]:
     refs = _param_refs(module)
-    params = dict(module.named_parameters())
     shards = []
     with torch.no_grad():
-        seed = _shared_seed() if any(p.is_meta for p in params.values()) else None
+        seed = _shared_seed() if any(p.is_meta for p in module.parameters()) else None
         for block in layout.blocks:
             groups = [g for g in layout.groups if g.block == block]
             names = [s.name for g in groups for s in g.slots]
             if seed is not None:
                 _materialize(module, layout, block, names, refs, device, init_fn, seed)
-                params = dict(module.named_parameters())
+            params = dict(module.named_parameters())
             for g in groups:
                 shard = torch.zeros(g.shard_numel, dtype=g.dtype, device=device)
                 copy_into_shard(shard, g, rank, params)
                 shards.append(nn.Parameter(shard, requires_grad=g.requires_grad))
             for n in names:
                 _to_meta(params[n], refs)
+            del params  # the block's full tensors die here, before the next block is materialized
     for m in module.modules():  # buffers are replicated: every rank keeps them whole, on the device
         for k, b in m._buffers.items():
             if b is not None:
@@ -91,7 +91,7 @@ def _to_meta(p: torch.Tensor, refs: dict) -> None:
 
 
 def _shared_seed() -> int:
-    seed = [int(torch.randint(0, 2**62, ()).item())]
+    seed = [int(torch.randint(0, 2**62, (), device="cpu").item())]  # explicit: compile may run under a meta device context
     if dist.is_initialized():
         dist.broadcast_object_list(seed, src=0)
     return seed[0]

@@ -1,0 +1,182 @@
+"""Single-process behaviours a user relies on, each checked against eager PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fbmt
+from tests.models.reference import MLP, Buffered, batch, gpt, loss_of
+
+
+def _pair(build, **cfg):
+    torch.manual_seed(0)
+    ref = build()
+    return ref, fbmt.compile(copy.deepcopy(ref), checks=True, **cfg)
+
+
+@pytest.mark.parametrize("remat", ["block", "none"])
+def test_dropout_masks_match_eager_and_survive_recompute(remat):
+    ref, model = _pair(lambda: gpt(dropout=0.3), remat=remat)
+    (idx,), _, tgt = batch("gpt", 0)
+    torch.manual_seed(7)
+    ref_loss = loss_of("gpt", ref(idx), tgt)
+    ref_loss.backward()
+    torch.manual_seed(7)
+    loss = loss_of("gpt", model(idx), tgt)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=lambda m: f"{n}: {m}")
+    if remat == "block":  # the masks are saved, never redrawn: no random op in the backward
+        bwd = [n for n in model.program.graph.nodes if n.meta.get("fbmt_phase") == "bwd"]
+        assert not any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in bwd)
+        assert any(n.meta.get("fbmt_recompute") == "activation" for n in bwd)
+
+
+def test_train_eval_and_no_grad_inference():
+    ref, model = _pair(lambda: gpt(dropout=0.5))
+    (idx,), _, _ = batch("gpt", 1)
+    ref.eval()
+    model.eval()
+    assert not model._orig.training and not model._orig.h[0].drop.training
+    with torch.no_grad():
+        out = model(idx)
+        torch.testing.assert_close(out, ref(idx))
+    assert not model.program.needs_grad
+    assert not any(r.kind == "tangent" for r in model.program.inputs)
+    torch.testing.assert_close(model(idx), ref(idx))  # eval with grad: a new program, same numbers
+    model.train()
+    torch.manual_seed(3)
+    train_out = model(idx)
+    torch.manual_seed(3)
+    ref.train()
+    torch.testing.assert_close(train_out, ref(idx))
+    assert len(model.programs) == 3
+
+
+def test_frozen_parameters_stay_frozen():
+    torch.manual_seed(0)
+    ref = MLP()
+    ref.fc2.requires_grad_(False)
+    model = fbmt.compile(copy.deepcopy(ref), checks=True)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert len(frozen) == 1 and frozen[0].numel() == ref.fc2.weight.numel() + ref.fc2.bias.numel()
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+            for m in (ref, model)]
+    for step in range(3):
+        (x,), _, y = batch("mlp", step)
+        for m, opt in zip((ref, model), opts):
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert frozen[0].grad is None
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_parameters():
+    ref, model = _pair(lambda: gpt().to(torch.bfloat16))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    (idx,), _, tgt = batch("gpt", 0)
+    loss, ref_loss = loss_of("gpt", model(idx), tgt), loss_of("gpt", ref(idx), tgt)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        assert grads[n].dtype == torch.bfloat16
+        torch.testing.assert_close(grads[n], p.grad, rtol=2e-2, atol=1e-3)
+
+
+def test_state_dict_has_original_keys_and_round_trips():
+    ref, model = _pair(Buffered)
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert list(sd) == list(ref_sd)  # same keys, same order; the non-persistent buffer is absent
+    assert "shift" not in sd
+    for k in ref_sd:
+        torch.testing.assert_close(sd[k], ref_sd[k])
+    plain = Buffered()
+    plain.load_state_dict(sd)  # loadable by the plain module
+    torch.manual_seed(123)
+    other = fbmt.compile(Buffered(), checks=True)
+    other.load_state_dict(sd)
+    (x,), kw, _ = batch("buffered", 0)
+    torch.testing.assert_close(other(x, **kw)["out"], ref(x, **kw)["out"])
+    with pytest.raises(RuntimeError, match="missing keys"):
+        other.load_state_dict({k: v for k, v in sd.items() if k != "proj.bias"})
+    bad = dict(sd, **{"proj.weight": torch.zeros(3, 3)})
+    with pytest.raises(RuntimeError, match="size mismatch for proj.weight"):
+        other.load_state_dict(bad)
+
+
+def test_tied_weights_appear_under_both_names():
+    ref, model = _pair(gpt)
+    sd = model.state_dict()
+    assert "lm_head.weight" in sd and "wte.weight" in sd
+    torch.testing.assert_close(sd["lm_head.weight"], sd["wte.weight"])
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
+
+
+def test_new_input_shapes_retrace_and_stay_correct():
+    ref, model = _pair(gpt)
+    for T in (16, 8, 16):
+        idx = torch.randint(0, 64, (2, T))
+        torch.testing.assert_close(model(idx), ref(idx))
+    assert len(model.programs) == 2
+
+
+def test_input_gradients():
+    ref, model = _pair(MLP)
+    x = torch.randn(4, 12, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    model(x).square().sum().backward()
+    ref(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.inner):
+            x = layer(x)
+            if i == 1 and x.sum() > 0:  # data-dependent control flow
+                x = -x
+        return x
+
+
+def test_untraceable_code_names_module_op_and_line():
+    model = fbmt.compile(DataDependent())
+    with pytest.raises(fbmt.TraceError) as err:
+        model(torch.randn(2, 4))
+    msg = str(err.value)
+    assert "'<root>' (DataDependent)" in msg
+    assert "if i == 1 and x.sum() > 0" in msg and "test_behaviours.py" in msg
+    assert "torch.where" in msg
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(zero=1), "zero=1"), (dict(remat="auto"), "remat='auto'"), (dict(schedule="fast"), "schedule='fast'"),
+    (dict(prefetch=0), "prefetch=0"), (dict(blocks=["nope"]), "no submodule named"),
+    (dict(disable=("shard",)), "cannot be disabled"), (dict(disable=("nope",)), "no pass named"),
+])
+def test_bad_options_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        model = fbmt.compile(MLP(), **kwargs)
+        model(torch.randn(2, 12))
+
+
+def test_disabling_a_pass_is_recorded():
+    model = fbmt.compile(MLP(), disable=("schedule",))
+    model(torch.randn(2, 12)).sum().backward()
+    rec = {r.name: r.summary for r in model.program.history}
+    assert rec["schedule"] == "disabled by the user"

@@ -1,0 +1,108 @@
+"""The transformed program's structure, compiled for 8 ranks in one process (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fbmt
+from fbmt.passes.verify import VerifyError, verify
+from fbmt.runtime import collectives
+from tests.models.reference import batch, gpt
+
+
+def _program(**cfg):
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt(n_layer=3), world_size=8, checks=True, **cfg)
+    (idx,), _, tgt = batch("gpt", 0)
+    return model, model.trace(idx, tgt)
+
+
+def _collectives(program, fn, phase):
+    return [n for n in program.graph.nodes if n.target is fn and n.meta["fbmt_phase"] == phase]
+
+
+def _groups_read_in(program, phase):
+    return {n.meta["fbmt_group"] for n in _collectives(program, collectives.all_gather, phase)}
+
+
+@pytest.mark.parametrize("zero", [3, 2])
+def test_one_gather_per_block_and_phase_and_one_reduce_scatter(zero):
+    model, program = _program(zero=zero)
+    layout = program.layout
+    assert layout.world_size == 8 and all(g.padded_numel % 8 == 0 for g in layout.groups)
+    fwd = [n.meta["fbmt_group"] for n in _collectives(program, collectives.all_gather, "fwd")]
+    bwd = [n.meta["fbmt_group"] for n in _collectives(program, collectives.all_gather, "bwd")]
+    rs = [n.meta["fbmt_group"] for n in _collectives(program, collectives.reduce_scatter, "bwd")]
+    assert sorted(fwd) == list(range(len(layout.groups)))  # every group gathered once in forward
+    assert sorted(rs) == list(range(len(layout.groups)))  # every group reduce-scattered once
+    blocks = [g.index for g in layout.groups if g.block.startswith("h.")]
+    if zero == 3:
+        assert set(blocks) <= set(bwd) and len(bwd) == len(set(bwd))  # re-gathered once for backward
+        assert bwd.index(blocks[-1]) < bwd.index(blocks[0])  # in reverse block order
+    else:
+        assert not set(blocks) & set(bwd)  # ZeRO-2 keeps the forward's gathered buffers
+    releases = [n for n in program.graph.nodes if n.target is collectives.release]
+    assert len(releases) == len(fwd) + len(bwd)
+
+
+def test_prefetch_issues_next_gather_before_block_compute():
+    _, program = _program(schedule="prefetch")
+    nodes = list(program.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    groups = {g.block: g.index for g in program.layout.groups}
+    start = {n.meta["fbmt_group"]: pos[n] for n in _collectives(program, collectives.all_gather, "fwd")}
+    for i in range(2):
+        first_compute = min(pos[n] for n in nodes if n.meta.get("fbmt_block") == f"h.{i}"
+                            and n.meta["fbmt_phase"] == "fwd" and n.target not in collectives.EFFECTFUL)
+        assert start[groups[f"h.{i + 1}"]] < first_compute, f"h.{i + 1} gather not issued before h.{i} computes"
+    rs = _collectives(program, collectives.reduce_scatter, "bwd")
+    later_compute = [n for n in nodes[pos[rs[0]] + 1:] if n.meta.get("fbmt_phase") == "bwd"
+                     and n.target not in collectives.EFFECTFUL and n.op == "call_function"]
+    assert later_compute, "the first reduce-scatter should overlap later backward compute"
+
+
+def test_no_overlap_waits_right_after_each_start():
+    _, program = _program(schedule="none")
+    for n in program.collectives():
+        assert n.next.target is collectives.wait and n.next.args[0] is n
+
+
+@pytest.mark.parametrize("remat, expect", [("block", True), ("none", False)])
+def test_remat_recomputes_blocks_in_backward(remat, expect):
+    _, program = _program(remat=remat)
+    recomputed = {n.meta.get("fbmt_block") for n in program.graph.nodes
+                  if n.meta.get("fbmt_recompute") == "activation"}
+    assert ({"h.0", "h.1", "h.2"} <= recomputed) == expect
+
+
+def test_print_shows_pass_history_and_collectives():
+    _, program = _program()
+    text = str(program)
+    for name in ("blocks", "remat", "shard", "schedule", "verify"):
+        assert f"# pass {name}" in text
+    assert "all_gather(%shard" in text and "reduce_scatter(" in text and "release(" in text
+
+
+def test_verify_rejects_a_missing_release_and_a_use_after_release():
+    _, program = _program()
+    broken = program.copy()
+    release = next(n for n in broken.graph.nodes if n.target is collectives.release)
+    broken.graph.erase_node(release)
+    with pytest.raises(VerifyError, match="released 0 times"):
+        verify(broken)
+    early = program.copy()
+    release = next(n for n in early.graph.nodes if n.target is collectives.release)
+    buffer = release.args[0]
+    buffer.append(release)  # release right after the wait, before the views are read
+    with pytest.raises(VerifyError, match="after its release"):
+        verify(early)
+
+
+def test_dump_dir_writes_one_file_per_pass(tmp_path):
+    model = fbmt.compile(gpt(), world_size=4, dump_dir=str(tmp_path))
+    (idx,), _, tgt = batch("gpt", 0)
+    model.trace(idx, tgt)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["00-trace.txt", "01-blocks.txt", "02-remat.txt", "03-shard.txt", "04-schedule.txt",
+                     "05-verify.txt"]
