@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install what fbmt needs into the current Python: torch (the CPU build 2.13.0 where none is present;
+# a machine with its own torch, such as a GPU image, keeps it), then fbmt itself in editable mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Running pip as the 'root' user" || true; }
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "install: torch 2.13.0 (CPU build)"
+  pip_install torch==2.13.0
+fi
+"$PY" -c "import numpy" 2>/dev/null || pip_install numpy
+"$PY" -c "import setuptools" 2>/dev/null || pip_install setuptools
+if [ "${1:-}" = "--test" ]; then
+  "$PY" -c "import pytest, pytest_timeout" 2>/dev/null || pip_install pytest pytest-timeout
+fi
+pip_install --no-build-isolation --no-deps -e .
+"$PY" -c "import torch, fbmt; print(f'install: fbmt {fbmt.__version__} on torch {torch.__version__}')"
