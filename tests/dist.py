@@ -24,7 +24,7 @@ def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: t
     import fbmt
     import torch.distributed as dist
 
-    fbmt.init_distributed(seed=0)
+    fbmt.init_distributed(seed=0, backend="gloo")  # CPU tests, also on a machine with GPUs
     try:
         torch.save(fn(rank, world, *args), os.path.join(folder, f"{rank}.pt"))
     finally:
