@@ -11,6 +11,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -c "import numpy" 2>/dev/null || pip_install numpy
 "$PY" -c "import setuptools" 2>/dev/null || pip_install setuptools
+"$PY" -c "import pybind11" 2>/dev/null || pip_install pybind11   # builds fbmt._C (the CPU Adam); no libtorch
 if [ "${1:-}" = "--test" ]; then
   "$PY" -c "import pytest, pytest_timeout" 2>/dev/null || pip_install pytest pytest-timeout
 fi
