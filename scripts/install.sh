@@ -14,6 +14,8 @@ fi
 "$PY" -c "import pybind11" 2>/dev/null || pip_install pybind11   # builds fbmt._C (the CPU Adam); no libtorch
 if [ "${1:-}" = "--test" ]; then
   "$PY" -c "import pytest, pytest_timeout" 2>/dev/null || pip_install pytest pytest-timeout
+  # The numba-CUDA kernels are tested under numba's CUDA simulator on machines without a GPU.
+  "$PY" -c "import numba.cuda" 2>/dev/null || pip_install numba-cuda
 fi
 pip_install --no-build-isolation --no-deps -e .
 "$PY" -c "import torch, fbmt; print(f'install: fbmt {fbmt.__version__} on torch {torch.__version__}')"

@@ -1,6 +1,10 @@
-"""Optimizers. `AdamOffloadOptimizer` keeps Adam's state in host memory and updates it with the
-native fused CPU Adam (`fbmt._C`, see fbmt/csrc/adam.cpp)."""
+"""Optimizers with BMTrain's semantics (fp32 master copies, decoupled weight decay, hold_steps).
 
+`AdamOptimizer` keeps its state on the parameters' device and updates with numba-CUDA kernels on
+GPUs (fbmt/kernels); `AdamOffloadOptimizer` keeps it in host memory and updates with the native
+fused CPU Adam (fbmt._C, fbmt/csrc/adam.cpp)."""
+
+from fbmt.optim.adam import AdamOptimizer
 from fbmt.optim.offload import AdamOffloadOptimizer
 
-__all__ = ["AdamOffloadOptimizer"]
+__all__ = ["AdamOptimizer", "AdamOffloadOptimizer"]

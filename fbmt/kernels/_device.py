@@ -1,0 +1,121 @@
+"""What every kernel shares: torch tensor -> numba array, torch's stream, raw loads, bit casts.
+
+The kernels run on a real GPU and, for tests, under numba's CUDA simulator
+(`NUMBA_ENABLE_CUDASIM=1`), where "device memory" is host memory: tensors are then CPU tensors,
+passed as numpy views, and the raw-pointer loads below read host addresses through ctypes.
+
+bf16 has no numba type: bf16 tensors travel as int16 bit patterns and are converted in the kernels
+with integer arithmetic (round to nearest even), the same on both targets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+from numba import config, cuda, types
+
+SIM = bool(config.ENABLE_CUDASIM)
+KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def array(t: torch.Tensor):
+    """A zero-copy numba view of a contiguous tensor (bf16 as int16 bits)."""
+    if not t.is_contiguous():
+        raise ValueError("fbmt.kernels: tensors must be contiguous")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    if SIM:
+        if t.device.type != "cpu":
+            raise ValueError("fbmt.kernels: under the CUDA simulator tensors must live on the CPU")
+        return t.numpy()
+    if t.device.type != "cuda":
+        raise ValueError(f"fbmt.kernels: expected a CUDA tensor, got one on {t.device}")
+    return cuda.as_cuda_array(t)
+
+
+def stream(t: torch.Tensor):
+    """torch's current stream on the tensor's device: kernels queue behind torch's work, no sync."""
+    if SIM:
+        return cuda.default_stream()
+    return cuda.external_stream(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def launch_size(n: int, threads: int = 256, per_thread: int = 4) -> tuple[int, int]:
+    """(blocks, threads) for a grid-stride loop over n elements; small under the simulator."""
+    if SIM:
+        return 2, 32
+    return max(1, min(-(-n // (threads * per_thread)), 65535 * 8)), threads
+
+
+if SIM:
+    def bits_of_f32(x):
+        return int(np.array(x, dtype=np.float32).view(np.uint32))
+
+    def f32_of_bits(b):
+        return float(np.array(int(b) & 0xFFFFFFFF, dtype=np.uint32).view(np.float32))
+
+    def load_u32(addr, i):
+        return ctypes.c_uint32.from_address(int(addr) + 4 * int(i)).value
+
+    def load_u16(addr, i):
+        return ctypes.c_uint16.from_address(int(addr) + 2 * int(i)).value
+
+    def load_f16(addr, i):
+        return float(np.array(load_u16(addr, i), dtype=np.uint16).view(np.float16))
+else:
+    import llvmlite.ir as ir
+
+    try:
+        from numba.cuda.extending import intrinsic
+    except ImportError:  # older numba-cuda
+        from numba.extending import intrinsic
+
+    @intrinsic
+    def bits_of_f32(typingctx, x):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.int32(types.float32), codegen
+
+    @intrinsic
+    def f32_of_bits(typingctx, b):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.int32), codegen
+
+    def _raw_load(bits: int, extend):
+        @intrinsic
+        def load(typingctx, addr, index):
+            def codegen(context, builder, sig, args):
+                ptr = builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
+                return extend(builder, builder.load(builder.gep(ptr, [args[1]])))
+            return types.int32(types.int64, types.int64), codegen
+        return load
+
+    load_u32 = _raw_load(32, lambda b, v: v)
+    load_u16 = _raw_load(16, lambda b, v: b.zext(v, ir.IntType(32)))
+
+    @intrinsic
+    def load_f16(typingctx, addr, index):
+        def codegen(context, builder, sig, args):
+            ptr = builder.inttoptr(args[0], ir.HalfType().as_pointer())
+            return builder.fpext(builder.load(builder.gep(ptr, [args[1]])), ir.FloatType())
+        return types.float32(types.int64, types.int64), codegen
+
+
+@cuda.jit(device=True)
+def bf16_to_f32(b16):
+    return f32_of_bits(np.int32((np.int64(b16) & 0xFFFF) << 16))
+
+
+@cuda.jit(device=True)
+def f32_to_bf16(x):
+    """Round to nearest even; NaN stays NaN. Returns the bits as a signed int16 value."""
+    u = np.int64(bits_of_f32(np.float32(x))) & 0xFFFFFFFF
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        r = (u >> 16) | 0x40
+    else:
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return np.int16(r - 65536 if r >= 32768 else r)
