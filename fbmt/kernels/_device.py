@@ -57,14 +57,21 @@ if SIM:
     def f32_of_bits(b):
         return float(np.array(int(b) & 0xFFFFFFFF, dtype=np.uint32).view(np.float32))
 
-    def load_u32(addr, i):
-        return ctypes.c_uint32.from_address(int(addr) + 4 * int(i)).value
+    def load_u32(addr, i):  # an int32 holding the 32 bits, as on the device
+        return ctypes.c_int32.from_address(int(addr) + 4 * int(i)).value
 
     def load_u16(addr, i):
         return ctypes.c_uint16.from_address(int(addr) + 2 * int(i)).value
 
     def load_f16(addr, i):
         return float(np.array(load_u16(addr, i), dtype=np.uint16).view(np.float16))
+
+    def load_v4(byte_addr):  # four int32 words from a 16-byte-aligned address
+        a = int(byte_addr)
+        return tuple(ctypes.c_int32.from_address(a + 4 * k).value for k in range(4))
+
+    def f16_bits_to_f32(b):
+        return float(np.array(int(b) & 0xFFFF, dtype=np.uint16).view(np.float16))
 else:
     import llvmlite.ir as ir
 
@@ -98,6 +105,25 @@ else:
     load_u16 = _raw_load(16, lambda b, v: b.zext(v, ir.IntType(32)))
 
     @intrinsic
+    def load_v4(typingctx, byte_addr):
+        """One 16-byte vector load (ld.global.v4) from an aligned address: four int32 words."""
+        ret = types.UniTuple(types.int32, 4)
+
+        def codegen(context, builder, sig, args):
+            vec = ir.VectorType(ir.IntType(32), 4)
+            value = builder.load(builder.inttoptr(args[0], vec.as_pointer()), align=16)
+            words = [builder.extract_element(value, ir.Constant(ir.IntType(32), k)) for k in range(4)]
+            return context.make_tuple(builder, ret, words)
+        return ret(types.int64), codegen
+
+    @intrinsic
+    def f16_bits_to_f32(typingctx, b):
+        def codegen(context, builder, sig, args):
+            half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+            return builder.fpext(half, ir.FloatType())
+        return types.float32(types.int32), codegen
+
+    @intrinsic
     def load_f16(typingctx, addr, index):
         def codegen(context, builder, sig, args):
             ptr = builder.inttoptr(args[0], ir.HalfType().as_pointer())
@@ -105,17 +131,22 @@ else:
         return types.float32(types.int64, types.int64), codegen
 
 
+# 32-bit integer arithmetic throughout: 64-bit integer ops are emulated on GPUs (several instructions each).
+_U16, _SHIFT, _HALF, _ONE = np.uint32(0xFFFF), np.uint32(16), np.uint32(0x7FFF), np.uint32(1)
+_ABS, _INF, _QUIET = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000), np.uint32(0x40)
+
+
 @cuda.jit(device=True)
 def bf16_to_f32(b16):
-    return f32_of_bits(np.int32((np.int64(b16) & 0xFFFF) << 16))
+    return f32_of_bits(np.int32((np.uint32(b16) & _U16) << _SHIFT))
 
 
 @cuda.jit(device=True)
 def f32_to_bf16(x):
     """Round to nearest even; NaN stays NaN. Returns the bits as a signed int16 value."""
-    u = np.int64(bits_of_f32(np.float32(x))) & 0xFFFFFFFF
-    if (u & 0x7FFFFFFF) > 0x7F800000:
-        r = (u >> 16) | 0x40
+    u = np.uint32(bits_of_f32(np.float32(x)))
+    if (u & _ABS) > _INF:
+        r = (u >> _SHIFT) | _QUIET
     else:
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return np.int16(r - 65536 if r >= 32768 else r)
+        r = (u + _HALF + ((u >> _SHIFT) & _ONE)) >> _SHIFT
+    return np.int16(np.int32(r) - 65536 if r >= 32768 else np.int32(r))

@@ -27,7 +27,8 @@ class AdamOffloadOptimizer(torch.optim.Optimizer):
         decoupled_weight_decay: False gives torch.optim.Adam's L2 penalty instead.
         skip_nonfinite: if any gradient is inf/nan, skip the whole step (nothing changes) and set
             `last_step_skipped`; otherwise such a step is applied, as torch's AdamW would.
-        chunk_numel: elements per pipeline chunk on CUDA.
+        chunk_numel: elements per pipeline chunk on CUDA (16M measured best on an H200 host: 12% faster
+            than no pipelining for 200M bf16 parameters; 4M chunks were slower than none).
         threads: CPU threads for the update (0: every CPU this process may run on).
 
     `step(closure=None, scale=1.0)`: gradients are divided by `scale` (a loss scale) inside the update.
@@ -35,7 +36,7 @@ class AdamOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, hold_steps: int = 0, *,
-                 decoupled_weight_decay: bool = True, skip_nonfinite: bool = False, chunk_numel: int = 1 << 22,
+                 decoupled_weight_decay: bool = True, skip_nonfinite: bool = False, chunk_numel: int = 1 << 24,
                  threads: int = 0):
         if lr < 0 or eps < 0 or weight_decay < 0 or hold_steps < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"AdamOffloadOptimizer: invalid lr={lr}, betas={betas}, eps={eps}, "
