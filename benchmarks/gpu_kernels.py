@@ -25,12 +25,16 @@ import torch
 import fbmt.kernels as K
 
 
-def cuda_time(fn, reps: int = 10, warmup: int = 3) -> float:
+def cuda_time(fn, reps: int = 10, warmup: int = 3, busy_gpu: bool = False) -> float:
+    """Median CUDA-event time of fn. With `busy_gpu`, a long sleep kernel is queued first, so the host's
+    enqueue work (Python, argument marshalling) happens while the GPU is busy: the GPU's own time."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if busy_gpu:
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles
         a.record()
         fn()
         b.record()
@@ -39,20 +43,8 @@ def cuda_time(fn, reps: int = 10, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def gpu_time(fn, reps: int = 10) -> float:
-    """The GPU's own time for fn: a long sleep kernel is queued first, so the host's enqueue work
-    (Python, argument marshalling) happens while the GPU is busy and drops out of the measurement."""
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+def gpu_time(fn) -> float:
+    return cuda_time(fn, warmup=1, busy_gpu=True)
 
 
 def row(name: str, t_fbmt: float, t_peer: float | None, nbytes: float, peer: str, bw: float,

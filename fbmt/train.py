@@ -163,6 +163,7 @@ def main(args: argparse.Namespace) -> None:
         save_atomic({"model": state, "config": dataclasses.asdict(cfg), "dtype": args.dtype,
                      "steps": args.steps, "loss": last_loss}, args.out)
         log(f"fbmt.train: saved {args.out} (loads into fbmt.models.GPT with load_state_dict)", flush=True)
+    dist.barrier()  # nobody leaves while a peer may still be mid-collective
     dist.destroy_process_group()
 
 

@@ -25,10 +25,11 @@ def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: t
     import torch.distributed as dist
 
     fbmt.init_distributed(seed=0, backend="gloo")  # CPU tests, also on a machine with GPUs
-    try:
-        torch.save(fn(rank, world, *args), os.path.join(folder, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    torch.save(fn(rank, world, *args), os.path.join(folder, f"{rank}.pt"))
+    # No rank tears down while a peer may still have gloo socket I/O in flight from the last
+    # collective (seen once as a SIGABRT, "terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None) -> list[Any]:

@@ -11,14 +11,15 @@ master in host memory, so bf16/fp16 parameters are updated in fp32 and rounded o
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
+from fbmt.optim._adam_base import AdamBase
 from fbmt.optim.cpu_adam import fused_adam_, has_nonfinite
 
 
-class AdamOffloadOptimizer(torch.optim.Optimizer):
+class AdamOffloadOptimizer(AdamBase):
     """Adam(W) with host-resident state, BMTrain's semantics.
 
     Args:
@@ -38,84 +39,32 @@ class AdamOffloadOptimizer(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, hold_steps: int = 0, *,
                  decoupled_weight_decay: bool = True, skip_nonfinite: bool = False, chunk_numel: int = 1 << 24,
                  threads: int = 0):
-        if lr < 0 or eps < 0 or weight_decay < 0 or hold_steps < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"AdamOffloadOptimizer: invalid lr={lr}, betas={betas}, eps={eps}, "
-                             f"weight_decay={weight_decay} or hold_steps={hold_steps}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.hold_steps, self.decoupled, self.skip_nonfinite = hold_steps, decoupled_weight_decay, skip_nonfinite
+        super().__init__(params, lr, betas, eps, weight_decay, hold_steps, decoupled_weight_decay, skip_nonfinite)
         self.chunk_numel, self.threads = chunk_numel, threads
-        self.last_step_skipped = False
         self._host: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # pinned transfer buffers, not state
         self._streams: tuple[Any, Any] | None = None
 
-    # ---- state ----
-    def _state(self, p: torch.Tensor) -> dict[str, Any]:
-        st = self.state[p]
-        if not st:
-            if not p.is_contiguous():
-                raise ValueError("AdamOffloadOptimizer: parameters must be contiguous")
-            pin = p.is_cuda
-            st["step"] = 0
-            st["exp_avg"] = torch.zeros(p.numel(), dtype=torch.float32, pin_memory=pin)
-            st["exp_avg_sq"] = torch.zeros(p.numel(), dtype=torch.float32, pin_memory=pin)
-            if not _is_own_master(p):
-                st["master"] = torch.empty(p.numel(), dtype=torch.float32, pin_memory=pin)
-                st["master"].copy_(p.detach().reshape(-1))
-        return st
+    def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
+        pin = p.is_cuda
+        state = {"exp_avg": torch.zeros(p.numel(), dtype=torch.float32, pin_memory=pin),
+                 "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.float32, pin_memory=pin)}
+        if not _is_own_master(p):
+            state["master"] = torch.empty(p.numel(), dtype=torch.float32, pin_memory=pin)
+            state["master"].copy_(p.detach().reshape(-1))
+        return state
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["hold_steps"] = self.hold_steps
-        return sd
+    def _update(self, p: torch.Tensor, st: dict[str, Any], hyper: dict[str, Any]) -> None:
+        hyper = dict(hyper, threads=self.threads)
+        if p.is_cuda:
+            self._step_cuda(p, st, hyper)
+        else:
+            master = st.get("master", p.detach().view(-1))
+            out = None if _is_own_master(p) else p.detach().view(-1)
+            fused_adam_(master, st["exp_avg"], st["exp_avg_sq"], p.grad.detach().contiguous().view(-1), out, **hyper)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores exactly: the fp32 master and moments are copied as saved, never cast to the parameter's dtype."""
-        saved = state_dict["state"]
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        self.hold_steps = state_dict.get("hold_steps", self.hold_steps)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for index, entry in saved.items():
-            p = params[int(index)]
-            st = self._state(p)
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor):
-                    if value.numel() != p.numel():
-                        raise ValueError(f"AdamOffloadOptimizer.load_state_dict: state '{key}' of parameter {index} "
-                                         f"has {value.numel()} elements, the parameter {p.numel()}")
-                    st[key].copy_(value.reshape(-1))
-                else:
-                    st[key] = value
-            if "master" not in entry and "master" in st:
-                st["master"].copy_(p.detach().reshape(-1))
-
-    # ---- stepping ----
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, scale: float = 1.0) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        work = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self.last_step_skipped = self.skip_nonfinite and any(_nonfinite(p.grad, self.threads) for _, p in work)
-        if self.last_step_skipped:
-            return loss
-        holding = self.hold_steps > 0
-        for group, p in work:
-            st = self._state(p)
-            st["step"] += 1
-            beta1, beta2 = group["betas"]
-            hyper = dict(lr=0.0 if holding else group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], step=st["step"], inv_scale=1.0 / scale,
-                         decoupled=self.decoupled, threads=self.threads)
-            if p.is_cuda:
-                self._step_cuda(p, st, hyper)
-            else:
-                master = st.get("master", p.detach().view(-1))
-                out = None if _is_own_master(p) else p.detach().view(-1)
-                fused_adam_(master, st["exp_avg"], st["exp_avg_sq"], p.grad.detach().contiguous().view(-1), out, **hyper)
-        if holding:
-            self.hold_steps -= 1
-        return loss
+    def _any_nonfinite(self, grads: list[torch.Tensor]) -> bool:
+        return any(not bool(torch.isfinite(g).all()) if g.is_cuda
+                   else has_nonfinite(g.detach().contiguous().view(-1), self.threads) for g in grads)
 
     def _step_cuda(self, p: torch.Tensor, st: dict[str, Any], hyper: dict[str, Any]) -> None:
         n, grad, param = p.numel(), p.grad.detach().reshape(-1), p.detach().view(-1)
@@ -146,9 +95,3 @@ class AdamOffloadOptimizer(torch.optim.Optimizer):
 
 def _is_own_master(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype == torch.float32
-
-
-def _nonfinite(grad: torch.Tensor, threads: int) -> bool:
-    if grad.is_cuda:
-        return not bool(torch.isfinite(grad).all())
-    return has_nonfinite(grad.detach().contiguous().view(-1), threads)
