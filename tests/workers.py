@@ -166,3 +166,49 @@ def mismatched_shapes(rank: int, world: int) -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def collectives(rank: int, world: int) -> None:
+    """Forward values and gradients of the differentiable collectives against the analytic answer."""
+    D = fbmt.distributed
+    xs = [torch.tensor([1.0 + r, 2.0 - r, 3.0 * (r + 1)]) for r in range(world)]  # every rank's input
+    ws = [torch.tensor([1.0, -2.0, 0.5]) * (r + 1) for r in range(world)]  # every rank's loss weights
+    total_w = sum(ws)
+    stacked = torch.stack(xs)
+    cases = {
+        "sum": (stacked.sum(0), lambda: total_w),
+        "avg": (stacked.mean(0), lambda: total_w / world),
+        "max": (stacked.max(0).values, lambda: total_w * (xs[rank] == stacked.max(0).values)),
+        "min": (stacked.min(0).values, lambda: total_w * (xs[rank] == stacked.min(0).values)),
+        "prod": (stacked.prod(0), lambda: total_w * torch.cat([stacked[:rank], stacked[rank + 1:]]).prod(0)),
+    }
+    for op, (want, grad) in cases.items():
+        x = xs[rank].clone().requires_grad_()
+        y = D.all_reduce(x, op)
+        (y * ws[rank]).sum().backward()
+        torch.testing.assert_close(y.detach(), want, msg=lambda m: f"all_reduce {op}: {m}")
+        torch.testing.assert_close(x.grad, grad(), msg=lambda m: f"all_reduce {op} grad: {m}")
+
+    x = xs[rank].clone().requires_grad_()
+    y = D.all_gather(x)
+    torch.testing.assert_close(y.detach(), stacked)
+    (y * torch.arange(1.0, 1 + y.numel()).view_as(y)).sum().backward()
+    torch.testing.assert_close(x.grad, world * torch.arange(1.0, 1 + y.numel()).view_as(y)[rank])
+
+    x = torch.arange(2.0 * world).mul(rank + 1).requires_grad_()  # rows: world * 2
+    y = D.reduce_scatter(x, "sum")
+    full = sum(torch.arange(2.0 * world).mul(r + 1) for r in range(world))
+    torch.testing.assert_close(y.detach(), full[2 * rank:2 * rank + 2])
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(2 * world))  # every rank's slice reaches every rank
+
+    x = xs[rank].clone().requires_grad_()
+    y = D.broadcast(x, src=1)
+    torch.testing.assert_close(y.detach(), xs[1])
+    (y * ws[rank]).sum().backward()
+    torch.testing.assert_close(x.grad, total_w if rank == 1 else torch.zeros(3))
+
+    torch.testing.assert_close(D.sum_loss(torch.tensor(float(rank))), torch.tensor((world - 1) / 2))
+    torch.testing.assert_close(D.gather_result(torch.full((2, 3), float(rank))),
+                               torch.cat([torch.full((2, 3), float(r)) for r in range(world)]))
+    D.synchronize()

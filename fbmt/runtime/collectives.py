@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Pending:
@@ -36,7 +37,7 @@ def all_gather(shard: torch.Tensor, world_size: int) -> Pending:
     if world_size == 1:
         return Pending(shard, None)
     out = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=shard.device)
-    return Pending(out, _all_gather_into(out, shard, async_op=True))
+    return Pending(out, all_gather_into(out, shard, async_op=True))
 
 
 def reduce_scatter(flat: torch.Tensor, world_size: int) -> Pending:
@@ -44,7 +45,7 @@ def reduce_scatter(flat: torch.Tensor, world_size: int) -> Pending:
     if world_size == 1:
         return Pending(flat, None)
     out = torch.empty(flat.numel() // world_size, dtype=flat.dtype, device=flat.device)
-    return Pending(out, _reduce_scatter_into(out, flat, async_op=True), divisor=world_size)
+    return Pending(out, reduce_scatter_into(out, flat, async_op=True), divisor=world_size)
 
 
 def wait(pending: Pending) -> torch.Tensor:
