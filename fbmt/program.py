@@ -140,7 +140,6 @@ class Program:
     out_constants: dict[int, Any]  # non-tensor leaves of the user's output, by leaf index
     needs_grad: bool  # False: a forward-only (inference) program, no tangents, no backward
     history: list[PassRecord] = field(default_factory=list)
-    options: dict[str, Any] = field(default_factory=dict)  # compile options the passes read
 
     # ---- structure helpers passes share -------------------------------------------------
     def placeholders(self) -> list[fx.Node]:
@@ -169,7 +168,7 @@ class Program:
         env: dict[fx.Node, fx.Node] = {}
         graph.output(graph.graph_copy(self.graph, env))  # graph_copy returns the mapped outputs
         return dataclasses.replace(self, graph=graph, inputs=list(self.inputs), outputs=list(self.outputs),
-                                   history=list(self.history), options=dict(self.options))
+                                   history=list(self.history))
 
     def record(self, name: str, started: float, summary: str) -> None:
         self.history.append(PassRecord(name, time.perf_counter() - started, summary, format_graph(self)))

@@ -40,7 +40,7 @@ class TraceError(RuntimeError):
 
 
 def trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], args: tuple, kwargs: dict,
-          *, param_device: torch.device, needs_grad: bool, options: dict[str, Any] | None = None) -> Program:
+          *, param_device: torch.device, needs_grad: bool) -> Program:
     """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring)."""
     fake_mode = FakeTensorMode()
     params = [(s.name, s.shape, g.dtype, g.requires_grad) for g in layout.groups for s in g.slots]
@@ -109,7 +109,7 @@ def trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], a
                + ([Role("grad", params[i][0]) for i in wrt_params] + [Role("input_grad", i) for i in wrt_inputs]
                   if needs_grad else []))
     program = Program(graph=gm.graph, inputs=inputs, outputs=outputs, layout=layout, out_spec=out_spec,
-                      out_constants=out_constants, needs_grad=needs_grad, options=dict(options or {}))
+                      out_constants=out_constants, needs_grad=needs_grad)
     _canonicalize(program)
     return program
 
@@ -243,8 +243,8 @@ def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
         first = (str(e).strip().splitlines() or [kind])[0]
         hint = _HINTS.get(kind, "see the original error above; if the module is fine in eager mode, "
                           "please report it with this message")
+        at = _user_frame(e)
         msg = (f"fbmt.compile could not trace module '{path}' ({mod})"
                + (f", op {op}" if op is not None else "") + f": {kind}: {first}\n"
-               + (f"  at {_user_frame(e)}\n" if _user_frame(e) else "")
-               + f"  why: {hint}.")
+               + (f"  at {at}\n" if at else "") + f"  why: {hint}.")
         raise TraceError(msg) from e

@@ -48,6 +48,7 @@ def build_shards(module: nn.Module, layout: Layout, rank: int, device: torch.dev
                 _materialize(module, layout, block, names, refs, device, init_fn, seed)
             params = dict(module.named_parameters())
             for g in groups:
+                assert g.index == len(shards), "shards must come out in layout.groups order (the runtime zips them)"
                 shard = torch.zeros(g.shard_numel, dtype=g.dtype, device=device)
                 copy_into_shard(shard, g, rank, params)
                 shards.append(nn.Parameter(shard, requires_grad=g.requires_grad))
