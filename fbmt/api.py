@@ -75,6 +75,8 @@ def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: 
     world = world_size or distributed.world_size()
     rank = distributed.rank() if world == distributed.world_size() else 0
     device = torch.device(device) if device is not None else distributed.local_device()
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current one: compare as cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
     layout = plan_layout(model, world, list(options.blocks) if options.blocks is not None else None)
     shards = build_shards(model, layout, rank, device, init_fn)
     return CompiledModule(model, layout, shards, options=options, device=device, rank=rank)

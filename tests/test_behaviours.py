@@ -180,3 +180,9 @@ def test_disabling_a_pass_is_recorded():
     model(torch.randn(2, 12)).sum().backward()
     rec = {r.name: r.summary for r in model.program.history}
     assert rec["schedule"] == "disabled by the user"
+
+
+def test_input_on_the_wrong_device_is_named():
+    model = fbmt.compile(MLP())
+    with pytest.raises(ValueError, match=r"tensor input #0 \(shape \(2, 12\)\) is on meta.*\.to\('cpu'\)"):
+        model(torch.empty(2, 12, device="meta"))

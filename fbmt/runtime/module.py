@@ -74,6 +74,10 @@ class CompiledModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = pytree.tree_flatten((args, kwargs))
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        for i, x in enumerate(inputs):
+            if x.device != self.device:
+                raise ValueError(f"fbmt: tensor input #{i} (shape {tuple(x.shape)}) is on {x.device}, but this "
+                                 f"model's parameters are on {self.device}; move the inputs with .to({str(self.device)!r})")
         needs_grad = torch.is_grad_enabled() and (any(p.requires_grad for p in self.flat_params)
                                                   or any(x.requires_grad for x in inputs))
         key = self._key(args, kwargs, needs_grad)
