@@ -46,12 +46,9 @@ class _RunProgram(torch.autograd.Function):
         tangents = [grads[i].contiguous() for i in exe.diff_outputs]
         results = exe.backward(*ctx.saved, *tangents)
         ctx.saved = None  # free activations as soon as the backward has consumed them
-        by_role = dict(zip(exe.grad_roles, results))
         out: list[torch.Tensor | None] = [None] * ctx.n_args
-        for i, role in enumerate(exe.fwd_inputs):
-            key = {"shard": "shard_grad", "input": "input_grad"}.get(role.kind)
-            if key is not None:
-                out[i] = by_role.get(type(role)(key, role.key))
+        for arg, result in exe.grad_slots:
+            out[arg] = results[result]
         return (None, *out)
 
 

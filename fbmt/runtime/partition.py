@@ -32,6 +32,7 @@ class Executable:
     output_keys: list[int]  # leaf index in the user's output of each of those
     diff_outputs: list[int]  # positions (among the n_outputs) that receive a tangent, in tangent order
     grad_roles: list[Role]  # what each backward result is
+    grad_slots: list[tuple[int, int]]  # (forward argument index, backward result index) of each gradient
     signature: str  # digest of the collective sequence, compared across ranks before the first run
     saved_names: list[str]
 
@@ -85,6 +86,10 @@ def partition(program: Program) -> Executable:
         backward = fx.GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
 
     diff_keys = [roles[t].key for t in tangents]
+    result_of = {r: i for i, (r, _) in enumerate(grad_out)}
+    wants = {"shard": "shard_grad", "input": "input_grad"}
+    grad_slots = [(i, result_of[Role(wants[r.kind], r.key)]) for i, r in enumerate(fwd_inputs)
+                  if r.kind in wants and Role(wants[r.kind], r.key) in result_of]
     output_keys = [r.key for r, _ in user_out]
     return Executable(
         forward=fx.GraphModule(torch.nn.Module(), fg, class_name="FbmtForward"),
@@ -94,6 +99,7 @@ def partition(program: Program) -> Executable:
         output_keys=output_keys,
         diff_outputs=[output_keys.index(k) for k in diff_keys],
         grad_roles=[r for r, _ in grad_out],
+        grad_slots=grad_slots,
         signature=collective_signature(program),
         saved_names=[n.name for n in saved],
     )
