@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Union
 
 import torch
 import torch.nn as nn
 
 from fbmt import distributed
+from fbmt.passes import default_pipeline
 from fbmt.passes.blocks import plan_layout
 from fbmt.passes.remat import POLICIES
 from fbmt.passes.schedule import STRATEGIES
@@ -29,6 +30,10 @@ class CompileOptions:
     """How many blocks ahead "prefetch" issues parameter gathers."""
     blocks: tuple[str, ...] | None = None
     """Module paths to use as blocks instead of the children of repeated ModuleLists."""
+    block_policies: tuple[tuple[str, int, str], ...] = ()
+    """(block path, zero, remat) for blocks whose policy differs from `zero`/`remat`."""
+    grad_reduce: str = "mean"
+    """How gradients combine over ranks: "mean" (as one big batch) or "sum" (BMTrain's convention)."""
     disable: tuple[str, ...] = ()
     """Pass names to skip (to bisect a problem); "shard" cannot be skipped."""
     checks: bool = False
@@ -37,18 +42,53 @@ class CompileOptions:
     """Write the program after every pass to this folder ($FBMT_DUMP_DIR), for `diff`."""
 
     def __post_init__(self) -> None:
-        if self.zero not in (2, 3):
-            raise ValueError(f"fbmt.compile(zero={self.zero!r}): expected 3 or 2")
-        if self.remat not in POLICIES:
-            raise ValueError(f"fbmt.compile(remat={self.remat!r}): expected one of {POLICIES}")
+        for path, zero, remat in [("", self.zero, self.remat), *self.block_policies]:
+            where = f" for block '{path}'" if path else ""
+            if zero not in (2, 3):
+                raise ValueError(f"fbmt.compile(zero={zero!r}){where}: expected 3 or 2")
+            if remat not in POLICIES:
+                raise ValueError(f"fbmt.compile(remat={remat!r}){where}: expected one of {POLICIES}")
         if self.schedule not in STRATEGIES:
             raise ValueError(f"fbmt.compile(schedule={self.schedule!r}): known strategies are {sorted(STRATEGIES)}")
         if self.prefetch < 1:
             raise ValueError(f"fbmt.compile(prefetch={self.prefetch}): must be at least 1")
+        if self.grad_reduce not in ("mean", "sum"):
+            raise ValueError(f"fbmt.compile(grad_reduce={self.grad_reduce!r}): expected 'mean' or 'sum'")
+
+    def pipeline(self) -> list:
+        """The pass pipeline these options select."""
+        return default_pipeline(zero=self.zero, remat=self.remat, schedule=self.schedule, prefetch=self.prefetch,
+                                grad_reduce=self.grad_reduce,
+                                zero_per_block={b: z for b, z, _ in self.block_policies},
+                                remat_per_block={b: r for b, _, r in self.block_policies})
+
+
+Blocks = Union[list[str], dict[str, dict[str, Any]], None]
+
+
+def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefetch", prefetch: int = 1,
+                 blocks: Blocks = None, grad_reduce: str = "mean", disable: tuple[str, ...] = (),
+                 checks: bool | None = None, dump_dir: str | None = None) -> CompileOptions:
+    """CompileOptions from `fbmt.compile`'s keyword arguments (environment defaults filled in)."""
+    policies = []
+    if isinstance(blocks, dict):
+        for path, policy in blocks.items():
+            unknown = set(policy or {}) - {"zero", "remat"}
+            if unknown:
+                raise ValueError(f"fbmt.compile(blocks={{{path!r}: ...}}): unknown policy keys {sorted(unknown)}; "
+                                 "a block's policy may set 'zero' and 'remat'")
+            if policy:
+                policies.append((path, policy.get("zero", zero), policy.get("remat", remat)))
+    return CompileOptions(
+        zero=zero, remat=remat, schedule=schedule, prefetch=prefetch,
+        blocks=tuple(blocks) if blocks is not None else None, block_policies=tuple(policies),
+        grad_reduce=grad_reduce, disable=tuple(disable),
+        checks=bool(os.environ.get("FBMT_CHECKS")) if checks is None else checks,
+        dump_dir=dump_dir or os.environ.get("FBMT_DUMP_DIR"))
 
 
 def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: str = "prefetch",
-            prefetch: int = 1, blocks: list[str] | None = None, disable: tuple[str, ...] = (),
+            prefetch: int = 1, blocks: Blocks = None, grad_reduce: str = "mean", disable: tuple[str, ...] = (),
             checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
             device: torch.device | str | None = None,
             init_fn: Callable[[nn.Module], None] | None = None) -> CompiledModule:
@@ -60,23 +100,28 @@ def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: 
     under `torch.device("meta")` is materialized block by block with `init_fn(module)` or each
     module's `reset_parameters()`, so no rank ever holds the whole model.
 
-    `world_size` (default: the process group's) lets one process compile for any world size, to
-    inspect programs with `model.trace(*inputs)`; running such a model needs that many ranks.
+    `blocks` is a list of module paths, or a dict from path to that block's own policy, e.g.
+    `{"layers.0": {"remat": "none"}, "layers.1": {}}`. `world_size` (default: the process group's)
+    lets one process compile for any world size, to inspect programs with `model.trace(*inputs)`;
+    running such a model needs that many ranks.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fbmt.compile expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, CompiledModule):
         raise TypeError("fbmt.compile: this module is already compiled")
-    options = CompileOptions(
-        zero=zero, remat=remat, schedule=schedule, prefetch=prefetch,
-        blocks=tuple(blocks) if blocks is not None else None, disable=tuple(disable),
-        checks=bool(os.environ.get("FBMT_CHECKS")) if checks is None else checks,
-        dump_dir=dump_dir or os.environ.get("FBMT_DUMP_DIR"))
+    options = make_options(zero=zero, remat=remat, schedule=schedule, prefetch=prefetch, blocks=blocks,
+                           grad_reduce=grad_reduce, disable=disable, checks=checks, dump_dir=dump_dir)
     world = world_size or distributed.world_size()
     rank = distributed.rank() if world == distributed.world_size() else 0
-    device = torch.device(device) if device is not None else distributed.local_device()
-    if device.type == "cuda" and device.index is None:  # "cuda" means the current one: compare as cuda:N
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     layout = plan_layout(model, world, list(options.blocks) if options.blocks is not None else None)
     shards = build_shards(model, layout, rank, device, init_fn)
     return CompiledModule(model, layout, shards, options=options, device=device, rank=rank)
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """The compute device: the given one, else this rank's; "cuda" means the current CUDA device."""
+    device = torch.device(device) if device is not None else distributed.local_device()
+    if device.type == "cuda" and device.index is None:  # compare as cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

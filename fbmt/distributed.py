@@ -11,20 +11,33 @@ import random
 import torch
 import torch.distributed as dist
 
+from fbmt.global_var import config
 from fbmt.runtime.collectives import all_gather_into, reduce_scatter_into
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init_distributed(seed: int = 0, backend: str | None = None, *, timeout: float | None = None) -> None:
+def init_distributed(init_method: str = "env://", seed: int = 0, pipe_size: int = -1,
+                     num_micro_batches: int | None = None, tp_size: int = 1, *, backend: str | None = None,
+                     timeout: float | None = None) -> None:
     """Join the job described by torchrun's environment (or run alone as rank 0 of 1).
 
-    `backend` defaults to "nccl" when CUDA is available, else "gloo". Every rank seeds torch, random
-    and numpy with `seed`, so modules built after this call have the same weights everywhere.
-    `timeout` (seconds; default $FBMT_INIT_TIMEOUT or 300) bounds the wait for the other ranks: a
-    rank that cannot reach them fails with a message naming the address, instead of hanging.
+    BMTrain's signature; `init_method` may also be a "tcp://host:port" URL (RANK/WORLD_SIZE still
+    come from the environment). `backend` defaults to "nccl" when CUDA is available, else "gloo".
+    Every rank seeds torch, random and numpy with `seed`, so modules built after this call have the
+    same weights everywhere. `timeout` (seconds; default $FBMT_INIT_TIMEOUT or 300) bounds the wait
+    for the other ranks: a rank that cannot reach them fails with a message naming the address,
+    instead of hanging. `fbmt.config` describes the job afterwards.
     """
+    if not isinstance(init_method, str):
+        raise TypeError(f"fbmt.init_distributed(init_method={init_method!r}): expected a URL such as 'env://'; "
+                        "pass the seed by keyword: init_distributed(seed=...)")
+    if tp_size != 1 or pipe_size > 1:
+        raise NotImplementedError(f"fbmt.init_distributed(tp_size={tp_size}, pipe_size={pipe_size}): tensor and "
+                                  "pipeline parallelism are not supported yet; fbmt shards every parameter over all "
+                                  "ranks (ZeRO-3), so use tp_size=1 and pipe_size=-1 or 1")
     if dist.is_initialized():
+        _fill_config()
         return
     env = os.environ
     launched = "RANK" in env and "WORLD_SIZE" in env
@@ -40,7 +53,7 @@ def init_distributed(seed: int = 0, backend: str | None = None, *, timeout: floa
             if missing:
                 raise ValueError(f"fbmt.init_distributed: RANK and WORLD_SIZE are set but {missing} are not; "
                                  "launch with torchrun, or set them")
-            dist.init_process_group(backend, rank=rank, world_size=world,
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=wait))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -51,7 +64,16 @@ def init_distributed(seed: int = 0, backend: str | None = None, *, timeout: floa
             f"{wait:.0f}s ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check that all "
             f"{world} ranks were started, that MASTER_ADDR/MASTER_PORT agree and are reachable, or raise "
             "FBMT_INIT_TIMEOUT.") from e
+    _fill_config()
     seed_everything(seed)
+
+
+def _fill_config() -> None:
+    r, w = rank(), world_size()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    config.update(rank=r, local_rank=local, world_size=w, local_size=int(os.environ.get("LOCAL_WORLD_SIZE", w)),
+                  zero_size=w, zero_rank=r, tp_size=1, tp_rank=0, tp_zero_size=w, tp_zero_rank=r,
+                  pipe_size=1, pipe_rank=0, device=str(local_device()), initialized=True)
 
 
 def seed_everything(seed: int) -> None:

@@ -39,11 +39,39 @@ class TraceError(RuntimeError):
     """The model could not be traced; the message names the module, the op and the source line."""
 
 
+_depth = 0
+
+
+def tracing() -> bool:
+    """True while fbmt traces a module (its forward then runs on fake tensors)."""
+    return _depth > 0
+
+
+@contextmanager
+def _tracing() -> Iterator[None]:
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
 def trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], args: tuple, kwargs: dict,
-          *, param_device: torch.device, needs_grad: bool) -> Program:
-    """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring)."""
+          *, param_device: torch.device, needs_grad: bool, trainable: tuple[bool, ...] | None = None) -> Program:
+    """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring).
+
+    `trainable[k]` says whether group k's parameters get gradients (default: `group.requires_grad`).
+    """
+    with _tracing():
+        return _trace(module, layout, buffers, args, kwargs, param_device, needs_grad, trainable)
+
+
+def _trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], args: tuple, kwargs: dict,
+           param_device: torch.device, needs_grad: bool, trainable: tuple[bool, ...] | None) -> Program:
     fake_mode = FakeTensorMode()
-    params = [(s.name, s.shape, g.dtype, g.requires_grad) for g in layout.groups for s in g.slots]
+    rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
+    params = [(s.name, s.shape, g.dtype, rg[g.index]) for g in layout.groups for s in g.slots]
     with fake_mode:
         fake_params = [torch.empty(shape, dtype=dt, device=param_device) for _, shape, dt, _ in params]
     fake_buffers = [fake_mode.from_tensor(b) for b in buffers.values()]

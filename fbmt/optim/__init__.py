@@ -2,9 +2,10 @@
 
 `AdamOptimizer` keeps its state on the parameters' device and updates with numba-CUDA kernels on
 GPUs (fbmt/kernels); `AdamOffloadOptimizer` keeps it in host memory and updates with the native
-fused CPU Adam (fbmt._C, fbmt/csrc/adam.cpp)."""
+fused CPU Adam (fbmt._C, fbmt/csrc/adam.cpp). `OptimManager` drives them with BMTrain's loss scaling."""
 
 from fbmt.optim.adam import AdamOptimizer
+from fbmt.optim.manager import OptimManager
 from fbmt.optim.offload import AdamOffloadOptimizer
 
-__all__ = ["AdamOptimizer", "AdamOffloadOptimizer"]
+__all__ = ["AdamOptimizer", "AdamOffloadOptimizer", "OptimManager"]

@@ -30,11 +30,13 @@ Pass = Callable[[Program], Program]
 REQUIRED = ("shard",)
 
 
-def default_pipeline(*, zero: int, remat: str, schedule: str, prefetch: int) -> list[tuple[str, Pass]]:
+def default_pipeline(*, zero: int, remat: str, schedule: str, prefetch: int, grad_reduce: str = "mean",
+                     zero_per_block: dict[str, int] | None = None,
+                     remat_per_block: dict[str, str] | None = None) -> list[tuple[str, Pass]]:
     return [
         ("blocks", assign_blocks),
-        ("remat", functools.partial(recompute_blocks, policy=remat)),
-        ("shard", functools.partial(shard_parameters, zero=zero)),
+        ("remat", functools.partial(recompute_blocks, policy=remat, per_block=remat_per_block)),
+        ("shard", functools.partial(shard_parameters, zero=zero, per_block=zero_per_block, grad_reduce=grad_reduce)),
         ("schedule", functools.partial(schedule_overlap, strategy=schedule, prefetch=prefetch)),
         ("verify", verify),
     ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+import torch
 import torch.nn as nn
 
 from fbmt.program import FWD, FlatGroup, Layout, ParamSlot, Program
@@ -61,7 +62,10 @@ def find_blocks(module: nn.Module, explicit: list[str] | None = None) -> list[st
     return blocks
 
 
-def plan_layout(module: nn.Module, world_size: int, explicit_blocks: list[str] | None = None) -> Layout:
+def plan_layout(module: nn.Module, world_size: int, explicit_blocks: list[str] | None = None, *,
+                split_frozen: bool = True) -> Layout:
+    """`split_frozen=False` puts frozen and trainable parameters of a block in one group (marked
+    trainable), for models whose `requires_grad` flags change after compiling."""
     blocks = find_blocks(module, explicit_blocks)
     canonical: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -73,12 +77,15 @@ def plan_layout(module: nn.Module, world_size: int, explicit_blocks: list[str] |
         owner = name.rpartition(".")[0]
         per_block[probe.block_of_module(owner)].append((name, p))
     groups: list[FlatGroup] = []
+    def key(p: nn.Parameter) -> tuple[torch.dtype, bool]:
+        return p.dtype, p.requires_grad or not split_frozen
+
     for b in blocks:
-        keys = list(dict.fromkeys((p.dtype, p.requires_grad) for _, p in per_block[b]))
+        keys = list(dict.fromkeys(key(p) for _, p in per_block[b]))
         for dtype, rg in keys:
             slots, offset = [], 0
             for name, p in per_block[b]:
-                if (p.dtype, p.requires_grad) == (dtype, rg):
+                if key(p) == (dtype, rg):
                     slots.append(ParamSlot(name, tuple(p.shape), offset))
                     offset += p.numel()
             groups.append(FlatGroup(len(groups), b, dtype, rg, tuple(slots), world_size))

@@ -6,7 +6,7 @@ except (a) the block's outputs (values that other blocks' forward reads: the nex
 saved anyway), and (b) values that cannot be recomputed: random ops (recomputing would draw a new
 dropout mask) and mutating ops. Their recomputed copies are placed together right before the first
 backward node that needs any of them, tagged `fbmt_recompute="activation"`. With `policy="none"` the pass
-declines and says so in the history.
+declines and says so in the history. `per_block` sets the policy of single blocks.
 """
 
 from __future__ import annotations
@@ -34,20 +34,24 @@ def recomputable(n: fx.Node) -> bool:
     return t.__module__ == "_operator"  # getitem on multi-output ops
 
 
-def recompute_blocks(program: Program, *, policy: str = "block") -> Program:
+def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict[str, str] | None = None) -> Program:
+    """`per_block` overrides `policy` for the named blocks (BMTrain's `Block(use_checkpoint=...)`)."""
     started = time.perf_counter()
-    if policy not in POLICIES:
-        raise ValueError(f"fbmt.compile(remat={policy!r}): expected one of {POLICIES}")
+    per_block = per_block or {}
+    for p in (policy, *per_block.values()):
+        if p not in POLICIES:
+            raise ValueError(f"fbmt.compile(remat={p!r}): expected one of {POLICIES}")
     program = program.copy()
-    if policy == "none" or not program.needs_grad:
-        why = "remat='none'" if policy == "none" else "forward-only program"
+    chosen = [b for b in program.layout.blocks if per_block.get(b, policy) == "block"]
+    if not chosen or not program.needs_grad:
+        why = "forward-only program" if not program.needs_grad else "no block recomputes (remat='none')"
         program.record("remat", started, f"declined: {why}; activations are saved")
         return program
 
     g = program.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     stats = []
-    for block in program.layout.blocks:
+    for block in chosen:
         inside = {n for n in g.nodes if n.meta.get("fbmt_block") == block and recomputable(n)
                   and all(u.meta.get("fbmt_block") == block for u in n.users if u.meta.get("fbmt_phase") == FWD)}
         needed = [n for n in inside if any(u.meta.get("fbmt_phase") == BWD for u in n.users)]

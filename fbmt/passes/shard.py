@@ -9,7 +9,8 @@ Ensures, for each flat group of the layout:
   buffer (the partitioner saves it) and reads the views from it; either way a `release` follows
   the last backward use;
 - gradients: the group's parameter gradients are flattened into one buffer right after the last of
-  them is computed, and one `reduce_scatter` (mean over ranks) + `wait` yields the shard gradient
+  them is computed, and one `reduce_scatter` (mean over ranks, or the sum with `grad_reduce="sum"`)
+  + `wait` yields the shard gradient
   (output role `shard_grad`). A group none of whose parameters gets a gradient returns None, as
   eager autograd leaves `.grad` None for unused parameters.
 Forward values computed from parameters alone (transposes, casts) that the backward reads are
@@ -31,10 +32,16 @@ from fbmt.runtime import collectives
 aten = torch.ops.aten
 
 
-def shard_parameters(program: Program, *, zero: int = 3) -> Program:
+def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, int] | None = None,
+                     grad_reduce: str = "mean") -> Program:
+    """`per_block` overrides `zero` for the named blocks (BMTrain's `Block(zero_level=...)`)."""
     started = time.perf_counter()
-    if zero not in (2, 3):
-        raise ValueError(f"fbmt.compile(zero={zero}): expected 3 (re-gather for backward) or 2 (keep gathered)")
+    per_block = per_block or {}
+    for level in (zero, *per_block.values()):
+        if level not in (2, 3):
+            raise ValueError(f"fbmt.compile(zero={level}): expected 3 (re-gather for backward) or 2 (keep gathered)")
+    if grad_reduce not in ("mean", "sum"):
+        raise ValueError(f"fbmt.compile(grad_reduce={grad_reduce!r}): expected 'mean' or 'sum'")
     program = program.copy()
     g = program.graph
     roles = dict(zip(program.placeholders(), program.inputs))
@@ -52,6 +59,7 @@ def shard_parameters(program: Program, *, zero: int = 3) -> Program:
     shard_grads: list[tuple[Role, Any]] = []
     gathers = 0
     for group, shard in zip(program.layout.groups, shards):
+        level = per_block.get(group.block, zero)
         members = [params[s.name] for s in group.slots]
         fwd_buffer = None
         read_by = {ph: [u for p in members for u in p.users if u.meta.get("fbmt_phase") == ph] for ph in (FWD, BWD)}
@@ -60,7 +68,7 @@ def shard_parameters(program: Program, *, zero: int = 3) -> Program:
                 continue
             first = min(users, key=_order(g).__getitem__)
             with g.inserting_before(first):
-                if phase == FWD or zero == 3 or fwd_buffer is None:
+                if phase == FWD or level == 3 or fwd_buffer is None:
                     buffer = _gather(g, shard, group, phase)
                     gathers += 1
                 else:
@@ -71,10 +79,10 @@ def shard_parameters(program: Program, *, zero: int = 3) -> Program:
                     u.replace_input_with(p, view)
             if phase == FWD:
                 fwd_buffer = buffer
-            if phase == BWD or zero == 3 or not read_by[BWD]:  # ZeRO-2 keeps it only for a backward reader
+            if phase == BWD or level == 3 or not read_by[BWD]:  # ZeRO-2 keeps it only for a backward reader
                 _release_after_last_use(g, buffer, phase)
         if group.requires_grad and program.needs_grad:
-            shard_grads.append((Role("shard_grad", group.index), _reduce_scatter(program, group, grads)))
+            shard_grads.append((Role("shard_grad", group.index), _reduce_scatter(program, group, grads, grad_reduce == "mean")))
     for p in params.values():
         assert not p.users, f"parameter placeholder {p.name} still has users {list(p.users)}"
         g.erase_node(p)
@@ -85,7 +93,8 @@ def shard_parameters(program: Program, *, zero: int = 3) -> Program:
     program.set_outputs([v for _, v in kept], [r for r, _ in kept])
     g.lint()
     n_rs = sum(1 for _, v in shard_grads if v is not None)
-    program.record("shard", started, f"zero={zero}: {len(program.layout.groups)} flat groups, "
+    levels = f"zero={zero}" + (f" ({len(per_block)} blocks overridden)" if per_block else "")
+    program.record("shard", started, f"{levels}, grads {grad_reduce}: {len(program.layout.groups)} flat groups, "
                    f"{gathers} all-gathers, {n_rs} reduce-scatters")
     return program
 
@@ -145,7 +154,7 @@ def _release_after_last_use(g: fx.Graph, buffer: fx.Node, phase: str) -> None:
         emit(g, collectives.release, (buffer,), phase, fbmt_group=buffer.meta.get("fbmt_group"))
 
 
-def _reduce_scatter(program: Program, group: FlatGroup, grads: dict[str, Any]) -> fx.Node | None:
+def _reduce_scatter(program: Program, group: FlatGroup, grads: dict[str, Any], average: bool) -> fx.Node | None:
     g = program.graph
     values = [grads.get(s.name) for s in group.slots]
     produced = [v for v in values if isinstance(v, fx.Node)]
@@ -159,7 +168,8 @@ def _reduce_scatter(program: Program, group: FlatGroup, grads: dict[str, Any]) -
         if group.padded_numel > group.numel:
             pieces.append(emit(g, aten.new_zeros.default, (produced[0], [group.padded_numel - group.numel]), BWD))
         flat = emit(g, aten.cat.default, (pieces,), BWD) if len(pieces) > 1 else pieces[0]
-        start = emit(g, collectives.reduce_scatter, (flat, group.world_size), BWD, fbmt_group=group.index)
+        start = emit(g, collectives.reduce_scatter, (flat, group.world_size, average), BWD,
+                     fbmt_group=group.index)
         return emit(g, collectives.wait, (start,), BWD, fbmt_group=group.index)
 
 

@@ -40,12 +40,12 @@ def all_gather(shard: torch.Tensor, world_size: int) -> Pending:
     return Pending(out, all_gather_into(out, shard, async_op=True))
 
 
-def reduce_scatter(flat: torch.Tensor, world_size: int) -> Pending:
-    """Start reducing a flat gradient over ranks; this rank receives the mean of its shard."""
+def reduce_scatter(flat: torch.Tensor, world_size: int, average: bool = True) -> Pending:
+    """Start reducing a flat gradient over ranks; this rank receives the mean (or sum) of its shard."""
     if world_size == 1:
         return Pending(flat, None)
     out = torch.empty(flat.numel() // world_size, dtype=flat.dtype, device=flat.device)
-    return Pending(out, reduce_scatter_into(out, flat, async_op=True), divisor=world_size)
+    return Pending(out, reduce_scatter_into(out, flat, async_op=True), divisor=world_size if average else 1)
 
 
 def wait(pending: Pending) -> torch.Tensor:
@@ -62,4 +62,6 @@ def release(buffer: torch.Tensor) -> None:
 
 
 STARTS = (all_gather, reduce_scatter)
-EFFECTFUL = (all_gather, reduce_scatter, wait, release)
+# Node targets with effects: never dropped when unused, never recomputed. Others register here too
+# (fbmt.inspect's recording ops).
+EFFECTFUL = {all_gather, reduce_scatter, wait, release}

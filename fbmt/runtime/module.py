@@ -18,21 +18,31 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fbmt.passes import default_pipeline, run_pipeline
+from fbmt import inspect
+from fbmt.passes import run_pipeline
 from fbmt.program import Layout, Program
-from fbmt.runtime.params import copy_into_shard, gather_group
+from fbmt.runtime.params import copy_into_shard, gather_group, local_range
 from fbmt.runtime.partition import Executable, partition
 from fbmt.trace import trace
 
 log = logging.getLogger("fbmt")
 
 
+Routes = dict[int, list[tuple[int, int, int]]]  # group -> (view index, lo, hi in the shard) of each view
+
+
 class _RunProgram(torch.autograd.Function):
+    """Runs an Executable's forward, and its backward when autograd asks.
+
+    `args` are the forward graph's inputs, then (view mode) the per-parameter views: `routes` says
+    which slice of each shard gradient is the gradient of which view argument.
+    """
+
     @staticmethod
-    def forward(ctx: Any, exe: Executable, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        results = exe.forward(*args)
+    def forward(ctx: Any, exe: Executable, routes: Routes | None, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        results = exe.forward(*args[:len(exe.fwd_inputs)])
         outs = results[:exe.n_outputs]
-        ctx.exe, ctx.saved, ctx.n_args = exe, results[exe.n_outputs:], len(args)
+        ctx.exe, ctx.routes, ctx.saved, ctx.n_args = exe, routes, results[exe.n_outputs:], len(args)
         diff = set(exe.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
         return tuple(outs)
@@ -48,18 +58,41 @@ class _RunProgram(torch.autograd.Function):
         ctx.saved = None  # free activations as soon as the backward has consumed them
         out: list[torch.Tensor | None] = [None] * ctx.n_args
         for arg, result in exe.grad_slots:
-            out[arg] = results[result]
-        return (None, *out)
+            grad, role = results[result], exe.fwd_inputs[arg]
+            if ctx.routes is not None and role.kind == "shard":
+                if grad is not None:
+                    for view, lo, hi in ctx.routes[role.key]:
+                        out[len(exe.fwd_inputs) + view] = grad[lo:hi]
+            else:
+                out[arg] = grad
+        return (None, None, *out)
 
 
 class CompiledModule(nn.Module):
-    """A module compiled by `fbmt.compile`; see that function for the options."""
+    """A module compiled by `fbmt.compile`; see that function for the options.
+
+    View mode (`views`, used by fbmt's BMTrain layer): for each group, one leaf Parameter per slot,
+    viewing this rank's part of that parameter inside the group's shard (possibly empty). Autograd
+    then accumulates a slice of the shard gradient into each view's `.grad`, so optimizers and
+    `named_parameters()` see ordinary per-parameter tensors; the flat shards hold no gradients.
+    """
 
     def __init__(self, module: nn.Module, layout: Layout, shards: list[nn.Parameter], *,
-                 options: Any, device: torch.device, rank: int):
+                 options: Any, device: torch.device, rank: int, views: list[list[nn.Parameter]] | None = None):
         super().__init__()
         self.__dict__["_orig"] = module  # not a submodule: its parameters are meta placeholders
         self.flat_params = nn.ParameterList(shards)
+        self.views = views
+        self._routes: Routes | None = None
+        if views is not None:
+            self._routes, index = {}, 0
+            for group, vs in zip(layout.groups, views):
+                base, self._routes[group.index] = rank * group.shard_numel, []
+                for slot, v in zip(group.slots, vs):
+                    lo, hi = local_range(group, slot, rank)
+                    assert v.numel() == max(0, hi - lo), f"view of {slot.name} has the wrong size"
+                    self._routes[group.index].append((index, max(0, lo - base), max(lo, hi) - base))
+                    index += 1
         self.layout, self.options, self.device, self.rank = layout, options, device, rank
         self.programs: dict[Any, Program] = {}
         self._executables: dict[Any, Executable] = {}
@@ -75,19 +108,21 @@ class CompiledModule(nn.Module):
             if x.device != self.device:
                 raise ValueError(f"fbmt: tensor input #{i} (shape {tuple(x.shape)}) is on {x.device}, but this "
                                  f"model's parameters are on {self.device}; move the inputs with .to({str(self.device)!r})")
-        needs_grad = torch.is_grad_enabled() and (any(p.requires_grad for p in self.flat_params)
-                                                  or any(x.requires_grad for x in inputs))
-        key = self._key(args, kwargs, needs_grad)
+        trainable = self.trainable()
+        needs_grad = torch.is_grad_enabled() and (any(trainable) or any(x.requires_grad for x in inputs))
+        key = self._key(args, kwargs, needs_grad, trainable)
         exe = self._executables.get(key)
         if exe is None:
-            exe = self._build(key, args, kwargs, needs_grad)
+            exe = self._build(key, args, kwargs, needs_grad, trainable)
         self._check_ranks_agree(exe)
         feed = self._feed(exe, inputs)
         if exe.backward is None:
             with torch.no_grad():
                 outs = exe.forward(*feed)[:exe.n_outputs]
+        elif self.views is None:
+            outs = _RunProgram.apply(exe, None, *feed)
         else:
-            outs = _RunProgram.apply(exe, *feed)
+            outs = _RunProgram.apply(exe, self._routes, *feed, *(v for vs in self.views for v in vs))
         program = self.programs[key]
         flat: list[Any] = [None] * (len(program.out_constants) + exe.n_outputs)
         for k, v in program.out_constants.items():
@@ -98,28 +133,33 @@ class CompiledModule(nn.Module):
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The transformed program for this call, without running it (works at any world size)."""
-        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.flat_params)
-        key = self._key(args, kwargs, needs_grad)
+        trainable = self.trainable()
+        needs_grad = torch.is_grad_enabled() and any(trainable)
+        key = self._key(args, kwargs, needs_grad, trainable)
         if key not in self.programs:
-            self._build(key, args, kwargs, needs_grad)
+            self._build(key, args, kwargs, needs_grad, trainable)
         return self.programs[key]
 
-    def _key(self, args: tuple, kwargs: dict, needs_grad: bool) -> tuple:
+    def trainable(self) -> tuple[bool, ...]:
+        """Per flat group: does any of its parameters require a gradient now."""
+        if self.views is None:
+            return tuple(p.requires_grad for p in self.flat_params)
+        return tuple(any(v.requires_grad for v in vs) for vs in self.views)
+
+    def _key(self, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...]) -> tuple:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         sig = tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
                     for x in leaves)
-        return (spec, sig, tuple(m.training for m in self._orig.modules()), needs_grad)
+        return (spec, sig, tuple(m.training for m in self._orig.modules()), needs_grad, trainable, inspect.active())
 
-    def _build(self, key: tuple, args: tuple, kwargs: dict, needs_grad: bool) -> Executable:
+    def _build(self, key: tuple, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...]) -> Executable:
         o = self.options
         started = time.perf_counter()
         buffers = OrderedDict(self._orig.named_buffers())
         program = trace(self._orig, self.layout, buffers, args, kwargs, param_device=self.device,
-                        needs_grad=needs_grad)
+                        needs_grad=needs_grad, trainable=trainable)
         traced = time.perf_counter()
-        program = run_pipeline(program, default_pipeline(zero=o.zero, remat=o.remat, schedule=o.schedule,
-                                                         prefetch=o.prefetch),
-                               disable=o.disable, checks=o.checks, dump_dir=o.dump_dir)
+        program = run_pipeline(program, o.pipeline(), disable=o.disable, checks=o.checks, dump_dir=o.dump_dir)
         exe = partition(program)
         if self.programs:
             log.info("fbmt: compiling a new program for a new input signature (%d cached)", len(self.programs))

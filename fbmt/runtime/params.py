@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fbmt.program import FlatGroup, Layout
+from fbmt.program import FlatGroup, Layout, ParamSlot
 from fbmt.runtime import collectives
 
 InitFn = Callable[[nn.Module], None]
@@ -33,6 +33,11 @@ def copy_into_shard(shard: torch.Tensor, group: FlatGroup, rank: int, values: Ma
         if a < b and s.name in values:
             src = values[s.name].detach().reshape(-1)[a - s.offset:b - s.offset]
             shard[a - lo:b - lo].copy_(src)
+
+
+def local_range(group: FlatGroup, slot: ParamSlot, rank: int) -> tuple[int, int]:
+    """The part of the flat buffer, [lo, hi), that holds `slot`'s elements on `rank` (lo >= hi: none)."""
+    return max(rank * group.shard_numel, slot.offset), min((rank + 1) * group.shard_numel, slot.offset + slot.numel)
 
 
 def build_shards(module: nn.Module, layout: Layout, rank: int, device: torch.device,
