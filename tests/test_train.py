@@ -1,6 +1,7 @@
 """The main job end to end: `python -m fbmt.train` launches ranks, trains, saves a usable checkpoint."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -23,3 +24,22 @@ def test_main_job_trains_and_saves_a_plain_checkpoint(tmp_path):
     model = GPT(GPTConfig(**ck["config"]))
     model.load_state_dict(ck["model"])  # a plain nn.Module loads it: full tensors, original keys
     assert not list(tmp_path.glob(".tmp-*")), "no temporary file left behind"
+
+
+def test_bmtrain_example_runs_under_torchrun_and_its_loss_falls(tmp_path):
+    out = tmp_path / "gpt.pt"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={port}", os.path.join(root, "examples", "bmtrain_gpt.py"), "--steps", "40", "--layers", "2",
+           "--dim", "64", "--seq", "64", "--batch", "4", "--save", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "| iter   39 | loss" in run.stdout
+    first, last = (float(v) for v in run.stdout.split("\nloss ")[1].split(" (")[0].split(" -> "))
+    assert last < first - 0.5, run.stdout[-2000:]
+    state = torch.load(out, weights_only=True)  # BMTrain's format: full tensors, unwrapped names
+    assert state["transformers.1.attn.project_q.weight"].shape == (64, 64)
+    assert state["word_emb.weight"].shape == (256, 64)
