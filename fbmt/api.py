@@ -34,6 +34,11 @@ class CompileOptions:
     """(block path, zero, remat) for blocks whose policy differs from `zero`/`remat`."""
     grad_reduce: str = "mean"
     """How gradients combine over ranks: "mean" (as one big batch) or "sum" (BMTrain's convention)."""
+    param_dtype: torch.dtype | None = None
+    """Mixed precision: gather and compute with floating parameters in this dtype (shards, gradients
+    and the optimizer keep the stored dtype); floating inputs are cast to it."""
+    reduce_dtype: torch.dtype | None = None
+    """Mixed precision: reduce gradients in this dtype (default: the stored dtype, e.g. fp32)."""
     disable: tuple[str, ...] = ()
     """Pass names to skip (to bisect a problem); "shard" cannot be skipped."""
     checks: bool = False
@@ -54,11 +59,15 @@ class CompileOptions:
             raise ValueError(f"fbmt.compile(prefetch={self.prefetch}): must be at least 1")
         if self.grad_reduce not in ("mean", "sum"):
             raise ValueError(f"fbmt.compile(grad_reduce={self.grad_reduce!r}): expected 'mean' or 'sum'")
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"fbmt.compile({name}={dtype!r}): expected a floating-point torch.dtype")
 
     def pipeline(self) -> list:
         """The pass pipeline these options select."""
         return default_pipeline(zero=self.zero, remat=self.remat, schedule=self.schedule, prefetch=self.prefetch,
-                                grad_reduce=self.grad_reduce,
+                                grad_reduce=self.grad_reduce, reduce_dtype=self.reduce_dtype,
                                 zero_per_block={b: z for b, z, _ in self.block_policies},
                                 remat_per_block={b: r for b, _, r in self.block_policies})
 
@@ -67,7 +76,8 @@ Blocks = Union[list[str], dict[str, dict[str, Any]], None]
 
 
 def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefetch", prefetch: int = 1,
-                 blocks: Blocks = None, grad_reduce: str = "mean", disable: tuple[str, ...] = (),
+                 blocks: Blocks = None, grad_reduce: str = "mean", param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, disable: tuple[str, ...] = (),
                  checks: bool | None = None, dump_dir: str | None = None) -> CompileOptions:
     """CompileOptions from `fbmt.compile`'s keyword arguments (environment defaults filled in)."""
     policies = []
@@ -82,14 +92,15 @@ def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefet
     return CompileOptions(
         zero=zero, remat=remat, schedule=schedule, prefetch=prefetch,
         blocks=tuple(blocks) if blocks is not None else None, block_policies=tuple(policies),
-        grad_reduce=grad_reduce, disable=tuple(disable),
+        grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype, disable=tuple(disable),
         checks=bool(os.environ.get("FBMT_CHECKS")) if checks is None else checks,
         dump_dir=dump_dir or os.environ.get("FBMT_DUMP_DIR"))
 
 
 def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: str = "prefetch",
-            prefetch: int = 1, blocks: Blocks = None, grad_reduce: str = "mean", disable: tuple[str, ...] = (),
-            checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
+            prefetch: int = 1, blocks: Blocks = None, grad_reduce: str = "mean",
+            param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+            disable: tuple[str, ...] = (), checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
             device: torch.device | str | None = None,
             init_fn: Callable[[nn.Module], None] | None = None) -> CompiledModule:
     """Compile `model` for training on every rank of the job (see README and docs/ARCHITECTURE.md).
@@ -99,6 +110,10 @@ def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: 
     its parameters are replaced by `meta` placeholders so only the shards hold memory. A model built
     under `torch.device("meta")` is materialized block by block with `init_fn(module)` or each
     module's `reset_parameters()`, so no rank ever holds the whole model.
+
+    Mixed precision as FSDP2's MixedPrecisionPolicy: `param_dtype=torch.bfloat16` gathers and
+    computes in bf16 while shards, gradients and the optimizer stay in the stored dtype (fp32);
+    `reduce_dtype` is the dtype gradients are reduced in (default: the stored one).
 
     `blocks` is a list of module paths, or a dict from path to that block's own policy, e.g.
     `{"layers.0": {"remat": "none"}, "layers.1": {}}`. `world_size` (default: the process group's)
@@ -110,11 +125,13 @@ def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: 
     if isinstance(model, CompiledModule):
         raise TypeError("fbmt.compile: this module is already compiled")
     options = make_options(zero=zero, remat=remat, schedule=schedule, prefetch=prefetch, blocks=blocks,
-                           grad_reduce=grad_reduce, disable=disable, checks=checks, dump_dir=dump_dir)
+                           grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           disable=disable, checks=checks, dump_dir=dump_dir)
     world = world_size or distributed.world_size()
     rank = distributed.rank() if world == distributed.world_size() else 0
     device = resolve_device(device)
-    layout = plan_layout(model, world, list(options.blocks) if options.blocks is not None else None)
+    layout = plan_layout(model, world, list(options.blocks) if options.blocks is not None else None,
+                         param_dtype=param_dtype)
     shards = build_shards(model, layout, rank, device, init_fn)
     return CompiledModule(model, layout, shards, options=options, device=device, rank=rank)
 

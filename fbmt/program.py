@@ -59,10 +59,15 @@ class FlatGroup:
 
     index: int
     block: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # how the shard is stored (and the optimizer sees it)
     requires_grad: bool
     slots: tuple[ParamSlot, ...]
     world_size: int
+    compute_dtype: torch.dtype | None = None  # how it is gathered and computed with (None: as stored)
+
+    @property
+    def compute(self) -> torch.dtype:
+        return self.compute_dtype or self.dtype
 
     @property
     def numel(self) -> int:

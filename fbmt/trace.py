@@ -71,7 +71,7 @@ def _trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], 
            param_device: torch.device, needs_grad: bool, trainable: tuple[bool, ...] | None) -> Program:
     fake_mode = FakeTensorMode()
     rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
-    params = [(s.name, s.shape, g.dtype, rg[g.index]) for g in layout.groups for s in g.slots]
+    params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]
     with fake_mode:
         fake_params = [torch.empty(shape, dtype=dt, device=param_device) for _, shape, dt, _ in params]
     fake_buffers = [fake_mode.from_tensor(b) for b in buffers.values()]

@@ -63,9 +63,10 @@ def find_blocks(module: nn.Module, explicit: list[str] | None = None) -> list[st
 
 
 def plan_layout(module: nn.Module, world_size: int, explicit_blocks: list[str] | None = None, *,
-                split_frozen: bool = True) -> Layout:
+                split_frozen: bool = True, param_dtype: torch.dtype | None = None) -> Layout:
     """`split_frozen=False` puts frozen and trainable parameters of a block in one group (marked
-    trainable), for models whose `requires_grad` flags change after compiling."""
+    trainable), for models whose `requires_grad` flags change after compiling. `param_dtype` is the
+    compute dtype of every floating-point group stored in another dtype (mixed precision)."""
     blocks = find_blocks(module, explicit_blocks)
     canonical: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -88,7 +89,9 @@ def plan_layout(module: nn.Module, world_size: int, explicit_blocks: list[str] |
                 if key(p) == (dtype, rg):
                     slots.append(ParamSlot(name, tuple(p.shape), offset))
                     offset += p.numel()
-            groups.append(FlatGroup(len(groups), b, dtype, rg, tuple(slots), world_size))
+            compute = param_dtype if param_dtype is not None and dtype.is_floating_point and dtype != param_dtype \
+                else None
+            groups.append(FlatGroup(len(groups), b, dtype, rg, tuple(slots), world_size, compute))
     return Layout(tuple(blocks), tuple(groups), aliases, world_size)
 
 

@@ -24,28 +24,37 @@ reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 
 class Pending:
-    """An issued collective: its output tensor and the work handle to wait on."""
+    """An issued collective: its output tensor, the work handle to wait on, what to do after."""
 
-    __slots__ = ("tensor", "work", "divisor")
+    __slots__ = ("tensor", "work", "divisor", "out_dtype")
 
-    def __init__(self, tensor: torch.Tensor, work: object | None, divisor: int = 1):
-        self.tensor, self.work, self.divisor = tensor, work, divisor
+    def __init__(self, tensor: torch.Tensor, work: object | None, divisor: int = 1,
+                 out_dtype: torch.dtype | None = None):
+        self.tensor, self.work, self.divisor, self.out_dtype = tensor, work, divisor, out_dtype
 
 
-def all_gather(shard: torch.Tensor, world_size: int) -> Pending:
-    """Start gathering a flat shard from every rank into one flat buffer (rank-major)."""
+def all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None = None) -> Pending:
+    """Start gathering a flat shard from every rank into one flat buffer (rank-major), cast to
+    `dtype` first if given (mixed precision: fewer bytes on the wire)."""
+    if dtype is not None and dtype != shard.dtype:
+        shard = shard.to(dtype)
     if world_size == 1:
         return Pending(shard, None)
     out = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=shard.device)
     return Pending(out, all_gather_into(out, shard, async_op=True))
 
 
-def reduce_scatter(flat: torch.Tensor, world_size: int, average: bool = True) -> Pending:
-    """Start reducing a flat gradient over ranks; this rank receives the mean (or sum) of its shard."""
+def reduce_scatter(flat: torch.Tensor, world_size: int, average: bool = True, wire_dtype: torch.dtype | None = None,
+                   out_dtype: torch.dtype | None = None) -> Pending:
+    """Start reducing a flat gradient over ranks; this rank receives the mean (or sum) of its shard.
+    Mixed precision: reduce in `wire_dtype` and return `out_dtype` (both default to flat's dtype)."""
+    if wire_dtype is not None and wire_dtype != flat.dtype:
+        flat = flat.to(wire_dtype)
     if world_size == 1:
-        return Pending(flat, None)
+        return Pending(flat, None, out_dtype=out_dtype)
     out = torch.empty(flat.numel() // world_size, dtype=flat.dtype, device=flat.device)
-    return Pending(out, reduce_scatter_into(out, flat, async_op=True), divisor=world_size if average else 1)
+    return Pending(out, reduce_scatter_into(out, flat, async_op=True), divisor=world_size if average else 1,
+                   out_dtype=out_dtype)
 
 
 def wait(pending: Pending) -> torch.Tensor:
@@ -53,6 +62,8 @@ def wait(pending: Pending) -> torch.Tensor:
         pending.work.wait()
     if pending.divisor != 1:
         pending.tensor.div_(pending.divisor)
+    if pending.out_dtype is not None and pending.out_dtype != pending.tensor.dtype:
+        return pending.tensor.to(pending.out_dtype)
     return pending.tensor
 
 

@@ -98,10 +98,15 @@ class CompiledModule(nn.Module):
         self._executables: dict[Any, Executable] = {}
         self._checked: set[str] = set()
         self.program: Program | None = None
+        self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
         self.train(module.training)
 
     # ---- calling ----
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        dtype = getattr(self.options, "param_dtype", None)
+        if dtype is not None:  # mixed precision: floating inputs in the compute dtype, as FSDP2 does
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, (args, kwargs))
         leaves, _ = pytree.tree_flatten((args, kwargs))
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         for i, x in enumerate(inputs):
@@ -164,6 +169,7 @@ class CompiledModule(nn.Module):
         if self.programs:
             log.info("fbmt: compiling a new program for a new input signature (%d cached)", len(self.programs))
         log.info("fbmt: traced in %.2fs, passes+partition in %.2fs", traced - started, time.perf_counter() - traced)
+        self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
         return exe
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
+#   bash benchmarks/gpu_suite.sh STAGE OUT_DIR     (STAGE: small | 6.7b | 13b)
+# Every stage installs fbmt into the machine's own python3 first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=$1 out=$2
+mkdir -p "$out"
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/install.txt" 2>&1 || { cat "$out/install.txt"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
+run() {  # run NAME SECONDS ARGS...: one torchrun on every GPU, output to $out/NAME.txt
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" --master_port=$((29500 + RANDOM % 1000)) "$@" \
+    > "$out/$name.txt" 2>&1
+  echo "rc=$?" >> "$out/$name.txt"
+  grep -v "^W[0-9]" "$out/$name.txt" | tail -8
+}
+case $stage in
+  small)
+    run bmtrain_example 90 examples/bmtrain_gpt.py --steps 60 --save /tmp/bmtrain_gpt.pt
+    run b1.36_none 280 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 8 --warmup 2 --out "$out/b1.36_none.json"
+    run b1.36_block 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 8 --warmup 2 --out "$out/b1.36_block.json" ;;
+  6.7b)
+    run b6.7_block 560 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 6 --warmup 2 --out "$out/b6.7_block.json" ;;
+  13b)
+    run b13_block 560 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --out "$out/b13_block.json" ;;
+esac
