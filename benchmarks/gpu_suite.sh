@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
-#   bash benchmarks/gpu_suite.sh STAGE OUT_DIR     (STAGE: small | 6.7b | 13b)
+#   bash benchmarks/gpu_suite.sh STAGE OUT_DIR     (STAGE: example | 1.36b | 6.7b | 13b)
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,12 +17,14 @@ run() {  # run NAME SECONDS ARGS...: one torchrun on every GPU, output to $out/N
   grep -v "^W[0-9]" "$out/$name.txt" | tail -8
 }
 case $stage in
-  small)
-    run bmtrain_example 90 examples/bmtrain_gpt.py --steps 60 --save /tmp/bmtrain_gpt.pt
-    run b1.36_none 280 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 8 --warmup 2 --out "$out/b1.36_none.json"
-    run b1.36_block 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 8 --warmup 2 --out "$out/b1.36_block.json" ;;
+  example)
+    run bmtrain_example 90 examples/bmtrain_gpt.py --steps 60 --save /tmp/bmtrain_gpt.pt ;;
+  1.36b)
+    run b1.36_none 290 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 8 --warmup 2 --out "$out/b1.36_none.json"
+    run b1.36_block 270 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 8 --warmup 2 --out "$out/b1.36_block.json" ;;
   6.7b)
-    run b6.7_block 560 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 6 --warmup 2 --out "$out/b6.7_block.json" ;;
+    run b6.7_block 380 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 6 --warmup 2 --out "$out/b6.7_block.json"
+    run b6.7_best 180 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat none --steps 6 --warmup 2 --methods fbmt-inductor --out "$out/b6.7_best.json" ;;
   13b)
     run b13_block 560 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --out "$out/b13_block.json" ;;
 esac

@@ -54,7 +54,8 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # ---- methods: each returns (model, optimizer) ready to train ----
 
-def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any]:
+def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
+               backend: str = "eager") -> tuple[nn.Module, Any]:
     import fbmt
 
     with torch.device("meta"):
@@ -68,7 +69,7 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device)
                 p.copy_(param_value(full, p.shape, p.device))
 
     model = fbmt.compile(model, remat=args.remat, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                         init_fn=init, device=device)
+                         backend=backend, init_fn=init, device=device)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
 
@@ -100,6 +101,7 @@ def build_fsdp2(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device
 
 METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "fbmt": build_fbmt,
+    "fbmt-inductor": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor"),
     "fsdp2": build_fsdp2,
     "fsdp2-compile": lambda cfg, args, device: build_fsdp2(cfg, args, device, compile_blocks=True),
 }
@@ -127,7 +129,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         step_times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
     sync_ok = None
-    if cuda and method == "fbmt":  # no host synchronization inside an fbmt step
+    if cuda and method.startswith("fbmt"):  # no host synchronization inside an fbmt step
         x, y = batch(0, args, cfg, device)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -149,8 +151,10 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, world=world,
                   no_host_sync=sync_ok)
     result["mfu"] = result["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
-    if method == "fbmt":
+    if method.startswith("fbmt"):
         result["compile_s"] = model.compile_seconds  # trace + passes + partition of the training program
+        result["inductor_s"] = model.regions.seconds  # compiling regions (backend="inductor"), in the first step
+        result["regions"] = repr(model.regions)
     del model, opt, loss
     gc.collect()
     if cuda:
@@ -165,7 +169,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--remat", choices=["none", "block"], default="none")
-    ap.add_argument("--methods", default="fbmt,fsdp2,fsdp2-compile")
+    ap.add_argument("--methods", default="fbmt,fbmt-inductor,fsdp2,fsdp2-compile")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -201,17 +205,23 @@ def main() -> None:
         peak = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else ""
         say(f"  {method:14s} {r['tok_s_gpu']:9.0f} tok/s/GPU  {mfu:10s} {peak:9s} setup {r['setup_s']:.1f}s  "
             f"first step {r['first_step_s']:.1f}s  losses {[round(v, 4) for v in r['losses']]}"
-            + (f"  compile {r['compile_s']:.1f}s  no host sync: {r['no_host_sync']}" if method == "fbmt" else ""),
+            + (f"  compile {r['compile_s']:.1f}s (+{r['inductor_s']:.1f}s inductor)  no host sync: "
+               f"{r['no_host_sync']}" if method.startswith("fbmt") else ""),
             flush=True)
     done = {r["method"]: r for r in results if "error" not in r}
-    if "fbmt" in done:
+    for ours in ("fbmt", "fbmt-inductor"):
+        if ours not in done:
+            continue
         for peer in ("fsdp2", "fsdp2-compile"):
             if peer in done:
-                ratio = done["fbmt"]["tok_s_gpu"] / done[peer]["tok_s_gpu"]
-                say(f"  fbmt / {peer}: {ratio:.3f}x tokens/s", flush=True)
-        if "fsdp2" in done:
-            gap = max(abs(a - b) for a, b in zip(done["fbmt"]["losses"], done["fsdp2"]["losses"]))
-            say(f"  first losses agree with fsdp2 to {gap:.2e}" + ("" if gap < 2e-2 else "  <-- MISMATCH"), flush=True)
+                ratio = done[ours]["tok_s_gpu"] / done[peer]["tok_s_gpu"]
+                mem = done[ours]["peak_gib"] / done[peer]["peak_gib"] if done[peer]["peak_gib"] else float("nan")
+                say(f"  {ours} / {peer}: {ratio:.3f}x tokens/s, {mem:.2f}x peak memory", flush=True)
+        peer = "fsdp2" if "fsdp2" in done else "fsdp2-compile" if "fsdp2-compile" in done else None
+        if peer:
+            gap = max(abs(a - b) for a, b in zip(done[ours]["losses"], done[peer]["losses"]))
+            say(f"  {ours}: first losses agree with {peer} to {gap:.2e}" + ("" if gap < 2e-2 else "  <-- MISMATCH"),
+                flush=True)
     if args.out and rank == 0:
         with open(args.out, "w") as f:
             json.dump(dict(config=args.config, args=vars(args), torch=torch.__version__, results=results), f, indent=1)

@@ -18,6 +18,9 @@ from fbmt.runtime.module import CompiledModule
 from fbmt.runtime.params import build_shards
 
 
+BACKENDS = ("eager", "inductor")
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     zero: int = 3
@@ -39,6 +42,9 @@ class CompileOptions:
     and the optimizer keep the stored dtype); floating inputs are cast to it."""
     reduce_dtype: torch.dtype | None = None
     """Mixed precision: reduce gradients in this dtype (default: the stored dtype, e.g. fp32)."""
+    backend: str = "eager"
+    """"eager": run the aten graphs op by op; "inductor": compile each compute region between
+    collectives with Inductor, once per distinct region (identical blocks share it)."""
     disable: tuple[str, ...] = ()
     """Pass names to skip (to bisect a problem); "shard" cannot be skipped."""
     checks: bool = False
@@ -59,6 +65,8 @@ class CompileOptions:
             raise ValueError(f"fbmt.compile(prefetch={self.prefetch}): must be at least 1")
         if self.grad_reduce not in ("mean", "sum"):
             raise ValueError(f"fbmt.compile(grad_reduce={self.grad_reduce!r}): expected 'mean' or 'sum'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"fbmt.compile(backend={self.backend!r}): expected one of {BACKENDS}")
         for name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -77,7 +85,7 @@ Blocks = Union[list[str], dict[str, dict[str, Any]], None]
 
 def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefetch", prefetch: int = 1,
                  blocks: Blocks = None, grad_reduce: str = "mean", param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, disable: tuple[str, ...] = (),
+                 reduce_dtype: torch.dtype | None = None, backend: str = "eager", disable: tuple[str, ...] = (),
                  checks: bool | None = None, dump_dir: str | None = None) -> CompileOptions:
     """CompileOptions from `fbmt.compile`'s keyword arguments (environment defaults filled in)."""
     policies = []
@@ -92,7 +100,8 @@ def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefet
     return CompileOptions(
         zero=zero, remat=remat, schedule=schedule, prefetch=prefetch,
         blocks=tuple(blocks) if blocks is not None else None, block_policies=tuple(policies),
-        grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype, disable=tuple(disable),
+        grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype, backend=backend,
+        disable=tuple(disable),
         checks=bool(os.environ.get("FBMT_CHECKS")) if checks is None else checks,
         dump_dir=dump_dir or os.environ.get("FBMT_DUMP_DIR"))
 
@@ -100,7 +109,7 @@ def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefet
 def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: str = "prefetch",
             prefetch: int = 1, blocks: Blocks = None, grad_reduce: str = "mean",
             param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-            disable: tuple[str, ...] = (), checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
+            backend: str = "eager", disable: tuple[str, ...] = (), checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
             device: torch.device | str | None = None,
             init_fn: Callable[[nn.Module], None] | None = None) -> CompiledModule:
     """Compile `model` for training on every rank of the job (see README and docs/ARCHITECTURE.md).
@@ -126,7 +135,7 @@ def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: 
         raise TypeError("fbmt.compile: this module is already compiled")
     options = make_options(zero=zero, remat=remat, schedule=schedule, prefetch=prefetch, blocks=blocks,
                            grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           disable=disable, checks=checks, dump_dir=dump_dir)
+                           backend=backend, disable=disable, checks=checks, dump_dir=dump_dir)
     world = world_size or distributed.world_size()
     rank = distributed.rank() if world == distributed.world_size() else 0
     device = resolve_device(device)

@@ -23,6 +23,7 @@ from fbmt.passes import run_pipeline
 from fbmt.program import Layout, Program
 from fbmt.runtime.params import copy_into_shard, gather_group, local_range
 from fbmt.runtime.partition import Executable, partition
+from fbmt.runtime.regions import RegionCache, split_regions
 from fbmt.trace import trace
 
 log = logging.getLogger("fbmt")
@@ -99,6 +100,7 @@ class CompiledModule(nn.Module):
         self._checked: set[str] = set()
         self.program: Program | None = None
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
+        self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
         self.train(module.training)
 
     # ---- calling ----
@@ -166,6 +168,10 @@ class CompiledModule(nn.Module):
         traced = time.perf_counter()
         program = run_pipeline(program, o.pipeline(), disable=o.disable, checks=o.checks, dump_dir=o.dump_dir)
         exe = partition(program)
+        if getattr(o, "backend", "eager") == "inductor":  # NOTE: [Regions]
+            exe.forward = split_regions(exe.forward, self.regions)
+            if exe.backward is not None:
+                exe.backward = split_regions(exe.backward, self.regions)
         if self.programs:
             log.info("fbmt: compiling a new program for a new input signature (%d cached)", len(self.programs))
         log.info("fbmt: traced in %.2fs, passes+partition in %.2fs", traced - started, time.perf_counter() - traced)

@@ -1,0 +1,165 @@
+"""Compute regions: hand the aten code between collectives to a compiler (Inductor).
+
+NOTE: [Regions]
+After partitioning, a forward or backward GraphModule is a sequence of pure aten compute with
+collective nodes (starts, waits), effectful ops (random draws, buffer writes, recording) and
+`release` markers in between. `split_regions` cuts it at every node that is not pure aten compute
+(dropping the `release` markers, which only matter to `verify`: memory is freed by reference
+counting either way) and replaces each maximal run of pure nodes that does real work (not only views)
+by one call of a `Region` module. A region compiles itself on its first call, from the real inputs,
+with `torch._inductor.compile_fx.compile_fx`, and keeps the result in a cache shared by the whole
+model, keyed by the region's structure (ops and how they connect, constants included) and its
+inputs' shapes, strides and dtypes. The regions of identical blocks have the same key, so a
+32-layer model compiles one forward and a few backward regions, not 32 of each: compile time does
+not grow with depth.
+
+Collectives stay where the schedule pass put them, so communication overlaps the compiled compute
+exactly as it overlapped the eager one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import time
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from fbmt.runtime import collectives
+
+_VIEWS = {"view", "_unsafe_view", "reshape", "slice", "t", "transpose", "permute", "expand", "alias",
+          "unsqueeze", "squeeze", "select", "as_strided", "split", "split_with_sizes", "unbind", "detach"}
+
+
+class RegionCache:
+    """Compiled regions of one model (or more), by structure and input layout; with counts."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[tuple, Any] = {}
+        self.hits = self.misses = 0
+        self.seconds = 0.0
+
+    def __repr__(self) -> str:
+        return (f"RegionCache({len(self.compiled)} compiled, {self.hits} reused, "
+                f"{self.seconds:.1f}s compiling)")
+
+
+class Region(nn.Module):
+    """A run of pure aten nodes, compiled on first call (see NOTE: [Regions])."""
+
+    def __init__(self, gm: fx.GraphModule, structure: str, cache: RegionCache):
+        super().__init__()
+        self.gm, self.structure, self.cache = gm, structure, cache
+        self.fn: Any = None
+
+    def forward(self, *args: Any) -> Any:
+        if self.fn is None:
+            self._compile(args)
+        return self.fn(*args)
+
+    def _compile(self, args: tuple) -> None:
+        layout = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else repr(a)
+                       for a in args)
+        key = (self.structure, layout)
+        fn = self.cache.compiled.get(key)
+        if fn is None:
+            from torch._inductor.compile_fx import compile_fx
+
+            started = time.perf_counter()
+            fn = compile_fx(self.gm, list(args))
+            self.cache.seconds += time.perf_counter() - started
+            self.cache.compiled[key] = fn
+            self.cache.misses += 1
+        else:
+            self.cache.hits += 1
+        self.fn = fn
+
+
+def _pure(n: fx.Node, current: set[fx.Node]) -> bool:
+    if n.op != "call_function" or n.target in collectives.EFFECTFUL:
+        return False
+    t = n.target
+    if t is operator.getitem:
+        return n.args[0] in current  # unpacking a multi-output op of the same region
+    if isinstance(t, torch._ops.OpOverload):
+        return not (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
+    return False
+
+
+def _is_view(n: fx.Node) -> bool:
+    t = n.target
+    return t is operator.getitem or (isinstance(t, torch._ops.OpOverload) and t.overloadpacket.__name__ in _VIEWS)
+
+
+def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
+    """`gm` with each run of pure compute replaced by a Region (see NOTE: [Regions])."""
+    g = gm.graph
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    members: set[fx.Node] = set()
+    for n in g.nodes:
+        if n.op == "call_function" and n.target is collectives.release:
+            continue  # a marker; does not end a region
+        if _pure(n, members):
+            current.append(n)
+            members.add(n)
+        elif current:
+            runs.append(current)
+            current, members = [], set()
+    if current:
+        runs.append(current)
+    runs = [r for r in runs if not all(_is_view(n) for n in r)]  # views alone cost nothing eagerly
+
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    start_of = {r[0]: r for r in runs}
+    inside = {n for r in runs for n in r}
+    root = nn.Module()
+    for n in g.nodes:
+        if n in start_of:
+            run = start_of[n]
+            ins, outs, sub, structure = _extract(run)
+            name = f"region{len(root._modules)}"
+            root.add_module(name, Region(sub, structure, cache))
+            call = out.call_module(name, tuple(env[i] for i in ins))
+            for k, o in enumerate(outs):
+                env[o] = out.call_function(operator.getitem, (call, k))
+                env[o].meta = dict(o.meta)
+        elif n in inside:
+            continue
+        elif n.op == "call_function" and n.target is collectives.release:
+            continue
+        else:
+            env[n] = out.node_copy(n, env.__getitem__)
+    out.lint()
+    return fx.GraphModule(root, out, class_name=type(gm).__name__)
+
+
+def _extract(run: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node], fx.GraphModule, str]:
+    """The run's inputs, outputs, as a standalone GraphModule, and its structural key."""
+    members = set(run)
+    ins: list[fx.Node] = []
+    for n in run:
+        for a in n.all_input_nodes:
+            if a not in members and a not in ins:
+                ins.append(a)
+    outs = [n for n in run if any(u not in members for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    local = {a: f"i{k}" for k, a in enumerate(ins)}
+    parts = []
+    for k, a in enumerate(ins):
+        env[a] = sub.placeholder(f"in{k}")
+        env[a].meta = dict(a.meta)
+    for j, n in enumerate(run):
+        env[n] = sub.node_copy(n, env.__getitem__)
+        local[n] = f"n{j}"
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: local[a])
+        parts.append(f"{n.target}{args}")
+    sub.output(tuple(env[o] for o in outs))
+    parts.append("->" + ",".join(local[o] for o in outs))
+    structure = hashlib.sha1("\n".join(parts).encode()).hexdigest()
+    return ins, outs, fx.GraphModule(nn.Module(), sub), structure

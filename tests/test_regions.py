@@ -1,0 +1,45 @@
+"""backend="inductor": compute regions between collectives compiled by Inductor (NOTE: [Regions])."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import fbmt
+from fbmt.runtime import collectives
+from fbmt.runtime.regions import Region
+from tests.models.reference import gpt
+
+
+def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile():
+    torch.manual_seed(0)
+    ref = gpt(n_layer=3)
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt(n_layer=3), backend="inductor", checks=True)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    assert model.regions.hits > 0, model.regions  # the three identical blocks reuse compiled regions
+    assert len(model.regions.compiled) < sum(isinstance(m, Region) for m in
+                                             model._executables[next(iter(model._executables))].forward.modules())\
+        + sum(isinstance(m, Region) for m in model._executables[next(iter(model._executables))].backward.modules())
+    fwd = model._executables[next(iter(model._executables))].forward
+    kinds = [n.target for n in fwd.graph.nodes if n.op == "call_function"]
+    assert collectives.all_gather in kinds and collectives.wait in kinds  # communication stays outside regions
+
+
+def test_unknown_backend_is_rejected():
+    import pytest
+
+    with pytest.raises(ValueError, match="backend"):
+        fbmt.compile(gpt(), backend="tvm")
