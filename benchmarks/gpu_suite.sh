@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
-#   bash benchmarks/gpu_suite.sh STAGE OUT_DIR     (STAGE: example | 1.36b | 6.7b | 13b)
+#   bash benchmarks/gpu_suite.sh STAGE OUT_DIR     (STAGE: example | 1.36b | 6.7b | 13b | final)
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=$1 out=$2
 mkdir -p "$out"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/install.txt" 2>&1 || { cat "$out/install.txt"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
+python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/install.txt 2>&1 || { cat /tmp/install.txt; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 run() {  # run NAME SECONDS ARGS...: one torchrun on every GPU, output to $out/NAME.txt
   local name=$1 limit=$2; shift 2
   echo "== $name"
@@ -27,4 +27,10 @@ case $stage in
     run b6.7_best 180 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat none --steps 6 --warmup 2 --methods fbmt-inductor --out "$out/b6.7_best.json" ;;
   13b)
     run b13_block 560 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --out "$out/b13_block.json" ;;
+  final)  # after the memory fixes: the peers again, remat="selective", and fbmt's best 6.7B setting
+    m=fbmt-inductor,fbmt-inductor-selective,fsdp2,fsdp2-compile
+    run f1.36_none 210 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 6 --warmup 2 --methods $m --out "$out/f1.36_none.json"
+    run f1.36_block 130 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 6 --warmup 2 --methods fbmt-inductor,fsdp2,fsdp2-compile --out "$out/f1.36_block.json"
+    run f6.7_block 170 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 5 --warmup 2 --methods fbmt-inductor,fsdp2,fsdp2-compile --out "$out/f6.7_block.json"
+    run f6.7_best 70 benchmarks/gpu_train.py --config 6.7b --batch 8 --seq 2048 --remat selective --steps 5 --warmup 2 --methods fbmt-inductor --out "$out/f6.7_best.json" ;;
 esac

@@ -55,7 +55,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ---- methods: each returns (model, optimizer) ready to train ----
 
 def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
-               backend: str = "eager") -> tuple[nn.Module, Any]:
+               backend: str = "eager", remat: str | None = None) -> tuple[nn.Module, Any]:
     import fbmt
 
     with torch.device("meta"):
@@ -68,7 +68,7 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
             with torch.no_grad():
                 p.copy_(param_value(full, p.shape, p.device))
 
-    model = fbmt.compile(model, remat=args.remat, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+    model = fbmt.compile(model, remat=remat or args.remat, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                          backend=backend, init_fn=init, device=device)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
@@ -102,6 +102,8 @@ def build_fsdp2(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device
 METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "fbmt": build_fbmt,
     "fbmt-inductor": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor"),
+    "fbmt-inductor-selective": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
+                                                                    remat="selective"),
     "fsdp2": build_fsdp2,
     "fsdp2-compile": lambda cfg, args, device: build_fsdp2(cfg, args, device, compile_blocks=True),
 }
@@ -168,7 +170,8 @@ def main() -> None:
     ap.add_argument("--config", choices=sorted(CONFIGS), default="1.36b")
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--remat", choices=["none", "block"], default="none")
+    ap.add_argument("--remat", choices=["none", "selective", "block"], default="none",
+                    help="recompute setting for every method (FSDP2 has no \"selective\": use it for fbmt only)")
     ap.add_argument("--methods", default="fbmt,fbmt-inductor,fsdp2,fsdp2-compile")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -209,7 +212,7 @@ def main() -> None:
                f"{r['no_host_sync']}" if method.startswith("fbmt") else ""),
             flush=True)
     done = {r["method"]: r for r in results if "error" not in r}
-    for ours in ("fbmt", "fbmt-inductor"):
+    for ours in ("fbmt", "fbmt-inductor", "fbmt-inductor-selective"):
         if ours not in done:
             continue
         for peer in ("fsdp2", "fsdp2-compile"):

@@ -97,10 +97,10 @@ def test_program_gathers_bf16_and_reduces_in_the_chosen_dtype():
     gathers = [n for n in program.graph.nodes if n.target is collectives.all_gather]
     scatters = [n for n in program.graph.nodes if n.target is collectives.reduce_scatter]
     assert gathers and all(n.args[2] == BF16 for n in gathers)  # cast before the wire
-    assert scatters and all(n.args[3:] == (torch.float32, torch.float32) for n in scatters)  # fp32 reduction
+    assert scatters and all(n.args[4:] == (torch.float32, torch.float32) for n in scatters)  # fp32 reduction
     waits = [n for n in program.graph.nodes if n.target is collectives.wait and n.args[0] in gathers]
     assert all(n.meta["val"].dtype == BF16 for n in waits)
     low = fbmt.compile(gpt(), world_size=4, param_dtype=BF16, reduce_dtype=BF16).trace(x)
-    assert all(n.args[3:] == (BF16, torch.float32) for n in low.graph.nodes if n.target is collectives.reduce_scatter)
+    assert all(n.args[4:] == (BF16, torch.float32) for n in low.graph.nodes if n.target is collectives.reduce_scatter)
     with pytest.raises(ValueError, match="param_dtype"):
         fbmt.compile(gpt(), param_dtype=torch.int8)

@@ -76,6 +76,17 @@ def test_remat_recomputes_blocks_in_backward(remat, expect):
     assert ({"h.0", "h.1", "h.2"} <= recomputed) == expect
 
 
+def test_selective_remat_saves_matmuls_and_recomputes_the_cheap_ops():
+    from fbmt.passes.remat import expensive
+
+    _, program = _program(remat="selective")
+    recomputed = [n for n in program.graph.nodes if n.meta.get("fbmt_recompute") == "activation"]
+    assert {"h.0", "h.1", "h.2"} <= {n.meta.get("fbmt_block") for n in recomputed}
+    assert recomputed and not any(expensive(n) for n in recomputed)
+    fwd_mms = [n for n in program.graph.nodes if expensive(n) and n.meta.get("fbmt_phase") == "fwd"]
+    assert any(u.meta.get("fbmt_phase") == "bwd" for n in fwd_mms for u in n.users)  # matmul outputs are saved
+
+
 def test_print_shows_pass_history_and_collectives():
     _, program = _program()
     text = str(program)

@@ -84,6 +84,10 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
         what = f"{name} world={world} {cfg} accumulating 2 micro-batches"
         compare(train_compiled(name, rank, world, cfg, accum=2), want, what, buffers=False)
         done.append(what)
+        for zero in (3, 2):
+            cfg = dict(zero=zero, remat="selective", schedule="prefetch")
+            compare(train_compiled(name, rank, world, cfg), want, f"{name} world={world} {cfg}", buffers=False)
+            done.append(f"{name} world={world} {cfg}")
     return done
 
 
@@ -92,7 +96,7 @@ def dropout_recompute(rank: int, world: int) -> None:
     from tests.models.reference import gpt
 
     results = []
-    for remat in ("block", "none"):
+    for remat in ("block", "selective", "none"):
         torch.manual_seed(0)
         model = fbmt.compile(gpt(dropout=0.3), remat=remat, checks=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -103,8 +107,9 @@ def dropout_recompute(rank: int, world: int) -> None:
             opt.step()
             opt.zero_grad()
         results.append(model.full_parameters())
-    for n in results[0]:
-        torch.testing.assert_close(results[0][n], results[1][n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+    for other in results[1:]:
+        for n in results[0]:
+            torch.testing.assert_close(results[0][n], other[n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
 
 
 def state_dict_round_trip(rank: int, world: int) -> None:

@@ -7,10 +7,17 @@ saved anyway), and (b) values that cannot be recomputed: random ops (recomputing
 dropout mask) and mutating ops. Their recomputed copies are placed together right before the first
 backward node that needs any of them, tagged `fbmt_recompute="activation"`. With `policy="none"` the pass
 declines and says so in the history. `per_block` sets the policy of single blocks.
+
+NOTE: [Selective]
+`policy="selective"` saves the outputs of a block's expensive ops (matrix products, attention) and
+recomputes everything else (norms, activations, RoPE, casts, residual adds) from them and the block
+inputs, as Inductor's min-cut partitioner does for torch.compile: most of the memory of
+"none", at the price of re-running cheap, memory-bound ops that a compiled backward fuses.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -19,7 +26,19 @@ import torch.fx as fx
 from fbmt.program import BWD, FWD, Program
 from fbmt.runtime import collectives
 
-POLICIES = ("block", "none")
+POLICIES = ("block", "selective", "none")
+# What "selective" saves instead of recomputing: matrix products and attention (NOTE: [Selective]).
+EXPENSIVE = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward"}
+
+
+def expensive(n: fx.Node) -> bool:
+    """A matrix product or attention (or an output of one): worth saving rather than recomputing."""
+    t = n.target
+    if t is operator.getitem:
+        return isinstance(n.args[0], fx.Node) and expensive(n.args[0])
+    return isinstance(t, torch._ops.OpOverload) and t.overloadpacket.__name__ in EXPENSIVE
 
 
 def recomputable(n: fx.Node) -> bool:
@@ -42,7 +61,7 @@ def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict
         if p not in POLICIES:
             raise ValueError(f"fbmt.compile(remat={p!r}): expected one of {POLICIES}")
     program = program.copy()
-    chosen = [b for b in program.layout.blocks if per_block.get(b, policy) == "block"]
+    chosen = [b for b in program.layout.blocks if per_block.get(b, policy) != "none"]
     if not chosen or not program.needs_grad:
         why = "forward-only program" if not program.needs_grad else "no block recomputes (remat='none')"
         program.record("remat", started, f"declined: {why}; activations are saved")
@@ -52,7 +71,9 @@ def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict
     order = {n: i for i, n in enumerate(g.nodes)}
     stats = []
     for block in chosen:
+        selective = per_block.get(block, policy) == "selective"
         inside = {n for n in g.nodes if n.meta.get("fbmt_block") == block and recomputable(n)
+                  and not (selective and expensive(n))
                   and all(u.meta.get("fbmt_block") == block for u in n.users if u.meta.get("fbmt_phase") == FWD)}
         needed = [n for n in inside if any(u.meta.get("fbmt_phase") == BWD for u in n.users)]
         if not needed:

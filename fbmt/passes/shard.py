@@ -8,9 +8,9 @@ Ensures, for each flat group of the layout:
 - backward: ZeRO-3 gathers again right before the first backward use; ZeRO-2 keeps the forward
   buffer (the partitioner saves it) and reads the views from it; either way a `release` follows
   the last backward use;
-- gradients: the group's parameter gradients are flattened into one buffer right after the last of
-  them is computed, and one `reduce_scatter` (mean over ranks, or the sum with `grad_reduce="sum"`)
-  + `wait` yields the shard gradient
+- gradients: right after the last of the group's parameter gradients is computed, one
+  `reduce_scatter` copies them into one flat buffer and reduces it (mean over ranks, or the sum with
+  `grad_reduce="sum"`); its `wait` yields the shard gradient
   (output role `shard_grad`). A group none of whose parameters gets a gradient returns None, as
   eager autograd leaves `.grad` None for unused parameters.
 Forward values computed from parameters alone (transposes, casts) that the backward reads are
@@ -175,13 +175,10 @@ def _reduce_scatter(program: Program, group: FlatGroup, grads: dict[str, Any], a
         pieces = [emit(g, aten.reshape.default, (v, [-1]), BWD) if isinstance(v, fx.Node)
                   else emit(g, aten.new_zeros.default, (produced[0], [s.numel]), BWD)
                   for s, v in zip(group.slots, values)]
-        if group.padded_numel > group.numel:
-            pieces.append(emit(g, aten.new_zeros.default, (produced[0], [group.padded_numel - group.numel]), BWD))
-        flat = emit(g, aten.cat.default, (pieces,), BWD) if len(pieces) > 1 else pieces[0]
         wire = reduce_dtype if reduce_dtype is not None and group.compute != group.dtype else group.dtype
         dtypes = () if wire == group.compute == group.dtype else (wire, group.dtype)
-        start = emit(g, collectives.reduce_scatter, (flat, group.world_size, average, *dtypes), BWD,
-                     fbmt_group=group.index)
+        start = emit(g, collectives.reduce_scatter, (pieces, group.world_size, group.padded_numel, average, *dtypes),
+                     BWD, fbmt_group=group.index)
         return emit(g, collectives.wait, (start,), BWD, fbmt_group=group.index)
 
 

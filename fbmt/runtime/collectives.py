@@ -44,12 +44,19 @@ def all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None =
     return Pending(out, all_gather_into(out, shard, async_op=True))
 
 
-def reduce_scatter(flat: torch.Tensor, world_size: int, average: bool = True, wire_dtype: torch.dtype | None = None,
-                   out_dtype: torch.dtype | None = None) -> Pending:
-    """Start reducing a flat gradient over ranks; this rank receives the mean (or sum) of its shard.
-    Mixed precision: reduce in `wire_dtype` and return `out_dtype` (both default to flat's dtype)."""
-    if wire_dtype is not None and wire_dtype != flat.dtype:
-        flat = flat.to(wire_dtype)
+def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool = True,
+                   wire_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> Pending:
+    """Start reducing a group's gradients over ranks; this rank receives the mean (or sum) of its shard.
+
+    `pieces` (1-D, in layout order) are copied into one zero-padded flat buffer of `padded_numel`
+    elements, cast to `wire_dtype` in the same copy (mixed precision: no intermediate flat in the
+    compute dtype); the result is returned as `out_dtype` (both default to the pieces' dtype).
+    """
+    dtype = wire_dtype or pieces[0].dtype
+    flat = torch.empty(padded_numel, dtype=dtype, device=pieces[0].device)
+    numel = sum(p.numel() for p in pieces)
+    torch.cat(pieces, out=flat[:numel])
+    flat[numel:].zero_()
     if world_size == 1:
         return Pending(flat, None, out_dtype=out_dtype)
     out = torch.empty(flat.numel() // world_size, dtype=flat.dtype, device=flat.device)

@@ -55,8 +55,8 @@ class _RunProgram(torch.autograd.Function):
             raise RuntimeError("fbmt: backward through the same compiled call twice is not supported "
                                "(its saved values were freed); run the forward again")
         tangents = [grads[i].contiguous() for i in exe.diff_outputs]
-        results = exe.backward(*ctx.saved, *tangents)
-        ctx.saved = None  # free activations as soon as the backward has consumed them
+        saved, ctx.saved = list(ctx.saved), None  # the graph empties the list: each value dies at its last use
+        results = exe.backward(saved, *tangents)
         out: list[torch.Tensor | None] = [None] * ctx.n_args
         for arg, result in exe.grad_slots:
             grad, role = results[result], exe.fwd_inputs[arg]

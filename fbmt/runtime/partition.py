@@ -2,7 +2,7 @@
 
 The split is by phase (NOTE: [Phases]). The forward graph takes the Program's non-tangent inputs
 and returns the user's outputs followed by the *saved* values: every forward node or input that a
-backward node reads. The backward graph takes the saved values and the tangents and returns the
+backward node reads. The backward graph takes the saved values (one list, see `take`) and the tangents and returns the
 gradient slots (shard gradients, input gradients) in the Program's output order. After the passes,
 what is saved is exactly what remat and shard chose: block boundaries, random masks and (ZeRO-2)
 gathered buffers. Dead pure nodes are dropped; effectful ones (collectives, random ops, buffer
@@ -12,6 +12,7 @@ updates) are kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -74,8 +75,9 @@ def partition(program: Program) -> Executable:
     if program.needs_grad:
         bg = fx.Graph()
         benv: dict[fx.Node, fx.Node] = {}
-        for n in saved:
-            benv[n] = bg.placeholder(f"saved_{n.name}")
+        box = bg.placeholder("saved")  # one list, emptied as it is read: see `take`
+        for i, n in enumerate(saved):
+            benv[n] = bg.call_function(take, (box, i))
             benv[n].meta = dict(n.meta)
         for n in tangents:
             benv[n] = bg.node_copy(n)
@@ -103,6 +105,17 @@ def partition(program: Program) -> Executable:
         signature=collective_signature(program),
         saved_names=[n.name for n in saved],
     )
+
+
+def take(box: list, i: int) -> Any:
+    """Hand over `box[i]` and forget it there.
+
+    The backward graph receives the forward's saved values as one list and takes each out, so the
+    list holds no reference and each value is freed at its last use in the backward, as eager
+    autograd frees saved tensors (a tuple of arguments would keep them all until the end).
+    """
+    value, box[i] = box[i], None
+    return value
 
 
 def _effectful(n: fx.Node) -> bool:
