@@ -435,6 +435,54 @@ def test_resume_is_bit_exact(tmp_path):
         assert (a["scale"], a["lr"]) == (b["scale"], b["lr"])
 
 
+def _reshard_leg(rank: int, world: int, steps: range, path: str, optimizer: str) -> dict:
+    """Train `steps` of a 12-sequence global batch; resume from `path` if it exists, save there after."""
+    model = BNet()
+    resume = os.path.exists(path + ".model")
+    if resume:
+        bmt.load(model, path + ".model")
+    else:
+        torch.manual_seed(11)
+        bmt.init_parameters(model)
+    opt = (bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-2, weight_decay=1e-2) if optimizer == "offload"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2))
+    om = bmt.optim.OptimManager(loss_scale=256)
+    om.add_optimizer(opt)
+    if resume:
+        om.load_state_dict(torch.load(path + ".optim", weights_only=False))
+    for step in steps:
+        x, y = data(step, batch=12)
+        x, y = local(x, rank, world), local(y, rank, world)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        om.zero_grad()
+        om.backward(loss)
+        om.step()
+    bmt.save(model, path + ".model")
+    state = om.state_dict(gather_opt=True)  # a collective; every per-element state gathered whole
+    if rank == 0:
+        torch.save(state, path + ".optim")
+    return full_params(model)
+
+
+@pytest.mark.parametrize("optimizer", ["offload", "torch"])
+def test_optimizer_state_resumes_on_a_different_number_of_ranks(tmp_path, optimizer):
+    torch.manual_seed(11)
+    plain = PNet()
+    torch.manual_seed(11)
+    init_like_bmt(plain)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=1e-2)
+    for step in range(9):
+        x, y = data(step, batch=12)
+        opt.zero_grad()
+        F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+    path = str(tmp_path / "ck")
+    run_ranks(2, _reshard_leg, range(0, 3), path, optimizer)
+    run_ranks(3, _reshard_leg, range(3, 6), path, optimizer)  # 2 -> 3 ranks
+    for out in run_ranks(1, _reshard_leg, range(6, 9), path, optimizer):  # 3 -> 1 rank
+        assert_same(out, full_params(plain), rtol=1e-4, atol=1e-5)
+
+
 # ---- inspect ----
 
 def test_inspect_model_summarizes_full_tensors_and_gradients():

@@ -125,6 +125,35 @@ def _gather_construction(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return out[:n].view(p._original_shape)
 
 
+def part_ranges(p: torch.Tensor) -> list[tuple[int, int]]:
+    """[lo, hi) of the flattened parameter that each rank holds, for every rank (either partition)."""
+    view = getattr(p, "_fbmt_view", None)
+    if view is not None:
+        from fbmt.runtime.params import local_range
+
+        g, s = view.group, view.slot
+        return [(lo - s.offset, max(lo, hi) - s.offset)
+                for lo, hi in (local_range(g, s, r) for r in range(g.world_size))]
+    n, world = p._original_shape.numel(), p._world_size
+    per = -(-n // world)
+    return [(min(n, r * per), min(n, (r + 1) * per)) for r in range(world)]
+
+
+def gather_parts(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole flattened tensor of which every rank holds the part of `p` (a collective): used
+    for per-element state that follows a parameter's partition, such as optimizer moments."""
+    ranges = part_ranges(p)
+    if len(ranges) == 1:
+        return local.reshape(-1)
+    width = max(hi - lo for lo, hi in ranges)
+    padded = torch.zeros(width, dtype=local.dtype, device=local.device)
+    padded[:local.numel()] = local.reshape(-1)
+    rows = torch.empty(width * len(ranges), dtype=local.dtype, device=local.device)
+    all_gather_into(rows, padded)
+    rows = rows.view(len(ranges), width)
+    return torch.cat([rows[r, :hi - lo] for r, (lo, hi) in enumerate(ranges)])
+
+
 def write_full(p: torch.Tensor, value: torch.Tensor) -> None:
     """Store this rank's part of the full `value` into a (possibly partial) parameter."""
     if tuple(value.shape) != tuple(getattr(p, "_original_shape", p.shape)):
@@ -137,4 +166,5 @@ def write_full(p: torch.Tensor, value: torch.Tensor) -> None:
             p.data.copy_(value)
 
 
-__all__ = ["DistributedParameter", "ParameterInitializer", "full_tensor", "write_full", "is_distributed"]
+__all__ = ["DistributedParameter", "ParameterInitializer", "full_tensor", "write_full", "is_distributed",
+           "part_ranges", "gather_parts"]

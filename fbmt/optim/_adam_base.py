@@ -77,6 +77,7 @@ class AdamBase(torch.optim.Optimizer):
                     st[key] = value
                 elif value.numel() != p.numel():
                     raise ValueError(f"{type(self).__name__}.load_state_dict: state '{key}' of parameter {index} "
-                                     f"has {value.numel()} elements, the parameter {p.numel()}")
+                                     f"has {value.numel()} elements, the parameter {p.numel()}; to resume on a "
+                                     "different number of ranks, save with OptimManager.state_dict(gather_opt=True)")
                 else:
                     st[key].copy_(value.reshape(-1))  # into the existing (device or pinned host) buffer

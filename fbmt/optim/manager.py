@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fbmt import distributed
+from fbmt.modules.parameter import gather_parts, is_distributed
 from fbmt.optim._adam_base import AdamBase
 
 
@@ -131,21 +132,59 @@ class OptimManager:
                     g.mul_(coef.to(g.dtype))
         return total / self.loss_scale
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizers": [o.state_dict() for o in self.optimizers],
+    def state_dict(self, gather_opt: bool = False) -> dict[str, Any]:
+        """Optimizers, lr schedulers and the loss-scale state. Each rank's optimizer state covers only
+        its parts of the parameters; with `gather_opt=True` (a collective) every per-element state of
+        a sharded parameter is gathered whole onto the CPU, so `load_state_dict` can resume it on any
+        number of ranks (save it from rank 0)."""
+        optimizers = [o.state_dict() for o in self.optimizers]
+        if gather_opt:
+            optimizers = [_map_sharded_state(o, sd, _gather) for o, sd in zip(self.optimizers, optimizers)]
+        return {"optimizers": optimizers,
                 "lr_schedulers": [s.state_dict() if s is not None else None for s in self.lr_schedulers],
                 "loss_scale": self.loss_scale, "loss_scale_enabled": self.loss_scale_enabled,
                 "steps_since_last_scale": self.steps_since_last_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s result; whole (gathered) per-element states are cut to this rank's
+        parts, so a state saved on one number of ranks resumes on another."""
         if len(state["optimizers"]) != len(self.optimizers):
             raise ValueError(f"OptimManager.load_state_dict: the state has {len(state['optimizers'])} optimizers, "
                              f"this manager {len(self.optimizers)}; add the same optimizers first")
         for opt, s in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(s)
+            opt.load_state_dict(_map_sharded_state(opt, s, _localize))
         for sched, s in zip(self.lr_schedulers, state["lr_schedulers"]):
             if sched is not None and s is not None:
                 sched.load_state_dict(s)
         self.loss_scale = state["loss_scale"]
         self.loss_scale_enabled = state["loss_scale_enabled"]
         self.steps_since_last_scale = state.get("steps_since_last_scale", 0)
+
+
+def _per_element(value: Any, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
+
+
+def _map_sharded_state(opt: torch.optim.Optimizer, sd: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """`sd` with `fn(value, param)` applied to every state tensor of every sharded parameter."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for index, entry in sd["state"].items():
+        p = params[int(index)]
+        state[index] = {k: fn(v, p) for k, v in entry.items()} if is_distributed(p) else entry
+    return {**sd, "state": state}
+
+
+def _gather(value: Any, p: torch.Tensor) -> Any:
+    if not _per_element(value, p.numel()):
+        return value
+    return gather_parts(value.detach(), p).cpu()
+
+
+def _localize(value: Any, p: torch.Tensor) -> Any:
+    full = p._original_shape.numel()
+    if not _per_element(value, full) or full == p.numel():
+        return value
+    if getattr(p, "_fbmt_view", None) is None and p._world_size != distributed.world_size():
+        raise ValueError("OptimManager.load_state_dict: lower the model first (fbmt.init_parameters or fbmt.load)")
+    return value.reshape(-1)[p._start_partition:p._end_partition].reshape(p.shape).clone()
