@@ -288,6 +288,15 @@ def test_calling_a_part_of_a_lowered_model_is_an_error():
         model.layers[0](torch.randn(2, D))
 
 
+def test_converting_a_lowered_model_is_an_error_but_no_op_moves_pass():
+    model = bmt_model()
+    model.to("cpu").float()  # already there: nothing is copied
+    with pytest.raises(RuntimeError, match="cannot convert 'emb'"):
+        model.half()
+    x, _ = data(0)
+    assert model(x).dtype == torch.float32  # still intact
+
+
 # ---- OptimManager: loss scaling ----
 
 def _bf16_setup(loss_scale: float = 1024, **kw):

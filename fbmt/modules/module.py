@@ -53,6 +53,16 @@ class DistributedModule(nn.Module):
             return super().__call__(*args, **kwargs)
         return lower(self)(*args, **kwargs)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        if is_lowered(self):  # .to()/.half()/.cuda() that would copy a parameter would cut it off its shard
+            for name, p in self.named_parameters():
+                if fn(p) is not p:
+                    raise RuntimeError(f"fbmt: cannot convert '{name}' of this model (.to/.half/.float/.cuda...): "
+                                       "its parameters are views of sharded storage. Build the model with the dtype "
+                                       "you want (DistributedParameter(..., dtype)); it is already on this rank's "
+                                       "device")
+        return super()._apply(fn, recurse)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         with gathering():
             return super().state_dict(*args, **kwargs)
