@@ -151,3 +151,15 @@ def test_adam_optimizer_skips_nonfinite_steps_and_resumes_exactly():
     resumed.step()
     assert torch.equal(p.detach(), q.detach())
     assert torch.equal(opt.state[p]["master"], resumed.state[q]["master"])
+
+
+def test_empty_parts_of_sharded_parameters_are_no_ops():
+    """Under fbmt's BMTrain layer a rank's part of a parameter can be empty: nothing to launch."""
+    full, empty = torch.nn.Parameter(torch.ones(6, device=DEV)), torch.nn.Parameter(torch.ones(0, device=DEV))
+    opt = AdamOptimizer([full, empty], lr=0.1, use_kernels=True, skip_nonfinite=True)
+    full.grad, empty.grad = torch.ones(6, device=DEV), torch.ones(0, device=DEV)
+    opt.step()
+    assert not opt.last_step_skipped and empty.numel() == 0
+    torch.testing.assert_close(full.detach().cpu(), torch.full((6,), 0.9))
+    found = K.multi_tensor_nonfinite([torch.ones(0, device=DEV), torch.tensor([float("nan")], device=DEV)])
+    assert found.item() == 1

@@ -102,6 +102,8 @@ def fused_adam_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
             raise ValueError(f"fbmt.kernels.fused_adam_: sizes differ ({t.numel()} vs {n} elements)")
     if master.dtype != torch.float32 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
         raise ValueError("fbmt.kernels.fused_adam_: master and moments must be float32")
+    if n == 0:  # a rank's empty part of a sharded parameter: nothing to update, nothing to launch
+        return
     key = (grad.dtype, None if out is None else out.dtype)
     if key not in _ADAM:
         _ADAM[key] = _make_adam(_LOADS[grad.dtype], _STORES[key[1]])
