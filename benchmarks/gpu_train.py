@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama import CONFIGS, Llama, LlamaConfig  # noqa: E402
+from llama import CONFIGS, Llama, LlamaConfig
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 

@@ -17,7 +17,6 @@ from fbmt.passes.schedule import STRATEGIES
 from fbmt.runtime.module import CompiledModule
 from fbmt.runtime.params import build_shards
 
-
 BACKENDS = ("eager", "inductor")
 
 

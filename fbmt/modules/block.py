@@ -122,7 +122,7 @@ class TransformerBlockList(DistributedModule):
         return (*hidden, *stacked)
 
 
-def BMTrainModelWrapper(model: nn.Module) -> nn.Module:  # noqa: N802 (BMTrain's name)
+def BMTrainModelWrapper(model: nn.Module) -> nn.Module:
     """Convert a plain module in place: each `ModuleList` becomes a TransformerBlockList of Blocks,
     every other module a DistributedModule, every parameter a DistributedParameter (values kept).
     Returns the model (a new TransformerBlockList if `model` itself is a ModuleList)."""

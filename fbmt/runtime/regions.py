@@ -128,9 +128,7 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             for k, o in enumerate(outs):
                 env[o] = out.call_function(operator.getitem, (call, k))
                 env[o].meta = dict(o.meta)
-        elif n in inside:
-            continue
-        elif n.op == "call_function" and n.target is collectives.release:
+        elif n in inside or n.op == "call_function" and n.target is collectives.release:
             continue
         else:
             env[n] = out.node_copy(n, env.__getitem__)
