@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama import CONFIGS, Llama, LlamaConfig
+from llama import CONFIGS, Llama, LlamaConfig, LlamaWithLoss
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 
@@ -59,7 +59,7 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
     import fbmt
 
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = (LlamaWithLoss if args.loss_in_model else Llama)(cfg)
     paths = {id(m): name for name, m in model.named_modules()}
 
     def init(m: nn.Module) -> None:
@@ -79,7 +79,7 @@ def build_fsdp2(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device
     from torch.distributed.tensor import distribute_tensor
 
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = (LlamaWithLoss if args.loss_in_model else Llama)(cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i, layer in enumerate(model.layers):
         if args.remat == "block":
@@ -123,7 +123,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         x, y = batch(step, args, cfg, device)
         sync()
         t0 = time.perf_counter()
-        loss = loss_fn(model(x), y)
+        loss = model(x, y) if args.loss_in_model else loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -136,7 +136,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            loss = loss_fn(model(x), y)
+            loss = model(x, y) if args.loss_in_model else loss_fn(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -176,6 +176,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--loss-in-model", action="store_true",
+                    help="every method trains a module that returns the loss (logits never leave the model)")
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     args = ap.parse_args()
 

@@ -136,3 +136,12 @@ def init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=0.02)
     elif isinstance(module, RMSNorm):
         nn.init.ones_(module.weight)
+
+
+class LlamaWithLoss(Llama):
+    """The same model returning the training loss: with the loss inside, a compiled program's output
+    is a scalar, and the logits and their gradient live and die inside the program."""
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = super().forward(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
