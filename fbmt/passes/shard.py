@@ -88,8 +88,8 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
             if phase == BWD or level == 3 or not read_by[BWD]:  # ZeRO-2 keeps it only for a backward reader
                 _release_after_last_use(g, buffer, phase)
         if group.requires_grad and program.needs_grad:
-            shard_grads.append((Role("shard_grad", group.index), _reduce_scatter(program, group, grads, grad_reduce == "mean",
-                                                                              reduce_dtype)))
+            grad = _reduce_scatter(program, group, grads, grad_reduce == "mean", reduce_dtype)
+            shard_grads.append((Role("shard_grad", group.index), grad))
     for p in params.values():
         assert not p.users, f"parameter placeholder {p.name} still has users {list(p.users)}"
         g.erase_node(p)

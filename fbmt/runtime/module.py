@@ -105,7 +105,7 @@ class CompiledModule(nn.Module):
 
     # ---- calling ----
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        dtype = getattr(self.options, "param_dtype", None)
+        dtype = self.options.param_dtype
         if dtype is not None:  # mixed precision: floating inputs in the compute dtype, as FSDP2 does
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, (args, kwargs))
@@ -168,7 +168,7 @@ class CompiledModule(nn.Module):
         traced = time.perf_counter()
         program = run_pipeline(program, o.pipeline(), disable=o.disable, checks=o.checks, dump_dir=o.dump_dir)
         exe = partition(program)
-        if getattr(o, "backend", "eager") == "inductor":  # NOTE: [Regions]
+        if o.backend == "inductor":  # NOTE: [Regions]
             exe.forward = split_regions(exe.forward, self.regions)
             if exe.backward is not None:
                 exe.backward = split_regions(exe.backward, self.regions)
