@@ -171,6 +171,10 @@ def lower(module: nn.Module) -> CompiledModule:
             shards.append(nn.Parameter(shard, requires_grad=False))
         for g, shard in zip(layout.groups, shards):
             views.append([_become_view(by_name[s.name], shard, g, s, rank, world) for s in g.slots])
+        for m in module.modules():  # buffers are replicated and live on the compute device
+            for k, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    m._buffers[k] = b.to(device)
     options = make_options(zero=3, remat="none", blocks={path: dict(zero=z, remat="block" if ckpt else "none")
                                                            for path, (ckpt, z) in policies.items()},
                            grad_reduce="sum")
