@@ -46,7 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3 if gpu else 2e-3)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16" if gpu else "float32")
     p.add_argument("--zero", type=int, default=3, choices=[2, 3])
-    p.add_argument("--remat", default="block", choices=["block", "none"])
+    p.add_argument("--remat", default="block", choices=["block", "selective", "none"])
+    p.add_argument("--backend", default="eager", choices=["eager", "inductor"],
+                   help="inductor: compile the compute between collectives (see README)")
     p.add_argument("--schedule", default="prefetch", choices=["prefetch", "none"])
     p.add_argument("--corpus-mb", type=float, default=16.0, help="how much of the stdlib to read")
     p.add_argument("--out", default="checkpoints/gpt-stdlib.pt", help="checkpoint written at the end")
@@ -115,14 +117,15 @@ def main(args: argparse.Namespace) -> None:
         model = GPT(cfg).to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
-    model = fbmt.compile(model, zero=args.zero, remat=args.remat, schedule=args.schedule, init_fn=init_weights)
+    model = fbmt.compile(model, zero=args.zero, remat=args.remat, schedule=args.schedule, backend=args.backend,
+                         init_fn=init_weights)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     corpus = load_corpus(args.corpus_mb)
     split = int(0.95 * len(corpus))
     train = batches(corpus[:split], args.batch_size, args.seq_len, args.seed + 1 + rank, device)
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"fbmt.train: GPT {n_params / 1e6:.2f}M params ({args.dtype}), {world} ranks on {device.type}, "
-        f"zero={args.zero} remat={args.remat} schedule={args.schedule}, corpus {len(corpus) / 2**20:.1f} MB "
+        f"zero={args.zero} remat={args.remat} schedule={args.schedule} backend={args.backend}, corpus {len(corpus) / 2**20:.1f} MB "
         f"of stdlib source, {args.batch_size}x{args.seq_len} tokens per rank per step", flush=True)
     tty = sys.stdout.isatty()
     first_loss = last_loss = float("nan")
