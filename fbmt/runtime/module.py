@@ -138,13 +138,17 @@ class CompiledModule(nn.Module):
             flat[k] = v
         return pytree.tree_unflatten(flat, program.out_spec)
 
-    def trace(self, *args: Any, **kwargs: Any) -> Program:
-        """The transformed program for this call, without running it (works at any world size)."""
+    def trace(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> Program:
+        """The transformed program for this call, without running it (works at any world size).
+
+        `device`: trace as if the parameters lived there (default: where they live). A model
+        compiled on "meta" for inspection or simulation traces on "cpu" fakes, so fused kernels
+        (attention) appear as they would on a real device instead of decomposed."""
         trainable = self.trainable()
         needs_grad = torch.is_grad_enabled() and any(trainable)
-        key = self._key(args, kwargs, needs_grad, trainable)
+        key = (*self._key(args, kwargs, needs_grad, trainable), str(device))
         if key not in self.programs:
-            self._build(key, args, kwargs, needs_grad, trainable)
+            self._build(key, args, kwargs, needs_grad, trainable, device=device)
         return self.programs[key]
 
     def trainable(self) -> tuple[bool, ...]:
@@ -159,11 +163,13 @@ class CompiledModule(nn.Module):
                     for x in leaves)
         return (spec, sig, tuple(m.training for m in self._orig.modules()), needs_grad, trainable, inspect.active())
 
-    def _build(self, key: tuple, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...]) -> Executable:
+    def _build(self, key: tuple, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...],
+               device: torch.device | str | None = None) -> Executable:
         o = self.options
         started = time.perf_counter()
         buffers = OrderedDict(self._orig.named_buffers())
-        program = trace(self._orig, self.layout, buffers, args, kwargs, param_device=self.device,
+        program = trace(self._orig, self.layout, buffers, args, kwargs,
+                        param_device=torch.device(device) if device is not None else self.device,
                         needs_grad=needs_grad, trainable=trainable)
         traced = time.perf_counter()
         program = run_pipeline(program, o.pipeline(), disable=o.disable, checks=o.checks, dump_dir=o.dump_dir)

@@ -1,0 +1,238 @@
+"""Simulate a compiled program on a machine: step time, exposed communication, peak activation memory.
+
+    model = fbmt.compile(model_built_on_meta, world_size=8, device="meta", param_dtype=torch.bfloat16)
+    program = model.trace(tokens, device="cpu")   # fake CPU tensors: nothing is allocated
+    print(fbmt.simulate(program, fbmt.sim.H200))  # or fbmt.sim.Machine(...) for another GPU / network
+
+NOTE: [Simulator]
+The program is replayed in its own order (the forward, then the backward, exactly as the runtime
+runs it) on two streams. The compute stream runs every op for `max(flops / matmul rate, bytes /
+memory bandwidth)` plus a launch overhead (a roofline: matrix products and attention are priced by
+their FLOPs, everything else by the bytes it reads and writes; views cost nothing). A collective's
+start runs its host-side work on the compute stream (the cast before an all-gather, the copy of the
+gradients into the reduce-scatter buffer) and then occupies the communication stream, in issue
+order, for `latency + (N - 1) / N * bytes / bus bandwidth` (ring all-gather / reduce-scatter). A
+`wait` stalls the compute stream until its collective is done: that stall is *exposed
+communication*. Peak memory replays the same order with each value alive from its definition to its
+last use (views keep their base alive; a reduce-scatter's input lives until its wait), which is how
+the runtime frees values; persistent state (shards, gradients, optimizer) is not part of it.
+
+It is a model, to compare schedules and settings, not a promise: BENCHMARKS.md sets it against
+measurements.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fbmt.program import BWD, Program
+from fbmt.runtime import collectives
+
+_FREE = {"view", "_unsafe_view", "reshape", "slice", "t", "transpose", "permute", "expand", "alias", "unsqueeze",
+         "squeeze", "select", "as_strided", "split", "split_with_sizes", "unbind", "detach", "lift_fresh_copy"}
+_ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_flash_attention", "_efficient_attention")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the simulator charges for work: rates per GPU and of the links between GPUs."""
+
+    name: str
+    matmul_flops: float  # achieved dense matrix-product rate in the compute dtype, FLOP/s
+    memory_bandwidth: float  # bytes/s of device memory
+    bus_bandwidth: float  # bytes/s per GPU that a ring collective achieves ("busbw")
+    latency: float = 20e-6  # seconds per collective
+    launch: float = 4e-6  # seconds per kernel
+    fp32_matmul_flops: float | None = None  # for fp32 matrix products (default: a 16th of matmul_flops)
+
+
+# Measured on the H200 host of BENCHMARKS.md: ~700 TFLOP/s bf16 matmul (71% of the 989 peak), 4.19 TB/s
+# copy bandwidth; NVLink all-gather/reduce-scatter bus bandwidth ~360 GB/s for 2 GPUs.
+H200 = Machine("H200 (NVLink)", matmul_flops=700e12, memory_bandwidth=4.19e12, bus_bandwidth=360e9,
+               fp32_matmul_flops=50e12)
+
+
+@dataclass
+class Simulation:
+    machine: Machine
+    world_size: int
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    exposed_by_phase: dict[str, float]
+    peak_activation_bytes: int
+    timeline: list[tuple[str, str, str, float, float]] = field(repr=False)  # (node, stream, phase, start, end)
+
+    def __str__(self) -> str:
+        ms = 1e3
+        phases = ", ".join(f"{k} {v * ms:.1f} ms" for k, v in self.exposed_by_phase.items())
+        return (f"simulated on {self.machine.name}, {self.world_size} rank(s): step {self.step_s * ms:.1f} ms = "
+                f"compute {self.compute_s * ms:.1f} ms + exposed communication {self.exposed_comm_s * ms:.1f} ms "
+                f"({phases}); communication busy {self.comm_s * ms:.1f} ms; peak activation memory "
+                f"{self.peak_activation_bytes / 2**30:.2f} GiB")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _nbytes(v: Any) -> int:
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (list, tuple)):
+        return sum(_nbytes(x) for x in v)
+    return 0
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else n
+
+
+def _name(n: fx.Node) -> str:
+    t = n.target
+    return t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+
+
+def flops(n: fx.Node) -> float:
+    """FLOPs of a matrix product or attention node (0 for everything else)."""
+    name = _name(n)
+    args = [_val(a) for a in n.args]
+    if name in ("mm", "addmm", "bmm", "baddbmm"):
+        a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+        return 2.0 * a.numel() * b.shape[-1]
+    if name.startswith(_ATTENTION):
+        q, k = args[0], args[1]
+        work = 4.0 * q.numel() * k.shape[-2]  # QK^T and PV: 2 * b*h*s*t*d each
+        if any(a is True for a in n.args[3:]) or n.kwargs.get("is_causal"):
+            work /= 2
+        return work * (2.5 if name.endswith("backward") else 1.0)
+    if name == "convolution":
+        out, w = _val(n), args[1]
+        return 2.0 * out.numel() * w[0].numel() if out is not None else 0.0
+    return 0.0
+
+
+def compute_time(n: fx.Node, machine: Machine) -> float:
+    """Roofline time of one compute node on the machine (0 for views and bookkeeping)."""
+    if n.op != "call_function" or n.target is operator.getitem or _name(n) in _FREE:
+        return 0.0
+    out = _val(n)
+    moved = _nbytes(out) + sum(_nbytes(_val(a)) for a in n.all_input_nodes)
+    work = flops(n)
+    rate = machine.matmul_flops
+    if work and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+        rate = machine.fp32_matmul_flops or machine.matmul_flops / 16
+    return machine.launch + max(work / rate, moved / machine.memory_bandwidth)
+
+
+def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
+    """(compute-stream time, communication time, bytes in flight) of a collective's start node."""
+    if n.target is collectives.all_gather:
+        shard, world = _val(n.args[0]), n.args[1]
+        dtype = n.args[2] if len(n.args) > 2 else shard.dtype
+        size = shard.numel() * _itemsize(dtype)
+        host = machine.launch + 3 * size / machine.memory_bandwidth if dtype != shard.dtype else 0.0
+        total = size * world
+    else:  # reduce_scatter(pieces, world, padded_numel, average, wire_dtype, out_dtype)
+        pieces, world, padded = n.args[0], n.args[1], n.args[2]
+        first = _val(pieces[0])
+        wire = n.args[4] if len(n.args) > 4 else first.dtype
+        total = padded * _itemsize(wire)
+        host = machine.launch + (sum(_nbytes(_val(p)) for p in pieces) + total) / machine.memory_bandwidth
+    if world == 1:
+        return host, 0.0, 0
+    return host, machine.latency + (world - 1) / world * total / machine.bus_bandwidth, total
+
+
+def simulate(program: Program, machine: Machine = H200) -> Simulation:
+    """Replay `program` on `machine` (NOTE: [Simulator])."""
+    g = program.graph
+    t_compute = t_comm = busy_comm = compute = 0.0
+    done: dict[fx.Node, float] = {}
+    exposed: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
+    timeline = []
+    for n in g.nodes:
+        phase = n.meta.get("fbmt_phase", "")
+        if n.op != "call_function" or n.target is collectives.release:
+            continue
+        if n.target in collectives.STARTS:
+            host, comm, _ = _collective(n, machine)
+            t_compute += host
+            compute += host
+            begin = max(t_compute, t_comm)
+            t_comm = begin + comm
+            busy_comm += comm
+            done[n] = t_comm
+            timeline.append((n.name, "comm", phase, begin, t_comm))
+        elif n.target is collectives.wait:
+            end = done.get(n.args[0], 0.0)
+            if end > t_compute:
+                exposed[phase or "fwd"] = exposed.get(phase or "fwd", 0.0) + end - t_compute
+                t_compute = end
+        else:
+            cost = compute_time(n, machine)
+            if cost:
+                timeline.append((n.name, "compute", phase, t_compute, t_compute + cost))
+            t_compute += cost
+            compute += cost
+    return Simulation(machine=machine, world_size=program.layout.world_size, step_s=max(t_compute, t_comm),
+                      compute_s=compute, comm_s=busy_comm, exposed_comm_s=sum(exposed.values()),
+                      exposed_by_phase=exposed, peak_activation_bytes=peak_memory(program), timeline=timeline)
+
+
+def peak_memory(program: Program) -> int:
+    """Peak bytes of values alive at once when the program runs in its order (NOTE: [Simulator])."""
+    g = program.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    base: dict[fx.Node, fx.Node] = {}
+    for n in g.nodes:  # views and waits alias what they come from
+        if n.op == "call_function" and (n.target is operator.getitem and _nbytes(_val(n.args[0])) == 0
+                                        or _name(n) in _FREE or n.target is collectives.wait):
+            src = n.args[0]
+            if isinstance(src, fx.Node):
+                base[n] = base.get(src, src)
+    owner = {n: base.get(n, n) for n in g.nodes}
+    last: dict[fx.Node, int] = {}
+    for n in g.nodes:
+        for a in n.all_input_nodes:
+            o = owner[a]
+            last[o] = max(last.get(o, 0), order[n])
+    size: dict[fx.Node, int] = {}
+    events: list[tuple[float, int]] = []
+    for n in g.nodes:
+        if n.op == "call_function" and owner[n] is n:
+            if n.target is collectives.all_gather:
+                shard = _val(n.args[0])
+                dtype = n.args[2] if len(n.args) > 2 else shard.dtype
+                size[n] = shard.numel() * n.args[1] * _itemsize(dtype)
+            elif n.target is collectives.reduce_scatter:  # the flat input lives until the wait, the shard after
+                pieces, world, padded = n.args[0], n.args[1], n.args[2]
+                wire = n.args[4] if len(n.args) > 4 else _val(pieces[0]).dtype
+                out = n.args[5] if len(n.args) > 5 else wire
+                waited = min((order[u] for u in n.users if u.target is collectives.wait), default=order[n])
+                events += [(order[n], padded * _itemsize(wire)), (waited + 0.5, -padded * _itemsize(wire))]
+                size[n] = padded // world * _itemsize(out)
+            else:
+                size[n] = _nbytes(_val(n))
+    for n, b in size.items():
+        if b:
+            events.append((order[n], b))
+            events.append((last.get(n, order[n]) + 0.5, -b))
+    live = peak = 0
+    for _, delta in sorted(events):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def tokens_per_second(sim: Simulation, tokens_per_rank: int) -> float:
+    """Tokens per second per rank implied by a simulated step (the optimizer step not included)."""
+    return tokens_per_rank / sim.step_s if sim.step_s > 0 and math.isfinite(sim.step_s) else float("nan")
