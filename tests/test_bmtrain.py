@@ -98,6 +98,31 @@ def test_load_a_torch_save_file_on_two_ranks(tmp_path):
         torch.testing.assert_close(out["out"], plain(x).detach(), rtol=1e-6, atol=1e-6)
 
 
+def _load_seen_by_rank0_only(rank: int, world: int, path: str, strict: bool) -> dict:
+    import fbmt.checkpoint
+
+    if rank == 1:  # a multi-node job: the checkpoint is on node 0's disk only
+        fbmt.checkpoint.os.path.exists = lambda p: False
+    model = BNet()
+    keys = bmt.load(model, path, strict=strict)
+    return dict(params=full_params(model), missing=list(keys.missing_keys))
+
+
+def test_load_broadcasts_from_rank0_when_other_ranks_cannot_see_the_file(tmp_path):
+    plain = plain_reference(seed=8)
+    path = str(tmp_path / "only_on_node0.pt")
+    torch.save(plain.state_dict(), path)
+    for out in run_ranks(2, _load_seen_by_rank0_only, path, True):
+        assert_same(out["params"], full_params(plain))
+    partial = plain.state_dict()
+    del partial["head.bias"]
+    torch.save(partial, path)
+    for out in run_ranks(2, _load_seen_by_rank0_only, path, False):
+        assert out["missing"] == ["head.bias"]
+    with pytest.raises(Exception, match="missing keys \\['head.bias'\\]"):
+        run_ranks(2, _load_seen_by_rank0_only, path, True)
+
+
 def test_load_reports_bad_files(tmp_path):
     model = BNet()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
