@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -30,6 +31,12 @@ def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: t
     # collective (seen once as a SIGABRT, "terminate called without an active exception").
     dist.barrier()
     dist.destroy_process_group()
+    # The result is on disk and the group is gone: skip interpreter finalization. Under load, gloo's
+    # worker threads can still hold work objects while Python tears down, which aborts the process
+    # ("terminate called without an active exception"; pytorch/pytorch#179291), seen twice here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
