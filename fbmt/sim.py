@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fbmt.program import BWD, Program
+from fbmt.program import Program
 from fbmt.runtime import collectives
 
 _FREE = {"view", "_unsafe_view", "reshape", "slice", "t", "transpose", "permute", "expand", "alias", "unsqueeze",
