@@ -538,6 +538,33 @@ def test_inspect_model_summarizes_full_tensors_and_gradients():
     assert len(text.splitlines()) == 2 + len(rows)
 
 
+def _inspect_on_ranks(rank: int, world: int) -> list[dict]:
+    model = bmt_model(seed=9)
+    x, y = data(0)
+    loss = F.cross_entropy(model(local(x, rank, world)).flatten(0, 1), local(y, rank, world).flatten()) / world
+    model.layers[1].fc.weight.requires_grad_(False)  # frozen after the step: keeps its (None) gradient
+    loss.backward()
+    return bmt.inspect.inspect_model(model, "*")
+
+
+def test_inspect_model_gathers_parts_and_gradients_across_ranks():
+    plain = plain_reference(seed=9)
+    x, y = data(0)
+    F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).backward()
+    named = dict(plain.named_parameters())
+    for rows in run_ranks(2, _inspect_on_ranks):
+        assert [r["name"] for r in rows] == list(named)
+        for r in rows:
+            p = named[r["name"]]
+            assert math.isclose(r["mean"], p.mean().item(), rel_tol=1e-4, abs_tol=1e-7)
+            assert (r["min"], r["max"]) == (p.min().item(), p.max().item())
+            if r["name"] == "layers.1.fc.weight":
+                assert r["grad_mean"] is None  # no rank had a gradient for it
+            else:
+                assert math.isclose(r["grad_mean"], p.grad.mean().item(), rel_tol=1e-3, abs_tol=1e-7), r["name"]
+                assert math.isclose(r["grad_std"], p.grad.std().item(), rel_tol=1e-3, abs_tol=1e-7), r["name"]
+
+
 class _Recording(nn.Module):
     def __init__(self) -> None:
         super().__init__()
