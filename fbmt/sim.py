@@ -23,7 +23,6 @@ measurements.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,7 +231,3 @@ def peak_memory(program: Program) -> int:
         peak = max(peak, live)
     return peak
 
-
-def tokens_per_second(sim: Simulation, tokens_per_rank: int) -> float:
-    """Tokens per second per rank implied by a simulated step (the optimizer step not included)."""
-    return tokens_per_rank / sim.step_s if sim.step_s > 0 and math.isfinite(sim.step_s) else float("nan")

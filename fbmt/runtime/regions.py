@@ -43,7 +43,7 @@ class RegionCache:
         self.seconds = 0.0
 
     def __repr__(self) -> str:
-        return (f"RegionCache({len(self.compiled)} compiled, {self.hits} reused, "
+        return (f"RegionCache({self.misses} compiled, {self.hits} reused, "
                 f"{self.seconds:.1f}s compiling)")
 
 
