@@ -9,9 +9,10 @@ The program is replayed in its own order (the forward, then the backward, exactl
 runs it) on two streams. The compute stream runs every op for `max(flops / matmul rate, bytes /
 memory bandwidth)` plus a launch overhead (a roofline: matrix products and attention are priced by
 their FLOPs, everything else by the bytes it reads and writes; views cost nothing). A collective's
-start runs its host-side work on the compute stream (the cast before an all-gather, the copy of the
-gradients into the reduce-scatter buffer) and then occupies the communication stream, in issue
-order, for `latency + (N - 1) / N * bytes / bus bandwidth` (ring all-gather / reduce-scatter). A
+start occupies the communication stream, in issue order, for its copies (the cast before an
+all-gather, the copy of the gradients into the reduce-scatter buffer: they run on the runtime's copy
+stream, NOTE: [Copy stream]) plus `latency + (N - 1) / N * bytes / bus bandwidth` (ring
+all-gather / reduce-scatter); on one rank the copies run on the compute stream. A
 `wait` stalls the compute stream until its collective is done: that stall is *exposed
 communication*. Peak memory replays the same order with each value alive from its definition to its
 last use (views keep their base alive; a reduce-scatter's input lives until its wait), which is how
@@ -133,7 +134,8 @@ def compute_time(n: fx.Node, machine: Machine) -> float:
 
 
 def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
-    """(compute-stream time, communication time, bytes in flight) of a collective's start node."""
+    """(copy time, communication time, bytes in flight) of a collective's start node: the casts and
+    copy-ins around it, and the transfer itself."""
     if n.target is collectives.all_gather:
         shard, world = _val(n.args[0]), n.args[1]
         dtype = n.args[2] if len(n.args) > 2 else shard.dtype
@@ -164,6 +166,8 @@ def simulate(program: Program, machine: Machine = H200) -> Simulation:
             continue
         if n.target in collectives.STARTS:
             host, comm, _ = _collective(n, machine)
+            if comm:  # the copies run on the copy stream, right before the collective (NOTE: [Copy stream])
+                host, comm = 0.0, host + comm
             t_compute += host
             compute += host
             begin = max(t_compute, t_comm)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.sim import H200, Machine, compute_time, flops, simulate
+from fbmt.runtime import collectives
+from fbmt.sim import H200, Machine, _collective, compute_time, flops, simulate
 from tests.models.reference import gpt
 
 SLOW_LINK = dataclasses.replace(H200, name="slow link", bus_bandwidth=1e6, latency=1e-3)
@@ -62,3 +63,23 @@ def test_zero2_keeps_gathered_parameters_and_gathers_less():
     zero3, zero2 = simulate(_program(zero=3)), simulate(_program(zero=2))
     assert zero2.comm_s < zero3.comm_s  # one all-gather per block instead of two
     assert zero2.peak_activation_bytes > zero3.peak_activation_bytes  # gathered buffers live to the backward
+
+
+def test_collective_copies_run_on_the_communication_stream_when_there_is_one():
+    """NOTE: [Copy stream]: the casts and gradient copy-ins of 2 ranks occupy the communication
+    stream, not the compute stream; on one rank (no collective to wait for) they are compute."""
+    mixed = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    copies_only = Machine("copies only", matmul_flops=1e30, memory_bandwidth=1e9, bus_bandwidth=1e30, launch=0.0,
+                          latency=0.0, fp32_matmul_flops=1e30)
+    for world in (1, 2):
+        program = _program(world=world, **mixed)
+        sim = simulate(program, copies_only)
+        starts = [n for n in program.graph.nodes if n.target in collectives.STARTS]
+        copies = sum(_collective(n, copies_only)[0] for n in starts)
+        ops = sum(compute_time(n, copies_only) for n in program.graph.nodes
+                  if n.op == "call_function" and n.target not in collectives.EFFECTFUL)
+        assert len(starts) > 0 and copies > 0
+        if world == 2:
+            assert sim.compute_s == pytest.approx(ops) and sim.comm_s == pytest.approx(copies)
+        else:
+            assert sim.comm_s == 0 and sim.compute_s == pytest.approx(ops + copies)
