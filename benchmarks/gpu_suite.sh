@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
-#   bash benchmarks/gpu_suite.sh STAGE OUT_DIR     (STAGE: example | 1.36b | 6.7b | 13b | final)
+#   bash benchmarks/gpu_suite.sh STAGE OUT_DIR
+# STAGE: example | 1.36b | 6.7b | 13b | final (earlier sessions' stages) | a | b | best (the current
+# table: every method trains the model with the loss inside; a also runs the GPU checks).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,4 +35,23 @@ case $stage in
     run f1.36_block 130 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 6 --warmup 2 --methods fbmt-inductor,fsdp2,fsdp2-compile --out "$out/f1.36_block.json"
     run f6.7_block 170 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 5 --warmup 2 --methods fbmt-inductor,fsdp2,fsdp2-compile --out "$out/f6.7_block.json"
     run f6.7_best 70 benchmarks/gpu_train.py --config 6.7b --batch 8 --seq 2048 --remat selective --steps 5 --warmup 2 --methods fbmt-inductor --out "$out/f6.7_best.json" ;;
+  a)  # correctness on GPU, the 6.7B row, and the copy kernel's grid: bounded (default), torch's, 16 blocks
+    echo "== copies_on_gpu"; timeout 60 python3 tests/gpu/copies_on_gpu.py 2>&1 | tail -3
+    echo "== gpt_on_gpu"
+    timeout 150 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu.txt" 2>&1
+    echo "rc=$?" >> "$out/gpt_on_gpu.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu.txt" | tail -3
+    a67="--config 6.7b --batch 4 --seq 2048 --remat block --warmup 2 --loss-in-model --profile"
+    run l6.7_block 180 benchmarks/gpu_train.py $a67 --steps 5 --methods fbmt-inductor,fsdp2,fsdp2-compile --out "$out/l6.7_block.json"
+    FBMT_COPY_PROGRAMS=0 run l6.7_torchcopy 90 benchmarks/gpu_train.py $a67 --steps 3 --methods fbmt-inductor --out "$out/l6.7_torchcopy.json"
+    FBMT_COPY_PROGRAMS=16 run l6.7_copy16 90 benchmarks/gpu_train.py $a67 --steps 3 --methods fbmt-inductor --out "$out/l6.7_copy16.json" ;;
+  b)  # the other rows, and fbmt's best 6.7B setting
+    m=fbmt-inductor,fsdp2,fsdp2-compile
+    run l1.36_block 120 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 6 --warmup 2 --loss-in-model --methods $m --out "$out/l1.36_block.json"
+    run l1.36_none 150 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fbmt-inductor-selective,fsdp2,fsdp2-compile --out "$out/l1.36_none.json"
+    run l13_block 220 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 5 --warmup 2 --loss-in-model --methods $m --out "$out/l13_block.json"
+    run l6.7_best 100 benchmarks/gpu_train.py --config 6.7b --batch 8 --seq 2048 --remat selective --steps 5 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best.json" ;;
+  best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
+    for b in 12 10; do
+      run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"
+    done ;;
 esac

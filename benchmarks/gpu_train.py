@@ -8,12 +8,15 @@ Every method trains the same Llama-style model (benchmarks/llama.py) from the sa
 fp32 parameters and gradient reduction, and fused AdamW. Printed per method: tokens/s per GPU, MFU
 against 989 TFLOP/s dense bf16 (H200), peak allocated memory, the time to set up and to run the first
 step, the first losses (fbmt's must agree with FSDP2's), and the fbmt/peer ratios. `--out` writes
-JSON. CPU ranks work too (gloo), for checking the script, not for speed.
+JSON; `--profile` adds one profiled step per method: each CUDA stream's busy time by kernel kind, and
+where the compute stream idles (which kernels around each gap, which other stream ran meanwhile).
+CPU ranks work too (gloo), for checking the script, not for speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -69,7 +72,7 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
                 p.copy_(param_value(full, p.shape, p.device))
 
     model = fbmt.compile(model, remat=remat or args.remat, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                         backend=backend, init_fn=init, device=device)
+                         backend=backend, prefetch=args.prefetch, init_fn=init, device=device)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
 
@@ -109,6 +112,103 @@ METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
 }
 
 
+def train_step(model: nn.Module, opt: Any, args: argparse.Namespace, cfg: LlamaConfig, device: torch.device,
+               step: int = 0, inputs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    x, y = inputs or batch(step, args, cfg, device)
+    loss = model(x, y) if args.loss_in_model else loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+KERNEL_KINDS = (("nccl", ("nccl",)), ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "cublas")),
+                ("attention", ("flash", "fmha", "cudnn", "attention")), ("triton", ("triton",)),
+                ("copy/cast", ("copy", "cat", "elementwise_kernel", "vectorized", "fill")),
+                ("optimizer", ("adam", "foreach", "multi_tensor")))
+
+
+def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
+    """One step under the CUDA profiler: wall time, and per stream the busy time by kernel kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        host = time.perf_counter() - t0  # the host's time to issue the step
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    cpu = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()),
+                 key=lambda x: -x[1])[:12]
+    streams: dict[int, dict[str, float]] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(w in name for w in keys)), "other")
+        sid = e.device_resource_id
+        streams.setdefault(sid, {}).setdefault(kind, 0.0)
+        streams[sid][kind] += (e.time_range.end - e.time_range.start) / 1e3
+        spans.setdefault(sid, []).append((e.time_range.start / 1e3, e.time_range.end / 1e3))
+    out: dict[str, Any] = {"wall_ms": wall * 1e3, "host_ms": host * 1e3, "streams": {}, "gaps": gaps(prof),
+                           "host_ops": [dict(op=k[:60], self_ms=round(t, 2), count=c) for k, t, c in cpu]}
+    for sid, kinds in streams.items():
+        busy, end = 0.0, float("-inf")
+        for a, b in sorted(spans[sid]):  # union of the kernels' intervals
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        out["streams"][str(sid)] = {"busy_ms": busy, **{k: round(v, 2) for k, v in sorted(kinds.items())}}
+    return out
+
+
+def gaps(prof: Any, top: int = 12) -> dict[str, Any]:
+    """Where the busiest (compute) stream idles: the largest gaps between its kernels, with the
+    kernels around them and when (ms from the step's first kernel), the idle time by the pair of
+    kernels around it, and how much of it each other stream (copies, NCCL) was busy."""
+    kernels: dict[int, list[tuple[float, float, str]]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.device_resource_id, []).append(
+                (e.time_range.start / 1e3, e.time_range.end / 1e3, e.name))
+    first = min(k[0] for ks in kernels.values() for k in ks)
+    compute = max(kernels.values(), key=lambda ks: sum(b - a for a, b, _ in ks))
+    compute.sort()
+    found, end, prev = [], compute[0][1], compute[0][2]
+    for a, b, name in compute[1:]:
+        if a > end:
+            found.append((a - end, end - first, prev[:48], name[:48]))
+        if b > end:
+            end, prev = b, name
+    small = sum(g for g, *_ in found if g < 0.05)
+    overlap: dict[str, float] = {}  # how much of the compute stream's idle time each other stream was busy
+    for sid, ks in kernels.items():
+        if ks is compute:
+            continue
+        ks.sort()
+        total, j = 0.0, 0
+        for g, t, *_ in sorted(found, key=lambda x: x[1]):
+            a, b = first + t, first + t + g
+            while j < len(ks) and ks[j][1] <= a:
+                j += 1
+            k = j
+            while k < len(ks) and ks[k][0] < b:
+                total += max(0.0, min(b, ks[k][1]) - max(a, ks[k][0]))
+                k += 1
+        overlap[f"{sid} ({ks[0][2][:12]})"] = round(total, 2)
+    pairs: dict[tuple[str, str], list[float]] = {}
+    for g, _, p, n in found:
+        if g >= 0.05:
+            pairs.setdefault((p[:40], n[:40]), []).append(g)
+    return {"idle_ms": round(sum(g for g, *_ in found), 2), "idle_overlapped_by": overlap,
+            "idle_in_gaps_under_50us_ms": round(small, 2), "span_ms": round(end - first, 2),
+            "by_transition": [dict(ms=round(sum(v), 2), count=len(v), after=p, before=n) for (p, n), v in
+                              sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:8]],
+            "largest": [
+                dict(ms=round(g, 3), at_ms=round(t, 1), after=p, before=n) for g, t, p, n in sorted(found)[::-1][:top]]}
+
+
 def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cuda = device.type == "cuda"
     if cuda:
@@ -120,26 +220,21 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     setup_s = time.perf_counter() - started
     losses, step_times = [], []
     for step in range(args.warmup + args.steps):
-        x, y = batch(step, args, cfg, device)
         sync()
-        t0 = time.perf_counter()
-        loss = model(x, y) if args.loss_in_model else loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()  # a step includes making its batch (a small host-to-device copy), for every method
+        loss = train_step(model, opt, args, cfg, device, step)
         sync()
         step_times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
+    profile = kernel_profile(functools.partial(train_step, model, opt, args, cfg, device)) \
+        if cuda and args.profile else None
     sync_ok = None
     if cuda and method.startswith("fbmt"):  # no host synchronization inside an fbmt step
         x, y = batch(0, args, cfg, device)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            loss = model(x, y) if args.loss_in_model else loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(model, opt, args, cfg, device, inputs=(x, y))
             sync_ok = True
         except RuntimeError as e:
             sync_ok = str(e).splitlines()[0]
@@ -152,6 +247,8 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
                   step_s=timed / args.steps, losses=[float(v) for v in losses[:4]],
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, world=world,
                   no_host_sync=sync_ok)
+    if profile is not None:
+        result["profile"] = profile
     result["mfu"] = result["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
     if method.startswith("fbmt"):
         result["compile_s"] = model.compile_seconds  # trace + passes + partition of the training program
@@ -178,6 +275,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--loss-in-model", action="store_true",
                     help="every method trains a module that returns the loss (logits never leave the model)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, profile one step: busy time per CUDA stream by kernel kind")
+    ap.add_argument("--prefetch", type=int, default=1, help="fbmt: blocks gathered ahead")
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     args = ap.parse_args()
 
@@ -213,6 +313,22 @@ def main() -> None:
             + (f"  compile {r['compile_s']:.1f}s (+{r['inductor_s']:.1f}s inductor)  no host sync: "
                f"{r['no_host_sync']}" if method.startswith("fbmt") else ""),
             flush=True)
+        if "profile" in r:
+            gp = r["profile"]["gaps"]
+            say(f"    compute stream idle {gp['idle_ms']:.1f} ms between its kernels over a {gp['span_ms']:.1f} ms "
+                f"span ({gp['idle_in_gaps_under_50us_ms']:.1f} ms in gaps under 50 us); largest gaps:", flush=True)
+            for x in gp["largest"][:6]:
+                say(f"      {x['ms']:7.3f} ms at {x['at_ms']:7.1f} ms  after {x['after']}  before {x['before']}",
+                    flush=True)
+            say(f"    compute idle time during other streams' kernels (ms): {gp['idle_overlapped_by']}", flush=True)
+            say("    gaps over 50 us by transition:", flush=True)
+            for x in gp["by_transition"]:
+                say(f"      {x['ms']:7.2f} ms in {x['count']:4d}  after {x['after']}  before {x['before']}", flush=True)
+            say(f"    host issued the step in {r['profile']['host_ms']:.1f} ms; host ops by self time: " + ", ".join(
+                f"{x['op']} {x['self_ms']:.1f} ms/{x['count']}" for x in r["profile"]["host_ops"]), flush=True)
+        for sid, st in r.get("profile", {}).get("streams", {}).items():
+            say(f"    profiled step {r['profile']['wall_ms']:.1f} ms, stream {sid}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in st.items()), flush=True)
     done = {r["method"]: r for r in results if "error" not in r}
     for ours in ("fbmt", "fbmt-inductor", "fbmt-inductor-selective"):
         if ours not in done:
