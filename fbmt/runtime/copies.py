@@ -3,13 +3,17 @@
 NOTE: [Bounded copies]
 The copies around a collective run on the copy stream (NOTE: [Copy stream] in collectives.py) so
 that they overlap compute. torch's own copy kernels do not overlap well: a 200M-element copy launches
-hundreds of thousands of thread blocks, which take every SM as the compute kernel beside it retires
-its blocks, so the next compute kernel waits for the copy to finish (measured on 2x H200, 6.7B model:
-28 ms of a 790 ms step idle on the compute stream, most of the copies' 37 ms). `copy_` instead
-launches a grid-stride kernel on a bounded number of thread blocks (`programs`, default a quarter of
-the SMs, the environment variable FBMT_COPY_PROGRAMS overrides it; 0 uses torch's copy), so the copy
-takes longer but only part of the GPU, as NCCL's kernels do. It casts while it copies (fp32 shard
-to a bf16 wire buffer, bf16 gradient into an fp32 reduce-scatter buffer).
+~10^5 thread blocks, which take every SM as the compute kernel beside it retires its blocks, so the
+next compute kernel waits for the copy to finish. `copy_` instead launches a grid-stride kernel on a
+bounded number of thread blocks (`programs`, default a quarter of the SMs; the environment variable
+FBMT_COPY_PROGRAMS overrides it, 0 uses torch's copy), so the copy takes longer but only part of the
+GPU, as NCCL's kernels do. It casts while it copies (fp32 shard to a bf16 wire buffer, bf16
+gradient into an fp32 reduce-scatter buffer).
+
+Measured (2x H200, 6.7B model, one profiled step; BENCHMARKS.md): with torch's copies the compute
+stream idled 29.5 ms of the copies' 37 ms; bounded, 8 ms, but the matrix products running beside
+the copies slowed by about as much (the copies still take their memory bandwidth), so throughput is
+the same within noise. Overlapping these copies has little left to give: removing them does.
 
 Written in Triton, which torch's CUDA builds ship for Inductor; where Triton is missing, or off
 CUDA, `copy_` is `Tensor.copy_`.
@@ -62,7 +66,8 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     kernel = _kernel() if src.is_cuda else None
     grid = programs(src.device.index if src.device.index is not None else torch.cuda.current_device()) \
         if kernel is not None else 0
-    if grid == 0 or n == 0 or n >= 2**31 - grid * BLOCK or not (src.is_contiguous() and dst.is_contiguous()):
+    # int32 offsets: the last iteration of the grid stride reaches up to (blocks + grid) * BLOCK
+    if grid == 0 or n == 0 or n + (grid + 1) * BLOCK >= 2**31 or not (src.is_contiguous() and dst.is_contiguous()):
         return dst.copy_(src)
     blocks = -(-n // BLOCK)
     grid = min(grid, blocks)
