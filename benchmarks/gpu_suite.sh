@@ -2,7 +2,8 @@
 # The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
 #   bash benchmarks/gpu_suite.sh STAGE OUT_DIR
 # STAGE: example | 1.36b | 6.7b | 13b | final (earlier sessions' stages) | a | b | best (the current
-# table: every method trains the model with the loss inside; a also runs the GPU checks).
+# table: every method trains the model with the loss inside; a also runs the GPU checks) | direct
+# (compile(direct_grads=True), not yet measured).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +51,9 @@ case $stage in
     run l1.36_none 150 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fbmt-inductor-selective,fsdp2,fsdp2-compile --out "$out/l1.36_none.json"
     run l13_block 220 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 5 --warmup 2 --loss-in-model --methods $m --out "$out/l13_block.json"
     run l6.7_best 100 benchmarks/gpu_train.py --config 6.7b --batch 8 --seq 2048 --remat selective --steps 5 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best.json" ;;
+  direct)  # compile(direct_grads=True) against the default and the peer, with profiles
+    run d6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 5 --warmup 2 --loss-in-model --profile --methods fbmt-inductor,fbmt-inductor-direct,fsdp2-compile --out "$out/d6.7_block.json"
+    run d13_block 220 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 5 --warmup 2 --loss-in-model --methods fbmt-inductor,fbmt-inductor-direct,fsdp2-compile --out "$out/d13_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

@@ -58,7 +58,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ---- methods: each returns (model, optimizer) ready to train ----
 
 def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
-               backend: str = "eager", remat: str | None = None) -> tuple[nn.Module, Any]:
+               backend: str = "eager", remat: str | None = None, direct: bool = False) -> tuple[nn.Module, Any]:
     import fbmt
 
     with torch.device("meta"):
@@ -72,7 +72,7 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
                 p.copy_(param_value(full, p.shape, p.device))
 
     model = fbmt.compile(model, remat=remat or args.remat, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                         backend=backend, prefetch=args.prefetch, init_fn=init, device=device)
+                         backend=backend, prefetch=args.prefetch, direct_grads=direct, init_fn=init, device=device)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
 
@@ -107,6 +107,7 @@ METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "fbmt-inductor": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor"),
     "fbmt-inductor-selective": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
                                                                     remat="selective"),
+    "fbmt-inductor-direct": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor", direct=True),
     "fsdp2": build_fsdp2,
     "fsdp2-compile": lambda cfg, args, device: build_fsdp2(cfg, args, device, compile_blocks=True),
 }
@@ -330,7 +331,7 @@ def main() -> None:
             say(f"    profiled step {r['profile']['wall_ms']:.1f} ms, stream {sid}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in st.items()), flush=True)
     done = {r["method"]: r for r in results if "error" not in r}
-    for ours in ("fbmt", "fbmt-inductor", "fbmt-inductor-selective"):
+    for ours in (m for m in METHODS if m.startswith("fbmt")):
         if ours not in done:
             continue
         for peer in ("fsdp2", "fsdp2-compile"):

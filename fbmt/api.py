@@ -42,6 +42,10 @@ class CompileOptions:
     and the optimizer keep the stored dtype); floating inputs are cast to it."""
     reduce_dtype: torch.dtype | None = None
     """Mixed precision: reduce gradients in this dtype (default: the stored dtype, e.g. fp32)."""
+    direct_grads: bool = False
+    """Weight gradients that are plain matrix products are written by them straight into the
+    reduce-scatter buffer, in the reduce dtype (NOTE: [Direct gradients]). Experimental: not yet
+    measured on GPUs."""
     backend: str = "eager"
     """"eager": run the aten graphs op by op; "inductor": compile each compute region between
     collectives with Inductor, once per distinct region (identical blocks share it)."""
@@ -76,6 +80,7 @@ class CompileOptions:
         """The pass pipeline these options select."""
         return default_pipeline(zero=self.zero, remat=self.remat, schedule=self.schedule, prefetch=self.prefetch,
                                 grad_reduce=self.grad_reduce, reduce_dtype=self.reduce_dtype,
+                                direct_grads=self.direct_grads,
                                 zero_per_block={b: z for b, z, _ in self.block_policies},
                                 remat_per_block={b: r for b, _, r in self.block_policies})
 
@@ -86,7 +91,8 @@ Blocks = Union[list[str], dict[str, dict[str, Any]], None]
 def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefetch", prefetch: int = 1,
                  blocks: Blocks = None, grad_reduce: str = "mean", param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, backend: str = "eager", disable: tuple[str, ...] = (),
-                 checks: bool | None = None, dump_dir: str | None = None) -> CompileOptions:
+                 checks: bool | None = None, dump_dir: str | None = None,
+                 direct_grads: bool = False) -> CompileOptions:
     """CompileOptions from `fbmt.compile`'s keyword arguments (environment defaults filled in)."""
     policies = []
     if isinstance(blocks, dict):
@@ -101,7 +107,7 @@ def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefet
         zero=zero, remat=remat, schedule=schedule, prefetch=prefetch,
         blocks=tuple(blocks) if blocks is not None else None, block_policies=tuple(policies),
         grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype, backend=backend,
-        disable=tuple(disable),
+        direct_grads=direct_grads, disable=tuple(disable),
         checks=bool(os.environ.get("FBMT_CHECKS")) if checks is None else checks,
         dump_dir=dump_dir or os.environ.get("FBMT_DUMP_DIR"))
 
@@ -109,7 +115,8 @@ def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefet
 def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: str = "prefetch",
             prefetch: int = 1, blocks: Blocks = None, grad_reduce: str = "mean",
             param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-            backend: str = "eager", disable: tuple[str, ...] = (), checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
+            backend: str = "eager", direct_grads: bool = False, disable: tuple[str, ...] = (),
+            checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
             device: torch.device | str | None = None,
             init_fn: Callable[[nn.Module], None] | None = None) -> CompiledModule:
     """Compile `model` for training on every rank of the job (see README and docs/ARCHITECTURE.md).
@@ -135,7 +142,8 @@ def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: 
         raise TypeError("fbmt.compile: this module is already compiled")
     options = make_options(zero=zero, remat=remat, schedule=schedule, prefetch=prefetch, blocks=blocks,
                            grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           backend=backend, disable=disable, checks=checks, dump_dir=dump_dir)
+                           backend=backend, direct_grads=direct_grads, disable=disable, checks=checks,
+                           dump_dir=dump_dir)
     world = world_size or distributed.world_size()
     rank = distributed.rank() if world == distributed.world_size() else 0
     device = resolve_device(device)

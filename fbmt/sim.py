@@ -105,8 +105,8 @@ def flops(n: fx.Node) -> float:
     """FLOPs of a matrix product or attention node (0 for everything else)."""
     name = _name(n)
     args = [_val(a) for a in n.args]
-    if name in ("mm", "addmm", "bmm", "baddbmm"):
-        a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+    if name in ("mm", "addmm", "bmm", "baddbmm", "mm_into"):
+        a, b = (args[0], args[1]) if name in ("mm", "bmm", "mm_into") else (args[1], args[2])
         return 2.0 * a.numel() * b.shape[-1]
     if name.startswith(_ATTENTION):
         q, k = args[0], args[1]
@@ -122,13 +122,14 @@ def flops(n: fx.Node) -> float:
 
 def compute_time(n: fx.Node, machine: Machine) -> float:
     """Roofline time of one compute node on the machine (0 for views and bookkeeping)."""
-    if n.op != "call_function" or n.target is operator.getitem or _name(n) in _FREE:
-        return 0.0
+    if n.op != "call_function" or n.target in (operator.getitem, collectives.grad_buffer) or _name(n) in _FREE:
+        return 0.0  # views, and allocations
     out = _val(n)
     moved = _nbytes(out) + sum(_nbytes(_val(a)) for a in n.all_input_nodes)
     work = flops(n)
     rate = machine.matmul_flops
-    if work and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+    operand = next((v for v in map(_val, n.all_input_nodes) if isinstance(v, torch.Tensor)), out)
+    if work and isinstance(operand, torch.Tensor) and operand.dtype == torch.float32:  # the operands set the rate
         rate = machine.fp32_matmul_flops or machine.matmul_flops / 16
     return machine.launch + max(work / rate, moved / machine.memory_bandwidth)
 
@@ -142,12 +143,14 @@ def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
         size = shard.numel() * _itemsize(dtype)
         host = machine.launch + 3 * size / machine.memory_bandwidth if dtype != shard.dtype else 0.0
         total = size * world
-    else:  # reduce_scatter(pieces, world, padded_numel, average, wire_dtype, out_dtype)
+    else:  # reduce_scatter(pieces, world, padded_numel, average, wire_dtype, out_dtype[, buffer])
         pieces, world, padded = n.args[0], n.args[1], n.args[2]
         first = _val(pieces[0])
         wire = n.args[4] if len(n.args) > 4 else first.dtype
         total = padded * _itemsize(wire)
-        host = machine.launch + (sum(_nbytes(_val(p)) for p in pieces) + total) / machine.memory_bandwidth
+        copied = [p for p in pieces if p.target is not collectives.mm_into]  # the rest are in place already
+        moved = sum(_nbytes(_val(p)) + _val(p).numel() * _itemsize(wire) for p in copied)
+        host = machine.launch + moved / machine.memory_bandwidth
     if world == 1:
         return host, 0.0, 0
     return host, machine.latency + (world - 1) / world * total / machine.bus_bandwidth, total
@@ -196,10 +199,10 @@ def peak_memory(program: Program) -> int:
     g = program.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     base: dict[fx.Node, fx.Node] = {}
-    for n in g.nodes:  # views and waits alias what they come from
+    for n in g.nodes:  # views and waits alias what they come from, mm_into the buffer it writes
         if n.op == "call_function" and (n.target is operator.getitem and _nbytes(_val(n.args[0])) == 0
-                                        or _name(n) in _FREE or n.target is collectives.wait):
-            src = n.args[0]
+                                        or _name(n) in _FREE or n.target in (collectives.wait, collectives.mm_into)):
+            src = n.args[2] if n.target is collectives.mm_into else n.args[0]
             if isinstance(src, fx.Node):
                 base[n] = base.get(src, src)
     owner = {n: base.get(n, n) for n in g.nodes}
@@ -221,7 +224,10 @@ def peak_memory(program: Program) -> int:
                 wire = n.args[4] if len(n.args) > 4 else _val(pieces[0]).dtype
                 out = n.args[5] if len(n.args) > 5 else wire
                 waited = min((order[u] for u in n.users if u.target is collectives.wait), default=order[n])
-                events += [(order[n], padded * _itemsize(wire)), (waited + 0.5, -padded * _itemsize(wire))]
+                if len(n.args) > 6:  # the flat input is the group's grad_buffer: it lives until the wait
+                    last[n.args[6]] = max(last.get(n.args[6], 0), waited)
+                else:
+                    events += [(order[n], padded * _itemsize(wire)), (waited + 0.5, -padded * _itemsize(wire))]
                 size[n] = padded // world * _itemsize(out)
             else:
                 size[n] = _nbytes(_val(n))

@@ -46,9 +46,9 @@ def eager_bf16(steps: int) -> dict:
     return dict(losses=losses, grads=grads, params={n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def train_mixed(rank: int, world: int, steps: int, reduce_dtype: torch.dtype | None) -> dict:
+def train_mixed(rank: int, world: int, steps: int, reduce_dtype: torch.dtype | None, direct: bool = False) -> dict:
     torch.manual_seed(0)
-    model = fbmt.compile(gpt(), param_dtype=BF16, reduce_dtype=reduce_dtype, checks=True)
+    model = fbmt.compile(gpt(), param_dtype=BF16, reduce_dtype=reduce_dtype, checks=True, direct_grads=direct)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the optimizer sees fp32 shards
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], None
@@ -79,10 +79,10 @@ def test_one_rank_equals_eager_bf16_compute_with_fp32_master():
         torch.testing.assert_close(out["params"][name], p, rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("reduce_dtype", [None, BF16])
-def test_two_ranks_match_eager_to_bf16_precision(reduce_dtype):
+@pytest.mark.parametrize("reduce_dtype,direct", [(None, False), (BF16, False), (None, True)])
+def test_two_ranks_match_eager_to_bf16_precision(reduce_dtype, direct):
     ref = eager_bf16(3)
-    for out in run_ranks(2, train_mixed, 3, reduce_dtype):
+    for out in run_ranks(2, train_mixed, 3, reduce_dtype, direct):
         torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=2e-3, atol=2e-3)
         for name, g in ref["grads"].items():
             scale = g.abs().max().item() + 1e-6

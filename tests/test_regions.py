@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -11,11 +12,13 @@ from fbmt.runtime.regions import Region
 from tests.models.reference import gpt
 
 
-def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile():
+@pytest.mark.parametrize("direct", [False, True])
+def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile(direct):
+    """Also with direct_grads: its gradient products run between regions and write into the buffer."""
     torch.manual_seed(0)
     ref = gpt(n_layer=3)
     torch.manual_seed(0)
-    model = fbmt.compile(gpt(n_layer=3), backend="inductor", checks=True)
+    model = fbmt.compile(gpt(n_layer=3), backend="inductor", checks=True, direct_grads=direct)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
         g = torch.Generator().manual_seed(step)
@@ -35,6 +38,8 @@ def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile():
     assert len(model.regions.compiled) < len(regions)
     kinds = [n.target for n in exe.forward.graph.nodes if n.op == "call_function"]
     assert collectives.all_gather in kinds and collectives.wait in kinds  # communication stays outside regions
+    backward = [n.target for n in exe.backward.graph.nodes if n.op == "call_function"]
+    assert (collectives.mm_into in backward) == direct
 
 
 def test_unknown_backend_is_rejected():

@@ -88,6 +88,10 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
             cfg = dict(zero=zero, remat="selective", schedule="prefetch")
             compare(train_compiled(name, rank, world, cfg), want, f"{name} world={world} {cfg}", buffers=False)
             done.append(f"{name} world={world} {cfg}")
+        cfg = dict(zero=3, remat="block", schedule="prefetch", direct_grads=True)  # and accumulating into .grad
+        what = f"{name} world={world} {cfg} accumulating 2 micro-batches"
+        compare(train_compiled(name, rank, world, cfg, accum=2), want, what, buffers=False)
+        done.append(what)
     return done
 
 

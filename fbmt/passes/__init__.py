@@ -34,12 +34,13 @@ REQUIRED = ("shard",)
 
 def default_pipeline(*, zero: int, remat: str, schedule: str, prefetch: int, grad_reduce: str = "mean",
                      reduce_dtype: torch.dtype | None = None, zero_per_block: dict[str, int] | None = None,
-                     remat_per_block: dict[str, str] | None = None) -> list[tuple[str, Pass]]:
+                     remat_per_block: dict[str, str] | None = None,
+                     direct_grads: bool = False) -> list[tuple[str, Pass]]:
     return [
         ("blocks", assign_blocks),
         ("remat", functools.partial(recompute_blocks, policy=remat, per_block=remat_per_block)),
         ("shard", functools.partial(shard_parameters, zero=zero, per_block=zero_per_block, grad_reduce=grad_reduce,
-                                    reduce_dtype=reduce_dtype)),
+                                    reduce_dtype=reduce_dtype, direct_grads=direct_grads)),
         ("schedule", functools.partial(schedule_overlap, strategy=schedule, prefetch=prefetch)),
         ("verify", verify),
     ]

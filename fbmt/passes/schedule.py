@@ -7,8 +7,8 @@ Ensures, by strategy (registered by name in STRATEGIES; a strategy is a plain fu
 - "prefetch": in each phase, the gather of the k-th group (in order of use) is issued before the
   first compute node of the (k - prefetch)-th group's block, so block i+1's parameters arrive while
   block i computes; each reduce-scatter is issued as soon as its gradients exist (the shard pass
-  placed it there) and waited only when the next one is issued (the last at the end), so it
-  overlaps the backward of the blocks before it while at most one is in flight.
+  placed it there) and waited only when the next one is issued, or its buffer made (the last at the
+  end), so it overlaps the backward of the blocks before it while at most one is in flight.
 Moves only starts earlier and waits later, so data dependencies are preserved by construction.
 """
 
@@ -86,6 +86,12 @@ def _prefetch(program: Program, *, prefetch: int) -> str:
                 moved += 1
     scatters = pairs(program, collectives.reduce_scatter, BWD)
     output = program.output_node()
-    for (_, wait), nxt in zip(scatters, [s for s, _ in scatters[1:]] + [output]):
+    # each wait goes right before the next reduce-scatter, or before its buffer is made when its
+    # gradients are written in place (NOTE: [Direct gradients]): one flat buffer in flight at a time
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for (start, wait), nxt in zip(scatters, [s for s, _ in scatters[1:]] + [output]):
+        buffer = nxt.args[6] if nxt is not output and len(nxt.args) > 6 else None
+        if buffer is not None and order[buffer] > order[start]:
+            nxt = buffer
         nxt.prepend(wait)
     return f"{moved} gathers issued {prefetch} block(s) ahead; {len(scatters)} reduce-scatters overlapped"

@@ -33,8 +33,11 @@ aten = torch.ops.aten
 
 
 def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, int] | None = None,
-                     grad_reduce: str = "mean", reduce_dtype: torch.dtype | None = None) -> Program:
+                     grad_reduce: str = "mean", reduce_dtype: torch.dtype | None = None,
+                     direct_grads: bool = False) -> Program:
     """`per_block` overrides `zero` for the named blocks (BMTrain's `Block(zero_level=...)`).
+    `direct_grads`: weight gradients that are plain matrix products are written by them straight
+    into the reduce-scatter buffer (NOTE: [Direct gradients] in runtime/collectives.py).
 
     Mixed precision: a group whose compute dtype differs from its storage dtype is cast to the
     compute dtype *before* the gather (half the bytes on the wire), and its gradient, computed in the
@@ -63,6 +66,7 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
         shards[-1].meta["val"] = _fake(program, (group.shard_numel,), group.dtype)
         roles[shards[-1]] = Role("shard", group.index)
     shard_grads: list[tuple[Role, Any]] = []
+    dead: list[fx.Node] = []  # direct gradients: the products they replace
     gathers = 0
     for group, shard in zip(program.layout.groups, shards):
         level = per_block.get(group.block, zero)
@@ -88,7 +92,7 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
             if phase == BWD or level == 3 or not read_by[BWD]:  # ZeRO-2 keeps it only for a backward reader
                 _release_after_last_use(g, buffer, phase)
         if group.requires_grad and program.needs_grad:
-            grad = _reduce_scatter(program, group, grads, grad_reduce == "mean", reduce_dtype)
+            grad = _reduce_scatter(program, group, grads, grad_reduce == "mean", reduce_dtype, direct_grads, dead)
             shard_grads.append((Role("shard_grad", group.index), grad))
     for p in params.values():
         assert not p.users, f"parameter placeholder {p.name} still has users {list(p.users)}"
@@ -98,11 +102,16 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
     kept = [(r, v) for r, v in zip(program.outputs, program.output_values()) if r.kind != "grad"]
     kept += shard_grads
     program.set_outputs([v for _, v in kept], [r for r, _ in kept])
+    for n in dead:  # each chain from the gradient down to its product
+        assert not n.users, f"{n.name} is still read by {list(n.users)}"
+        g.erase_node(n)
     g.lint()
     n_rs = sum(1 for _, v in shard_grads if v is not None)
     levels = f"zero={zero}" + (f" ({len(per_block)} blocks overridden)" if per_block else "")
+    in_place = sum(1 for n in dead if n.target is aten.mm.default)
+    direct = f", {in_place} gradients written in place" if direct_grads else ""
     program.record("shard", started, f"{levels}, grads {grad_reduce}: {len(program.layout.groups)} flat groups, "
-                   f"{gathers} all-gathers, {n_rs} reduce-scatters")
+                   f"{gathers} all-gathers, {n_rs} reduce-scatters{direct}")
     return program
 
 
@@ -164,22 +173,67 @@ def _release_after_last_use(g: fx.Graph, buffer: fx.Node, phase: str) -> None:
 
 
 def _reduce_scatter(program: Program, group: FlatGroup, grads: dict[str, Any], average: bool,
-                    reduce_dtype: torch.dtype | None) -> fx.Node | None:
+                    reduce_dtype: torch.dtype | None, direct: bool, dead: list[fx.Node]) -> fx.Node | None:
     g = program.graph
     values = [grads.get(s.name) for s in group.slots]
     produced = [v for v in values if isinstance(v, fx.Node)]
     if not produced:
         return None
-    last = max(produced, key=_order(g).__getitem__)
+    wire = reduce_dtype if reduce_dtype is not None and group.compute != group.dtype else group.dtype
+    dtypes = () if wire == group.compute == group.dtype else (wire, group.dtype)
+    chains = {i: c for i, v in enumerate(values) if direct and (c := _product_chain(v)) is not None}
+    buffer = None
+    if chains:  # NOTE: [Direct gradients]
+        first = min((c[-1] for c in chains.values()), key=_order(g).__getitem__)
+        with g.inserting_before(first):
+            buffer = emit(g, collectives.grad_buffer, (first.args[0], group.padded_numel, wire), BWD,
+                          fbmt_group=group.index)
+        buffer.meta["val"] = _fake(program, (group.padded_numel,), wire)
+        for i, chain in chains.items():
+            mm, slot = chain[-1], group.slots[i]
+            with g.inserting_before(mm):
+                values[i] = emit(g, collectives.mm_into, (mm.args[0], mm.args[1], buffer, slot.offset), BWD)
+            values[i].meta["val"] = _fake(program, (slot.numel,), wire)
+        dtypes = (wire, group.dtype)
+    last = max((v for v in values if isinstance(v, fx.Node)), key=_order(g).__getitem__)
     with g.inserting_before(last.next):
-        pieces = [emit(g, aten.reshape.default, (v, [-1]), BWD) if isinstance(v, fx.Node)
+        pieces = [v if i in chains else emit(g, aten.reshape.default, (v, [-1]), BWD) if isinstance(v, fx.Node)
                   else emit(g, aten.new_zeros.default, (produced[0], [s.numel]), BWD)
-                  for s, v in zip(group.slots, values)]
-        wire = reduce_dtype if reduce_dtype is not None and group.compute != group.dtype else group.dtype
-        dtypes = () if wire == group.compute == group.dtype else (wire, group.dtype)
-        start = emit(g, collectives.reduce_scatter, (pieces, group.world_size, group.padded_numel, average, *dtypes),
-                     BWD, fbmt_group=group.index)
-        return emit(g, collectives.wait, (start,), BWD, fbmt_group=group.index)
+                  for i, (s, v) in enumerate(zip(group.slots, values))]
+        into = [buffer] if buffer is not None else []
+        start = emit(g, collectives.reduce_scatter,
+                     (pieces, group.world_size, group.padded_numel, average, *dtypes, *into), BWD, fbmt_group=group.index)
+        wait = emit(g, collectives.wait, (start,), BWD, fbmt_group=group.index)
+    for chain in chains.values():  # the product and its views: read by nothing once the outputs are replaced
+        dead.extend(chain)
+    return wait
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _product_chain(v: Any) -> list[fx.Node] | None:
+    """[v, ..., mm] when gradient `v` is a matrix product up to reshapes and transposes that cancel
+    (so the product's memory is `v`'s, in order), and nothing else reads the product or the steps to
+    `v` (NOTE: [Direct gradients]); else None."""
+    chain: list[fx.Node] = []
+    n = v
+    while isinstance(n, fx.Node) and n.op == "call_function":
+        chain.append(n)
+        if n.target is aten.mm.default or not (n.target in _VIEWS or n.target is aten.t.default):
+            break
+        n = n.args[0]
+    if not chain or chain[-1].target is not aten.mm.default:
+        return None
+    if any(len(c.users) != 1 for c in chain):  # v: read by the program output only; the rest by the next step
+        return None
+    open_t = False
+    for c in reversed(chain[:-1]):  # from the product outwards: transposes must come in adjacent pairs
+        if c.target is aten.t.default:
+            open_t = not open_t
+        elif open_t:
+            return None
+    return None if open_t else chain
 
 
 def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:

@@ -97,36 +97,74 @@ def all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None =
 
 
 def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool = True,
-                   wire_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> Pending:
+                   wire_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+                   buffer: torch.Tensor | None = None) -> Pending:
     """Start reducing a group's gradients over ranks; this rank receives the mean (or sum) of its shard.
 
     `pieces` (1-D, in layout order) are copied into one zero-padded flat buffer of `padded_numel`
     elements, cast to `wire_dtype` in the same copy (mixed precision: no intermediate flat in the
     compute dtype); the result is returned as `out_dtype` (both default to the pieces' dtype).
+    `buffer`: that flat buffer, made earlier by `grad_buffer`; pieces already written in their place
+    in it (by `mm_into`) are not copied (NOTE: [Direct gradients]).
     """
     dtype, device = wire_dtype or pieces[0].dtype, pieces[0].device
-    numel = sum(p.numel() for p in pieces)
-    if world_size == 1:
-        flat = torch.empty(padded_numel, dtype=dtype, device=device)
-        torch.cat(pieces, out=flat[:numel])
-        flat[numel:].zero_()
+    if world_size == 1:  # nothing to overlap with: fill the buffer on the compute stream
+        flat = buffer if buffer is not None else torch.empty(padded_numel, dtype=dtype, device=device)
+        _fill(flat, pieces, torch.Tensor.copy_)
         return Pending(flat, None, out_dtype=out_dtype)
     out = torch.empty(padded_numel // world_size, dtype=dtype, device=device)
     avg = average and _nccl(out)
     side = _copy_stream(device)
     with _on(side):
-        flat = torch.empty(padded_numel, dtype=dtype, device=device)
-        offset = 0
-        for p in pieces:
-            copies.copy_(flat[offset:offset + p.numel()], p)
-            offset += p.numel()
-        flat[numel:].zero_()
+        flat = buffer if buffer is not None else torch.empty(padded_numel, dtype=dtype, device=device)
+        _fill(flat, pieces, copies.copy_)
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
         work = reduce_scatter_into(out, flat, op=op, async_op=True)
     if side is not None:
         for p in pieces:  # freed on the compute stream soon: not reused before the side stream read them
             p.record_stream(side)
     return Pending(out, work, divisor=world_size if average and not avg else 1, out_dtype=out_dtype, keep=flat)
+
+
+def _fill(flat: torch.Tensor, pieces: list[torch.Tensor], copy: Any) -> None:
+    """Copy the pieces into their places in `flat` (those already there stay) and zero the padding."""
+    offset = 0
+    for p in pieces:
+        slot = flat[offset:offset + p.numel()]
+        if p.numel() and p.data_ptr() != slot.data_ptr():  # written in place by mm_into: skip
+            copy(slot, p)
+        offset += p.numel()
+    flat[offset:].zero_()
+
+
+def grad_buffer(like: torch.Tensor, padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The flat reduce-scatter buffer of one group, made before its gradients so that their matrix
+    products can write into it (NOTE: [Direct gradients]); on the compute stream, `like`'s device."""
+    return torch.empty(padded_numel, dtype=dtype, device=like.device)
+
+
+_mm_dtype_out = getattr(torch.ops.aten.mm, "dtype_out", None)
+
+
+def mm_into(a: torch.Tensor, b: torch.Tensor, buffer: torch.Tensor, offset: int) -> torch.Tensor:
+    """`a @ b` written into `buffer[offset:]` in the buffer's dtype; returns that 1-D slice.
+
+    NOTE: [Direct gradients]
+    With `compile(direct_grads=True)` the shard pass makes each weight gradient that is a plain
+    matrix product (up to transposes that cancel and reshapes) write straight into its place in the
+    group's reduce-scatter buffer, so the copy-in before the reduce-scatter skips it. With mixed
+    precision the product of bf16 operands is written as fp32 by the GEMM itself (`mm.dtype_out`,
+    CUDA): no bf16 gradient is made, and the gradient is not rounded to bf16 on its way. Elsewhere a
+    different dtype falls back to a product and a copy.
+    """
+    out = buffer[offset:offset + a.shape[0] * b.shape[1]]
+    if a.dtype == buffer.dtype:
+        torch.mm(a, b, out=out.view(a.shape[0], b.shape[1]))
+    elif a.is_cuda and _mm_dtype_out is not None:
+        _mm_dtype_out(a, b, buffer.dtype, out=out.view(a.shape[0], b.shape[1]))
+    else:
+        out.copy_(torch.mm(a, b).view(-1))
+    return out
 
 
 def wait(pending: Pending) -> torch.Tensor:
@@ -148,4 +186,4 @@ def release(buffer: torch.Tensor) -> None:
 STARTS = (all_gather, reduce_scatter)
 # Node targets with effects: never dropped when unused, never recomputed. Others register here too
 # (fbmt.inspect's recording ops).
-EFFECTFUL = {all_gather, reduce_scatter, wait, release}
+EFFECTFUL = {all_gather, reduce_scatter, wait, release, grad_buffer, mm_into}

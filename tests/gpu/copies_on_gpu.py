@@ -3,7 +3,8 @@
     python tests/gpu/copies_on_gpu.py
 
 Exact equality with `Tensor.copy_` for every cast the collectives make, sizes around the kernel's
-block size and grids larger and smaller than the work; then the time of a 6.7B block's copy-in
+block size and grids larger and smaller than the work; `mm_into` writing a bf16 product as fp32 into
+its slice of a buffer (direct_grads); then the time of a 6.7B block's copy-in
 (202M bf16 gradients into fp32) alone, bounded and with torch's copy.
 """
 
@@ -11,7 +12,7 @@ import os
 
 import torch
 
-from fbmt.runtime import copies
+from fbmt.runtime import collectives, copies
 
 
 def main() -> None:
@@ -33,6 +34,15 @@ def main() -> None:
                 assert dst[0].isnan() and dst[-1].isnan(), "wrote outside its slice"
                 checked += 1
     os.environ.pop("FBMT_COPY_PROGRAMS")
+    # direct_grads: a bf16 product written as fp32 into its place in a buffer, by the GEMM itself
+    assert collectives._mm_dtype_out is not None, f"torch {torch.__version__} has no aten.mm.dtype_out"
+    a, b = torch.randn(300, 200, device=dev).bfloat16(), torch.randn(200, 100, device=dev).bfloat16()
+    buffer = torch.full((30_010,), float("nan"), device=dev)
+    out = collectives.mm_into(a.t().contiguous().t(), b, buffer, 7)  # a transposed operand, as in backward
+    assert out.dtype == torch.float32 and out.data_ptr() == buffer[7:].data_ptr()
+    torch.testing.assert_close(out.view(300, 100), a.float() @ b.float(), rtol=2e-2, atol=2e-2)
+    assert buffer[:7].isnan().all() and buffer[7 + 30_000:].isnan().all()
+    checked += 1
     copies.programs.cache_clear()
     src = torch.randn(202_000_000, device=dev, dtype=torch.bfloat16)
     dst = torch.empty(src.numel(), device=dev)

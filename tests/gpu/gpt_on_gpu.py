@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=2 tests/gpu/gpt_on_gpu.py
 
-For every zero/remat/schedule combination (eager, and two with backend="inductor"): 5 SGD steps of a compiled GPT (each rank its slice of
+For every zero/remat/schedule combination (eager, and three with backend="inductor", one of them with
+direct_grads): 5 SGD steps of a compiled GPT (each rank its slice of
 the global batch) against eager PyTorch on the whole batch on one GPU. After the first step
 (which compiles), steps run under `torch.cuda.set_sync_debug_mode("error")`: any host sync inside
 fbmt's forward, backward or the collectives raises.
@@ -56,14 +57,16 @@ def main() -> None:
     want = run(ref, 5, 0, 1, device, guard=False)
     want_params = {n: p.detach() for n, p in ref.named_parameters()}
     worst = 0.0
-    combos = [(z, r, s, "eager") for z, r, s in itertools.product((3, 2), ("block", "selective", "none"),
-                                                                    ("prefetch", "none"))]
-    combos += [(3, "block", "prefetch", "inductor"), (3, "selective", "prefetch", "inductor")]
-    for zero, remat, schedule, backend in combos:
+    combos = [(z, r, s, "eager", False) for z, r, s in itertools.product((3, 2), ("block", "selective", "none"),
+                                                                           ("prefetch", "none"))]
+    combos += [(3, "block", "prefetch", "inductor", False), (3, "selective", "prefetch", "inductor", False),
+               (3, "block", "prefetch", "inductor", True)]
+    for zero, remat, schedule, backend, direct in combos:
         torch.manual_seed(0)
         model = GPT(CFG)
         model.load_state_dict(init)
-        model = fbmt.compile(model, zero=zero, remat=remat, schedule=schedule, backend=backend, checks=True)
+        model = fbmt.compile(model, zero=zero, remat=remat, schedule=schedule, backend=backend, checks=True,
+                             direct_grads=direct)
         t0 = time.perf_counter()
         losses = run(model, 5, rank, world, device, guard=True)
         torch.cuda.synchronize()
@@ -74,7 +77,8 @@ def main() -> None:
         lerr = ((losses - want).abs() / want.abs()).max().item()
         worst = max(worst, err, lerr)
         if rank == 0:
-            print(f"zero={zero} remat={remat:<9} schedule={schedule:<8} {backend:<8}: loss rel err {lerr:.1e}, "
+            print(f"zero={zero} remat={remat:<9} schedule={schedule:<8} {backend:<8}"
+                  f"{' direct_grads' if direct else ''}: loss rel err {lerr:.1e}, "
                   f"param max rel err after 5 steps {err:.1e}, 5 steps {time.perf_counter() - t0:.2f}s "
                   f"(no host sync after step 1)", flush=True)
     if rank == 0:
