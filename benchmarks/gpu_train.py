@@ -142,37 +142,38 @@ def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
         wall = time.perf_counter() - t0
     cpu = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()),
                  key=lambda x: -x[1])[:12]
+    kernels = cuda_kernels(prof)
     streams: dict[int, dict[str, float]] = {}
-    spans: dict[int, list[tuple[float, float]]] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = e.name.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(w in name for w in keys)), "other")
-        sid = e.device_resource_id
-        streams.setdefault(sid, {}).setdefault(kind, 0.0)
-        streams[sid][kind] += (e.time_range.end - e.time_range.start) / 1e3
-        spans.setdefault(sid, []).append((e.time_range.start / 1e3, e.time_range.end / 1e3))
-    out: dict[str, Any] = {"wall_ms": wall * 1e3, "host_ms": host * 1e3, "streams": {}, "gaps": gaps(prof),
+    for sid, ks in kernels.items():
+        for a, b, name in ks:
+            kind = next((k for k, keys in KERNEL_KINDS if any(w in name.lower() for w in keys)), "other")
+            streams.setdefault(sid, {}).setdefault(kind, 0.0)
+            streams[sid][kind] += b - a
+    out: dict[str, Any] = {"wall_ms": wall * 1e3, "host_ms": host * 1e3, "streams": {}, "gaps": gaps(kernels),
                            "host_ops": [dict(op=k[:60], self_ms=round(t, 2), count=c) for k, t, c in cpu]}
     for sid, kinds in streams.items():
         busy, end = 0.0, float("-inf")
-        for a, b in sorted(spans[sid]):  # union of the kernels' intervals
+        for a, b, _ in sorted(kernels[sid]):  # union of the kernels' intervals
             busy += max(0.0, b - max(a, end))
             end = max(end, b)
         out["streams"][str(sid)] = {"busy_ms": busy, **{k: round(v, 2) for k, v in sorted(kinds.items())}}
     return out
 
 
-def gaps(prof: Any, top: int = 12) -> dict[str, Any]:
-    """Where the busiest (compute) stream idles: the largest gaps between its kernels, with the
-    kernels around them and when (ms from the step's first kernel), the idle time by the pair of
-    kernels around it, and how much of it each other stream (copies, NCCL) was busy."""
+def cuda_kernels(prof: Any) -> dict[int, list[tuple[float, float, str]]]:
+    """Per CUDA stream, its kernels as (start ms, end ms, name)."""
     kernels: dict[int, list[tuple[float, float, str]]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels.setdefault(e.device_resource_id, []).append(
                 (e.time_range.start / 1e3, e.time_range.end / 1e3, e.name))
+    return kernels
+
+
+def gaps(kernels: dict[int, list[tuple[float, float, str]]], top: int = 12) -> dict[str, Any]:
+    """Where the busiest (compute) stream idles: the largest gaps between its kernels, with the
+    kernels around them and when (ms from the step's first kernel), the idle time by the pair of
+    kernels around it, and how much of it each other stream (copies, NCCL) was busy."""
     first = min(k[0] for ks in kernels.values() for k in ks)
     compute = max(kernels.values(), key=lambda ks: sum(b - a for a, b, _ in ks))
     compute.sort()
