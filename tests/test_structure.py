@@ -46,6 +46,20 @@ def test_one_gather_per_block_and_phase_and_one_reduce_scatter(zero):
     assert len(releases) == len(fwd) + len(bwd)
 
 
+def test_the_group_read_at_the_turnaround_stays_gathered_unless_its_block_asks_for_zero3():
+    # the tied embedding is read last in the forward (the logits) and first in the backward
+    _, program = _program()
+    groups = {g.block: g.index for g in program.layout.groups}
+    bwd = _groups_read_in(program, "bwd")
+    assert groups["wte"] not in bwd, "the turnaround group was gathered again for the backward"
+    assert {groups["h.2"], groups["ln_f"]} <= bwd, "only the turnaround group may skip its backward gather"
+    assert "kept gathered across the turnaround: wte" in program.history[2].summary
+    blocks = {b: {} for b in groups}
+    blocks["wte"] = {"zero": 3}
+    _, forced = _program(blocks=blocks)
+    assert groups["wte"] in _groups_read_in(forced, "bwd")
+
+
 def test_prefetch_issues_next_gather_before_block_compute():
     _, program = _program(schedule="prefetch")
     nodes = list(program.graph.nodes)
@@ -60,6 +74,18 @@ def test_prefetch_issues_next_gather_before_block_compute():
     later_compute = [n for n in nodes[pos[rs[0]] + 1:] if n.meta.get("fbmt_phase") == "bwd"
                      and n.target not in collectives.EFFECTFUL and n.op == "call_function"]
     assert later_compute, "the first reduce-scatter should overlap later backward compute"
+
+
+def test_backward_gathers_its_first_block_when_the_backward_begins():
+    # ln_f's weights are too few to hide a gather behind: h.2's gather must not wait for them
+    _, program = _program(schedule="prefetch")
+    nodes = list(program.graph.nodes)
+    groups = {g.block: g.index for g in program.layout.groups}
+    first_bwd = next(i for i, n in enumerate(nodes) if n.op == "call_function" and n.meta["fbmt_phase"] == "bwd"
+                     and n.target not in collectives.EFFECTFUL)
+    start = {n.meta["fbmt_group"]: nodes.index(n) for n in _collectives(program, collectives.all_gather, "bwd")}
+    assert start[groups["ln_f"]] < first_bwd and start[groups["h.2"]] < first_bwd
+    assert start[groups["h.1"]] > first_bwd  # one block ahead, not all of them
 
 
 def test_no_overlap_waits_right_after_each_start():

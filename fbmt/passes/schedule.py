@@ -6,7 +6,8 @@ Ensures, by strategy (registered by name in STRATEGIES; a strategy is a plain fu
 - "none": no overlap; every collective is waited right after it is issued.
 - "prefetch": in each phase, the gather of the k-th group (in order of use) is issued before the
   first compute node of the (k - prefetch)-th group's block, so block i+1's parameters arrive while
-  block i computes; each reduce-scatter is issued as soon as its gradients exist (the shard pass
+  block i computes; the first `prefetch` gathers of a phase are issued when the phase begins, and
+  groups too small to hide a gather behind are not counted (NOTE: [Small groups]); each reduce-scatter is issued as soon as its gradients exist (the shard pass
   placed it there) and waited only when the next one is issued, or its buffer made (the last at the
   end), so it overlaps the backward of the blocks before it while at most one is in flight.
 Moves only starts earlier and waits later, so data dependencies are preserved by construction.
@@ -68,10 +69,15 @@ def _no_overlap(program: Program, *, prefetch: int) -> str:
 def _prefetch(program: Program, *, prefetch: int) -> str:
     g = program.graph
     blocks = {grp.index: grp.block for grp in program.layout.groups}
+    sizes = {grp.index: grp.padded_numel for grp in program.layout.groups}
     moved = 0
     for phase in (FWD, BWD):
         gathers = pairs(program, collectives.all_gather, phase)
+        if not gathers:
+            continue
         order = {n: i for i, n in enumerate(g.nodes)}
+        begin = min((n for n in g.nodes if n.op == "call_function" and n.meta.get("fbmt_phase") == phase),
+                    key=order.__getitem__)
         anchors = []
         for start, wait in gathers:
             block = blocks[wait.meta["fbmt_group"]]
@@ -79,8 +85,17 @@ def _prefetch(program: Program, *, prefetch: int) -> str:
                          and n.meta.get("fbmt_phase") == phase and n.target not in collectives.EFFECTFUL),
                         key=order.__getitem__, default=wait)
             anchors.append(min(first, wait, key=order.__getitem__))
-        for k in range(prefetch, len(gathers)):
-            start, anchor = gathers[k][0], anchors[k - prefetch]
+        # NOTE: [Small groups] a group far smaller than the largest (a final norm's weight) computes
+        # too little to hide a gather behind: it does not count as one of the `prefetch` steps
+        largest = max(sizes[w.meta["fbmt_group"]] for _, w in gathers)
+        large = [sizes[w.meta["fbmt_group"]] * 16 >= largest for _, w in gathers]
+        for k, (start, _) in enumerate(gathers):
+            anchor, ahead = begin, 0  # too few groups before this one: issue it when the phase begins
+            for j in range(k - 1, -1, -1):
+                ahead += large[j]
+                if ahead == prefetch:
+                    anchor = anchors[j]
+                    break
             if order[start] > order[anchor]:
                 anchor.prepend(start)
                 moved += 1

@@ -7,7 +7,9 @@ Ensures, for each flat group of the layout:
   views of the gathered buffer, and (ZeRO-3) a `release` right after the last forward use;
 - backward: ZeRO-3 gathers again right before the first backward use; ZeRO-2 keeps the forward
   buffer (the partitioner saves it) and reads the views from it; either way a `release` follows
-  the last backward use;
+  the last backward use. A ZeRO-3 group that no other group's reads separate from its own backward
+  reads (the output projection, read last in the forward and first in the backward) is kept
+  gathered like ZeRO-2 (NOTE: [Turnaround]), unless its block asks for ZeRO-3 by name;
 - gradients: right after the last of the group's parameter gradients is computed, one
   `reduce_scatter` copies them into one flat buffer and reduces it (mean over ranks, or the sum with
   `grad_reduce="sum"`); its `wait` yields the shard gradient
@@ -58,6 +60,7 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
     _recompute_param_chains(program, set(params.values()))
     grads = {r.key: v for r, v in zip(program.outputs, program.output_values()) if r.kind == "grad"}
 
+    turnaround = {grp.index for grp in _turnaround(program, params) if grp.block not in per_block}
     first_compute = next(n for n in g.nodes if n.op != "placeholder")
     shards = []
     for group in program.layout.groups:  # all placeholders first: gathers may move anywhere after them
@@ -69,7 +72,7 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
     dead: list[fx.Node] = []  # direct gradients: the products they replace
     gathers = 0
     for group, shard in zip(program.layout.groups, shards):
-        level = per_block.get(group.block, zero)
+        level = 2 if group.index in turnaround else per_block.get(group.block, zero)
         members = [params[s.name] for s in group.slots]
         fwd_buffer = None
         read_by = {ph: [u for p in members for u in p.users if u.meta.get("fbmt_phase") == ph] for ph in (FWD, BWD)}
@@ -108,11 +111,41 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
     g.lint()
     n_rs = sum(1 for _, v in shard_grads if v is not None)
     levels = f"zero={zero}" + (f" ({len(per_block)} blocks overridden)" if per_block else "")
+    if zero == 3 and turnaround:
+        kept = [program.layout.groups[i].block or "<root>" for i in sorted(turnaround)]
+        levels += f", kept gathered across the turnaround: {', '.join(kept)}"
     in_place = sum(1 for n in dead if n.target is aten.mm.default)
     direct = f", {in_place} gradients written in place" if direct_grads else ""
     program.record("shard", started, f"{levels}, grads {grad_reduce}: {len(program.layout.groups)} flat groups, "
                    f"{gathers} all-gathers, {n_rs} reduce-scatters{direct}")
     return program
+
+
+def _turnaround(program: Program, params: dict[str, fx.Node]) -> list[FlatGroup]:
+    """Groups whose last forward read and first backward read no other group's read falls between.
+
+    NOTE: [Turnaround]
+    The group read last in the forward (the output projection of a language model) is read first in
+    the backward: released after the forward, it is gathered again right away, with no compute to
+    hide the gather behind (nothing can be prefetched before the backward's first node). Nothing
+    else is gathered in between, so keeping its buffer costs only that buffer during the loss, as
+    FSDP2 keeps its root module's parameters gathered after the forward."""
+    g = program.graph
+    order = _order(g)
+    reads: dict[int, tuple[list[int], list[int]]] = {}
+    for group in program.layout.groups:
+        users = [u for s in group.slots for u in params[s.name].users]
+        reads[group.index] = ([order[u] for u in users if u.meta.get("fbmt_phase") == FWD],
+                              [order[u] for u in users if u.meta.get("fbmt_phase") == BWD])
+    kept = []
+    for group in program.layout.groups:
+        fwd, bwd = reads[group.index]
+        if not fwd or not bwd:
+            continue
+        lo, hi = max(fwd), min(bwd)
+        if not any(lo < i < hi for j, (f, b) in reads.items() if j != group.index for i in f + b):
+            kept.append(group)
+    return kept
 
 
 def _order(g: fx.Graph) -> dict[fx.Node, int]:
