@@ -1,11 +1,17 @@
 """Multi-rank behaviours beyond numerical equivalence (spawned gloo ranks on CPU)."""
 
 from tests.dist import run_ranks
-from tests.workers import dropout_recompute, meta_init_memory, mismatched_shapes, state_dict_round_trip
+from tests.workers import (dropout_recompute, last_block_saved, meta_init_memory, mismatched_shapes,
+                           state_dict_round_trip)
 
 
 def test_dropout_recompute_reproduces_masks_on_two_ranks():
     run_ranks(2, dropout_recompute)
+
+
+def test_last_block_saving_its_activations_still_matches_eager():
+    for summary in run_ranks(2, last_block_saved):
+        assert "h.2, ln_f, lm_head: saved, the backward begins with them" in summary, summary
 
 
 def test_state_dict_is_full_and_loads_into_shards():

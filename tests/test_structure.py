@@ -8,7 +8,7 @@ import torch
 import fbmt
 from fbmt.passes.verify import VerifyError, verify
 from fbmt.runtime import collectives
-from tests.models.reference import batch, gpt
+from tests.models.reference import batch, gpt, gpt_short
 
 
 def _program(**cfg):
@@ -94,12 +94,35 @@ def test_no_overlap_waits_right_after_each_start():
         assert n.next.target is collectives.wait and n.next.args[0] is n
 
 
-@pytest.mark.parametrize("remat, expect", [("block", True), ("none", False)])
-def test_remat_recomputes_blocks_in_backward(remat, expect):
-    _, program = _program(remat=remat)
-    recomputed = {n.meta.get("fbmt_block") for n in program.graph.nodes
-                  if n.meta.get("fbmt_recompute") == "activation"}
-    assert ({"h.0", "h.1", "h.2"} <= recomputed) == expect
+def _recomputed(program):
+    return {n.meta.get("fbmt_block") for n in program.graph.nodes if n.meta.get("fbmt_recompute") == "activation"}
+
+
+@pytest.mark.parametrize("remat", ["block", "selective", "none"])
+def test_remat_recomputes_blocks_in_backward_but_the_last(remat):
+    # the activations saved for the backward weigh less than the gradients
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt_short(), world_size=2, checks=True, remat=remat)
+    (idx,), _, tgt = batch("gpt_short", 0)
+    program = model.trace(idx[:4], tgt[:4])
+    # h.2's backward follows the forward (NOTE: [Last block]): it saves, as do ln_f and lm_head after it
+    assert _recomputed(program) == (set() if remat == "none" else {"h.0", "h.1"})
+    assert ("h.2, ln_f, lm_head: saved" in program.history[1].summary) == (remat != "none")
+
+
+def test_the_last_block_recomputes_where_saving_it_would_raise_the_peak():
+    _, program = _program()  # 8 x 16 tokens on 8 ranks: the saved activations outweigh the gradient shards
+    assert _recomputed(program) >= {"h.0", "h.1", "h.2"}
+    assert "h.2, ln_f, lm_head: recomputed although the backward begins with them" in program.history[1].summary
+
+
+def test_a_block_named_with_its_own_remat_policy_is_recomputed_even_last():
+    blocks = {b: {} for b in ["wte", "wpe", "h.0", "h.1", "ln_f", "lm_head"]}
+    blocks["h.2"] = {"remat": "block"}
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt_short(), world_size=2, checks=True, blocks=blocks)
+    (idx,), _, tgt = batch("gpt_short", 0)
+    assert {"h.0", "h.1", "h.2"} <= _recomputed(model.trace(idx[:4], tgt[:4]))
 
 
 def test_selective_remat_saves_matmuls_and_recomputes_the_cheap_ops():

@@ -59,7 +59,8 @@ def train_compiled(name: str, rank: int, world: int, cfg: dict, steps: int = STE
         opt.zero_grad()
         losses.append(total.item() / world)
     return dict(losses=losses, grads=grads, params=model.full_parameters(),
-                buffers={n: b.clone() for n, b in model.named_buffers()}, programs=len(model.programs))
+                buffers={n: b.clone() for n, b in model.named_buffers()}, programs=len(model.programs),
+                remat=next(r.summary for r in model.program.history if r.name == "remat"))
 
 
 def compare(got: dict, want: dict, what: str, buffers: bool, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -93,6 +94,14 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
         compare(train_compiled(name, rank, world, cfg, accum=2), want, what, buffers=False)
         done.append(what)
     return done
+
+
+def last_block_saved(rank: int, world: int) -> str:
+    """The last block saves its activations (NOTE: [Last block]) and training still matches eager."""
+    cfg = dict(zero=3, remat="block", schedule="prefetch")
+    got = train_compiled("gpt_short", rank, world, cfg)
+    compare(got, eager_reference("gpt_short"), f"gpt_short world={world} {cfg}", buffers=False)
+    return got["remat"]
 
 
 def dropout_recompute(rank: int, world: int) -> None:

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.fx as fx
 
-from fbmt.program import BWD, FWD, Program
+from fbmt.program import BWD, FWD, Program, is_view
 from fbmt.runtime import collectives
 
 POLICIES = ("block", "selective", "none")
@@ -69,7 +69,7 @@ def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict
 
     g = program.graph
     order = {n: i for i, n in enumerate(g.nodes)}
-    stats = []
+    plans = []  # (block, forward values the backward reads, what recomputes them)
     for block in chosen:
         selective = per_block.get(block, policy) == "selective"
         inside = {n for n in g.nodes if n.meta.get("fbmt_block") == block and recomputable(n)
@@ -86,19 +86,102 @@ def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict
                 continue
             closure.add(n)
             todo += [a for a in n.all_input_nodes if a in inside]
-        first_user = min((u for n in needed for u in n.users if u.meta.get("fbmt_phase") == BWD),
-                         key=order.__getitem__)
-        env: dict[fx.Node, fx.Node] = {}
-        with g.inserting_before(first_user):
-            for n in sorted(closure, key=order.__getitem__):
-                env[n] = g.node_copy(n, lambda a: env.get(a, a))
-                env[n].meta.update(fbmt_phase=BWD, fbmt_recompute="activation")
-        copies = set(env.values())
-        for n in needed:
-            for u in list(n.users):
-                if u.meta.get("fbmt_phase") == BWD and u not in copies:
-                    u.replace_input_with(n, env[n])
-        saved = {a for n in closure for a in n.all_input_nodes if a not in closure and a.op != "placeholder"}
-        stats.append(f"{block or '<root>'}: {len(closure)} recomputed, {len(saved)} saved")
+        plans.append((block, needed, closure))
+    plans.sort(key=lambda plan: min(map(order.__getitem__, plan[2])))  # forward order
+    last = _last_blocks(plans, per_block)
+    stats = []
+    for block, needed, closure in plans:
+        if block not in last:
+            stats.append(f"{block or '<root>'}: {_recompute(g, order, needed, closure)}")
+    if last:  # NOTE: [Last block]
+        saved, grads = _saved_bytes(g), _grad_bytes(program)
+        names = ", ".join(block or "<root>" for block, _, _ in plans if block in last)
+        if saved <= grads:
+            stats.append(f"{names}: saved, the backward begins with them "
+                         f"({_size(saved)} saved for the backward <= {_size(grads)} of gradients)")
+        else:
+            for block, needed, closure in plans:
+                if block in last:
+                    stats.append(f"{block or '<root>'}: {_recompute(g, order, needed, closure)}")
+            stats.append(f"{names}: recomputed although the backward begins with them "
+                         f"({_size(saved)} saved for the backward > {_size(grads)} of gradients)")
     program.record("remat", started, "; ".join(stats) or "no block activations reach the backward")
     return program
+
+
+def _last_blocks(plans: list[tuple[str, list[fx.Node], set[fx.Node]]], per_block: dict[str, str]) -> set[str]:
+    """The blocks that may save their activations although their policy recomputes them (`plans` in
+    forward order): they do where that does not raise the step's peak memory.
+
+    NOTE: [Last block]
+    The backward begins where the forward ends: after the loss and the output layer, the last
+    block's backward would first recompute what its forward has just computed. So the last block
+    whose recompute involves a matrix product or attention (as an op, or as a saved input with
+    "selective"), and the blocks after it (a final norm, the output layer), may save their
+    activations instead, as `remat="none"` would. They are held while the loss and the output layer
+    run, where the step holds every value saved for the backward; from the end of the backward to
+    the optimizer it holds every gradient instead. They are saved only if the first still weighs
+    less than the second (both estimated from the traced shapes), so the step's peak stays where it
+    was: at 6.7B and 13B (block recompute) it does, and the step saves one block's forward; at
+    1.36B with 16k tokens per rank the saved values outweigh the gradients, so the block recomputes
+    (BENCHMARKS.md). A block whose policy is set by name (`blocks={path: {"remat": ...}}`,
+    BMTrain's `Block`) keeps it, and so do the blocks before it.
+    """
+    last: set[str] = set()
+    for block, _, closure in reversed(plans):
+        if block in per_block:
+            break
+        last.add(block)
+        if any(expensive(n) or any(expensive(a) for a in n.all_input_nodes) for n in closure):
+            break
+    return last
+
+
+def _recompute(g: fx.Graph, order: dict[fx.Node, int], needed: list[fx.Node], closure: set[fx.Node]) -> str:
+    """Copy `closure` into the backward before the first backward reader of `needed`, and make the
+    backward read the copies."""
+    first_user = min((u for n in needed for u in n.users if u.meta.get("fbmt_phase") == BWD), key=order.__getitem__)
+    env: dict[fx.Node, fx.Node] = {}
+    with g.inserting_before(first_user):
+        for n in sorted(closure, key=order.__getitem__):
+            env[n] = g.node_copy(n, lambda a: env.get(a, a))
+            env[n].meta.update(fbmt_phase=BWD, fbmt_recompute="activation")
+    copies = set(env.values())
+    for n in needed:
+        for u in list(n.users):
+            if u.meta.get("fbmt_phase") == BWD and u not in copies:
+                u.replace_input_with(n, env[n])
+    saved = {a for n in closure for a in n.all_input_nodes if a not in closure and a.op != "placeholder"}
+    return f"{len(closure)} recomputed, {len(saved)} saved"
+
+
+def _saved_bytes(g: fx.Graph) -> int:
+    """Bytes of the forward values the backward reads (a view counts as its base, once)."""
+    bases = set()
+    for n in g.nodes:
+        if n.op != "placeholder" and n.meta.get("fbmt_phase") == FWD and \
+                any(u.meta.get("fbmt_phase") == BWD for u in n.users):
+            while is_view(n) and isinstance(n.args[0], fx.Node):
+                n = n.args[0]
+            bases.add(n)
+    return sum(v.nbytes for n in bases for v in _tensors(n.meta.get("val")))
+
+
+def _tensors(v: object) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    return [t for x in v for t in _tensors(x)] if isinstance(v, (list, tuple)) else []
+
+
+def _grad_bytes(program: Program) -> int:
+    """Bytes of this rank's gradient shards: what a step holds from the end of its backward on."""
+    return sum(g.shard_numel * g.dtype.itemsize for g in program.layout.groups if g.requires_grad)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+

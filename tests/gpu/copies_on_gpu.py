@@ -20,7 +20,8 @@ def main() -> None:
     dev = torch.device("cuda")
     pairs = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
              (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)]
-    sizes = [1, 7, copies.BLOCK - 1, copies.BLOCK, copies.BLOCK + 1, 5 * copies.BLOCK + 3, 3_000_001]
+    block = copies.tiling()[0]
+    sizes = [1, 7, block - 1, block, block + 1, 5 * block + 3, 3_000_001]
     checked = 0
     for grid in (1, 3, copies.programs(0)):
         copies.programs.cache_clear()

@@ -50,12 +50,19 @@ def gpt(dropout: float = 0.0, n_layer: int = 2) -> GPT:
     return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, d_model=16, dropout=dropout))
 
 
+def gpt_short() -> GPT:
+    """Wider and on 4 tokens: its activations weigh less than its gradients, so its last block saves
+    them under remat="block" (NOTE: [Last block])."""
+    return GPT(GPTConfig(vocab_size=64, seq_len=4, n_layer=3, n_head=2, d_model=128))
+
+
 def batch(name: str, step: int, global_batch: int = 8) -> tuple[tuple, dict, torch.Tensor]:
     """(args, kwargs, target) of one global batch for a model, the same on every rank."""
     g = torch.Generator().manual_seed(1000 + step)
-    if name == "gpt":
-        idx = torch.randint(0, 64, (global_batch, 16), generator=g)
-        return (idx,), {}, torch.randint(0, 64, (global_batch, 16), generator=g)
+    if name.startswith("gpt"):
+        seq = 4 if name == "gpt_short" else 16
+        idx = torch.randint(0, 64, (global_batch, seq), generator=g)
+        return (idx,), {}, torch.randint(0, 64, (global_batch, seq), generator=g)
     if name == "mlp":
         return (torch.randn(global_batch, 12, generator=g),), {}, torch.randn(global_batch, 12, generator=g)
     x = torch.randn(global_batch, 8, generator=g)
@@ -63,11 +70,11 @@ def batch(name: str, step: int, global_batch: int = 8) -> tuple[tuple, dict, tor
 
 
 def loss_of(name: str, out, target: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
+    if name.startswith("gpt"):
         return F.cross_entropy(out.view(-1, out.size(-1)), target.view(-1))
     if name == "mlp":
         return F.mse_loss(out, target)
     return F.mse_loss(out["out"], target) + 0.1 * out["aux"][0]
 
 
-BUILDERS = {"mlp": MLP, "gpt": gpt, "buffered": Buffered}
+BUILDERS = {"mlp": MLP, "gpt": gpt, "gpt_short": gpt_short, "buffered": Buffered}
