@@ -3,7 +3,9 @@
 #   bash benchmarks/gpu_suite.sh STAGE OUT_DIR
 # STAGE: example | 1.36b | 6.7b | 13b | final (earlier sessions' stages) | a | b | best (the current
 # table: every method trains the model with the loss inside; a also runs the GPU checks) | direct
-# (compile(direct_grads=True), not yet measured).
+# (compile(direct_grads=True)) | c (session 4: the copy kernel's tile sweep, GPU checks, 6.7B and 1.36B
+# without recompute, default vs direct_grads vs the peer) | d (session 4: every row again, after the changes
+# c measured and the last block saved).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +56,26 @@ case $stage in
   direct)  # compile(direct_grads=True) against the default and the peer, with profiles
     run d6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 5 --warmup 2 --loss-in-model --profile --methods fbmt-inductor,fbmt-inductor-direct,fsdp2-compile --out "$out/d6.7_block.json"
     run d13_block 220 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 5 --warmup 2 --loss-in-model --methods fbmt-inductor,fbmt-inductor-direct,fsdp2-compile --out "$out/d13_block.json" ;;
+  c)  # tune the copy tile, then the changed default (turnaround, prefetch) and direct_grads against the peer
+    echo "== copy_sweep"; timeout 100 python3 benchmarks/copy_sweep.py > "$out/copy_sweep.txt" 2>&1
+    cat "$out/copy_sweep.txt"
+    tile=$(tail -1 "$out/copy_sweep.txt"); [[ $tile =~ ^FBMT_COPY_BLOCK=[0-9]+\ FBMT_COPY_WARPS=[0-9]+$ ]] && export $tile
+    echo "== gpt_on_gpu"
+    timeout 150 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu.txt" 2>&1
+    echo "rc=$?" >> "$out/gpt_on_gpu.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu.txt" | tail -4
+    c67="--config 6.7b --batch 4 --seq 2048 --remat block --warmup 2 --loss-in-model"
+    run c6.7_block 230 benchmarks/gpu_train.py $c67 --steps 5 --profile --methods fbmt-inductor,fbmt-inductor-direct,fsdp2-compile --out "$out/c6.7_block.json"
+    FBMT_COPY_BLOCK=8192 FBMT_COPY_WARPS=8 run c6.7_oldtile 100 benchmarks/gpu_train.py $c67 --steps 4 --methods fbmt-inductor-direct --out "$out/c6.7_oldtile.json"
+    run c1.36_none 130 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fbmt-inductor-direct,fsdp2-compile --out "$out/c1.36_none.json" ;;
+  d)  # every row with the session's defaults: copy tile, turnaround, prefetch at phase start, last block saved
+    echo "== gpt_on_gpu"
+    timeout 100 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > /tmp/gpt_on_gpu.txt 2>&1
+    echo "rc=$?"; grep -v "^W[0-9]" /tmp/gpt_on_gpu.txt | tail -4
+    m=fbmt-inductor,fsdp2,fsdp2-compile
+    run d6.7_block 170 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 5 --warmup 2 --loss-in-model --profile --methods $m --out "$out/d6.7_block.json"
+    run d13_block 200 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 5 --warmup 2 --loss-in-model --methods $m --out "$out/d13_block.json"
+    run d1.36_none 130 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 6 --warmup 2 --loss-in-model --profile --methods fbmt-inductor,fbmt-inductor-selective,fsdp2,fsdp2-compile --out "$out/d1.36_none.json"
+    run d1.36_block 90 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 6 --warmup 2 --loss-in-model --methods $m --out "$out/d1.36_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

@@ -10,10 +10,13 @@ FBMT_COPY_PROGRAMS overrides it, 0 uses torch's copy), so the copy takes longer 
 GPU, as NCCL's kernels do. It casts while it copies (fp32 shard to a bf16 wire buffer, bf16
 gradient into an fp32 reduce-scatter buffer).
 
-Measured (2x H200, 6.7B model, one profiled step; BENCHMARKS.md): with torch's copies the compute
-stream idled 29.5 ms of the copies' 37 ms; bounded, 8 ms, but the matrix products running beside
-the copies slowed by about as much (the copies still take their memory bandwidth), so throughput is
-the same within noise. Overlapping these copies has little left to give: removing them does.
+Each program copies BLOCK elements per iteration with WARPS warps, 64 elements per thread: enough
+loads in flight for one SM to draw 65 GB/s. On an H200 (benchmarks/copy_sweep.py: a 6.7B block's
+cast and copy-in) a quarter of the SMs copy at 2.1 TB/s, against 2.6 TB/s for torch's copy on every
+SM; the first tile tried (8192 elements, 8 warps) reached 1.2 TB/s, so it held its SMs 1.7 times as
+long. Measured in a 6.7B step (BENCHMARKS.md): torch's copies left the compute stream idle for 29.5
+of their 37 ms; the first tile cut that idle to 8 ms but ran 212 ms beside the matrix products and
+slowed them by about as much; this tile runs 64 ms.
 
 Written in Triton, which torch's CUDA builds ship for Inductor; where Triton is missing, or off
 CUDA, `copy_` is `Tensor.copy_`.
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-BLOCK = 8192  # elements per thread block and iteration: 32 per thread at 8 warps
+BLOCK, WARPS = 65536, 32  # elements per thread block and iteration, and its warps: 64 per thread
 
 
 @functools.cache
@@ -49,6 +52,19 @@ def _kernel() -> Any:
 
 
 @functools.cache
+def tiling() -> tuple[int, int]:
+    """(elements per program and iteration, warps per program): BLOCK and WARPS, or the environment's
+    FBMT_COPY_BLOCK and FBMT_COPY_WARPS (powers of two), for tuning on a new GPU
+    (benchmarks/copy_sweep.py)."""
+    block = int(os.environ.get("FBMT_COPY_BLOCK", BLOCK))
+    warps = int(os.environ.get("FBMT_COPY_WARPS", WARPS))
+    for name, v in (("FBMT_COPY_BLOCK", block), ("FBMT_COPY_WARPS", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name}={v}: expected a power of two")
+    return block, warps
+
+
+@functools.cache
 def programs(device_index: int) -> int:
     """Thread blocks a copy may use on this device (NOTE: [Bounded copies])."""
     env = os.environ.get("FBMT_COPY_PROGRAMS")
@@ -66,10 +82,11 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     kernel = _kernel() if src.is_cuda else None
     grid = programs(src.device.index if src.device.index is not None else torch.cuda.current_device()) \
         if kernel is not None else 0
-    # int32 offsets: the last iteration of the grid stride reaches up to (blocks + grid) * BLOCK
-    if grid == 0 or n == 0 or n + (grid + 1) * BLOCK >= 2**31 or not (src.is_contiguous() and dst.is_contiguous()):
+    block, warps = tiling()
+    # int32 offsets: the last iteration of the grid stride reaches up to (blocks + grid) * block
+    if grid == 0 or n == 0 or n + (grid + 1) * block >= 2**31 or not (src.is_contiguous() and dst.is_contiguous()):
         return dst.copy_(src)
-    blocks = -(-n // BLOCK)
+    blocks = -(-n // block)
     grid = min(grid, blocks)
-    kernel[(grid,)](src, dst, n, -(-blocks // grid), BLOCK=BLOCK, num_warps=8)
+    kernel[(grid,)](src, dst, n, -(-blocks // grid), BLOCK=block, num_warps=warps)
     return dst
