@@ -5,7 +5,9 @@
 # table: every method trains the model with the loss inside; a also runs the GPU checks) | direct
 # (compile(direct_grads=True)) | c (session 4: the copy kernel's tile sweep, GPU checks, 6.7B and 1.36B
 # without recompute, default vs direct_grads vs the peer) | d (session 4: every row again, after the changes
-# c measured and the last block saved).
+# c measured and the last block saved) | e (session 4's table: every row after the last block's memory
+# guard, fbmt's best 6.7B setting, and 6.7B with the peer run first; logs in one tarball, as the device
+# tool brings back at most 8 files).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,13 +15,14 @@ stage=$1 out=$2
 mkdir -p "$out"
 python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/install.txt 2>&1 || { cat /tmp/install.txt; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-run() {  # run NAME SECONDS ARGS...: one torchrun on every GPU, output to $out/NAME.txt
+logs=$out
+run() {  # run NAME SECONDS ARGS...: one torchrun on every GPU, output to $logs/NAME.txt
   local name=$1 limit=$2; shift 2
   echo "== $name"
   timeout "$limit" torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" --master_port=$((29500 + RANDOM % 1000)) "$@" \
-    > "$out/$name.txt" 2>&1
-  echo "rc=$?" >> "$out/$name.txt"
-  grep -v "^W[0-9]" "$out/$name.txt" | tail -8
+    > "$logs/$name.txt" 2>&1
+  echo "rc=$?" >> "$logs/$name.txt"
+  grep -v "^W[0-9]" "$logs/$name.txt" | tail -8
 }
 case $stage in
   example)
@@ -76,6 +79,17 @@ case $stage in
     run d13_block 200 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 5 --warmup 2 --loss-in-model --methods $m --out "$out/d13_block.json"
     run d1.36_none 130 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 6 --warmup 2 --loss-in-model --profile --methods fbmt-inductor,fbmt-inductor-selective,fsdp2,fsdp2-compile --out "$out/d1.36_none.json"
     run d1.36_block 90 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 6 --warmup 2 --loss-in-model --methods $m --out "$out/d1.36_block.json" ;;
+  e)
+    logs=/tmp/logs; mkdir -p $logs
+    m=fbmt-inductor,fsdp2,fsdp2-compile
+    run e6.7_block 150 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --profile --methods $m --out "$out/e6.7_block.json"
+    run e13_block 170 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 5 --warmup 2 --loss-in-model --methods $m --out "$out/e13_block.json"
+    run e1.36_none 110 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 8 --warmup 2 --loss-in-model --methods fbmt-inductor,fbmt-inductor-selective,fsdp2,fsdp2-compile --out "$out/e1.36_none.json"
+    run e1.36_block 70 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --methods $m --out "$out/e1.36_block.json"
+    (cd $logs && tar czf "$out/e_logs.tgz" *.txt)
+    run e6.7_best 70 benchmarks/gpu_train.py --config 6.7b --batch 12 --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/e6.7_best.json"
+    run e6.7_peerfirst 90 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --methods fsdp2-compile,fbmt-inductor --out "$out/e6.7_peerfirst.json"
+    (cd $logs && tar czf "$out/e_logs.tgz" *.txt) ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

@@ -164,7 +164,9 @@ def cuda_kernels(prof: Any) -> dict[int, list[tuple[float, float, str]]]:
     """Per CUDA stream, its kernels as (start ms, end ms, name)."""
     kernels: dict[int, list[tuple[float, float, str]]] = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        # ranges the profiler draws on a stream around kernels ("nccl:_all_gather_base",
+        # "Optimizer.step#AdamW.step") are not kernels: counted, they would count those kernels twice
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             kernels.setdefault(e.device_resource_id, []).append(
                 (e.time_range.start / 1e3, e.time_range.end / 1e3, e.name))
     return kernels
@@ -256,6 +258,9 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         result["compile_s"] = model.compile_seconds  # trace + passes + partition of the training program
         result["inductor_s"] = model.regions.seconds  # compiling regions (backend="inductor"), in the first step
         result["regions"] = repr(model.regions)
+        # what the passes decided about the model's ends: the last block saved or not, the group kept
+        result["passes"] = {rec.name: rec.summary.split("; ")[-1] for rec in model.program.history
+                            if rec.name in ("remat", "shard")}
     del model, opt, loss
     gc.collect()
     if cuda:
@@ -315,6 +320,8 @@ def main() -> None:
             + (f"  compile {r['compile_s']:.1f}s (+{r['inductor_s']:.1f}s inductor)  no host sync: "
                f"{r['no_host_sync']}" if method.startswith("fbmt") else ""),
             flush=True)
+        for name, summary in r.get("passes", {}).items():
+            say(f"    {name}: {summary}", flush=True)
         if "profile" in r:
             gp = r["profile"]["gaps"]
             say(f"    compute stream idle {gp['idle_ms']:.1f} ms between its kernels over a {gp['span_ms']:.1f} ms "
