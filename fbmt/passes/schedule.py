@@ -7,9 +7,10 @@ Ensures, by strategy (registered by name in STRATEGIES; a strategy is a plain fu
 - "prefetch": in each phase, the gather of the k-th group (in order of use) is issued before the
   first compute node of the (k - prefetch)-th group's block, so block i+1's parameters arrive while
   block i computes; the first `prefetch` gathers of a phase are issued when the phase begins, and
-  groups too small to hide a gather behind are not counted (NOTE: [Small groups]); each reduce-scatter is issued as soon as its gradients exist (the shard pass
-  placed it there) and waited only when the next one is issued, or its buffer made (the last at the
-  end), so it overlaps the backward of the blocks before it while at most one is in flight.
+  groups too small to hide a gather behind are not counted (NOTE: [Small groups]); each
+  reduce-scatter is issued as soon as its gradients exist (the shard pass placed it there) and
+  waited only when the next one is issued, or its buffer made (the last at the end), so it overlaps
+  the backward of the blocks before it while at most one is in flight.
 Moves only starts earlier and waits later, so data dependencies are preserved by construction.
 """
 

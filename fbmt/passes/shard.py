@@ -21,6 +21,7 @@ recomputed in the backward from the backward's own views, so no view of a releas
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any
 
@@ -130,20 +131,19 @@ def _turnaround(program: Program, params: dict[str, fx.Node]) -> list[FlatGroup]
     hide the gather behind (nothing can be prefetched before the backward's first node). Nothing
     else is gathered in between, so keeping its buffer costs only that buffer during the loss, as
     FSDP2 keeps its root module's parameters gathered after the forward."""
-    g = program.graph
-    order = _order(g)
-    reads: dict[int, tuple[list[int], list[int]]] = {}
-    for group in program.layout.groups:
-        users = [u for s in group.slots for u in params[s.name].users]
-        reads[group.index] = ([order[u] for u in users if u.meta.get("fbmt_phase") == FWD],
-                              [order[u] for u in users if u.meta.get("fbmt_phase") == BWD])
+    order = _order(program.graph)
+    reads = sorted((order[u], group.index) for group in program.layout.groups
+                   for s in group.slots for u in params[s.name].users)  # (position, group) of every read
+    positions = [i for i, _ in reads]
     kept = []
     for group in program.layout.groups:
-        fwd, bwd = reads[group.index]
+        users = [u for s in group.slots for u in params[s.name].users]
+        fwd = [order[u] for u in users if u.meta.get("fbmt_phase") == FWD]
+        bwd = [order[u] for u in users if u.meta.get("fbmt_phase") == BWD]
         if not fwd or not bwd:
             continue
-        lo, hi = max(fwd), min(bwd)
-        if not any(lo < i < hi for j, (f, b) in reads.items() if j != group.index for i in f + b):
+        between = range(bisect.bisect_right(positions, max(fwd)), bisect.bisect_left(positions, min(bwd)))
+        if all(reads[i][1] == group.index for i in between):
             kept.append(group)
     return kept
 
