@@ -255,6 +255,15 @@ def clone_meta(node: fx.Node, **updates: Any) -> dict[str, Any]:
     return meta
 
 
+def nbytes(value: Any) -> int:
+    """Bytes of a node's value (`meta["val"]`): a tensor, or a list/tuple of them; else 0."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(x) for x in value)
+    return 0
+
+
 def is_view(node: fx.Node) -> bool:
     """True if the node's output aliases its first input (view, slice, t, transpose, expand, ...)."""
     t = node.target

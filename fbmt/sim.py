@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fbmt.program import Program
+from fbmt.program import Program, nbytes
 from fbmt.runtime import collectives
 
 _FREE = {"view", "_unsafe_view", "reshape", "slice", "t", "transpose", "permute", "expand", "alias", "unsqueeze",
@@ -84,14 +84,6 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _nbytes(v: Any) -> int:
-    if isinstance(v, torch.Tensor):
-        return v.numel() * v.element_size()
-    if isinstance(v, (list, tuple)):
-        return sum(_nbytes(x) for x in v)
-    return 0
-
-
 def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else n
 
@@ -125,7 +117,7 @@ def compute_time(n: fx.Node, machine: Machine) -> float:
     if n.op != "call_function" or n.target in (operator.getitem, collectives.grad_buffer) or _name(n) in _FREE:
         return 0.0  # views, and allocations
     out = _val(n)
-    moved = _nbytes(out) + sum(_nbytes(_val(a)) for a in n.all_input_nodes)
+    moved = nbytes(out) + sum(nbytes(_val(a)) for a in n.all_input_nodes)
     work = flops(n)
     rate = machine.matmul_flops
     operand = next((v for v in map(_val, n.all_input_nodes) if isinstance(v, torch.Tensor)), out)
@@ -149,7 +141,7 @@ def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
         wire = n.args[4] if len(n.args) > 4 else first.dtype
         total = padded * _itemsize(wire)
         copied = [p for p in pieces if p.target is not collectives.mm_into]  # the rest are in place already
-        moved = sum(_nbytes(_val(p)) + _val(p).numel() * _itemsize(wire) for p in copied)
+        moved = sum(nbytes(_val(p)) + _val(p).numel() * _itemsize(wire) for p in copied)
         host = machine.launch + moved / machine.memory_bandwidth
     if world == 1:
         return host, 0.0, 0
@@ -200,7 +192,7 @@ def peak_memory(program: Program) -> int:
     order = {n: i for i, n in enumerate(g.nodes)}
     base: dict[fx.Node, fx.Node] = {}
     for n in g.nodes:  # views and waits alias what they come from, mm_into the buffer it writes
-        if n.op == "call_function" and (n.target is operator.getitem and _nbytes(_val(n.args[0])) == 0
+        if n.op == "call_function" and (n.target is operator.getitem and nbytes(_val(n.args[0])) == 0
                                         or _name(n) in _FREE or n.target in (collectives.wait, collectives.mm_into)):
             src = n.args[2] if n.target is collectives.mm_into else n.args[0]
             if isinstance(src, fx.Node):
@@ -230,7 +222,7 @@ def peak_memory(program: Program) -> int:
                     events += [(order[n], padded * _itemsize(wire)), (waited + 0.5, -padded * _itemsize(wire))]
                 size[n] = padded // world * _itemsize(out)
             else:
-                size[n] = _nbytes(_val(n))
+                size[n] = nbytes(_val(n))
     for n, b in size.items():
         if b:
             events.append((order[n], b))

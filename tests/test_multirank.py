@@ -1,8 +1,13 @@
 """Multi-rank behaviours beyond numerical equivalence (spawned gloo ranks on CPU)."""
 
 from tests.dist import run_ranks
-from tests.workers import (dropout_recompute, last_block_saved, meta_init_memory, mismatched_shapes,
-                           state_dict_round_trip)
+from tests.workers import (
+    dropout_recompute,
+    last_block_saved,
+    meta_init_memory,
+    mismatched_shapes,
+    state_dict_round_trip,
+)
 
 
 def test_dropout_recompute_reproduces_masks_on_two_ranks():

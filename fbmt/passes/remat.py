@@ -23,7 +23,7 @@ import time
 import torch
 import torch.fx as fx
 
-from fbmt.program import BWD, FWD, Program, is_view
+from fbmt.program import BWD, FWD, Program, is_view, nbytes
 from fbmt.runtime import collectives
 
 POLICIES = ("block", "selective", "none")
@@ -164,13 +164,7 @@ def _saved_bytes(g: fx.Graph) -> int:
             while is_view(n) and isinstance(n.args[0], fx.Node):
                 n = n.args[0]
             bases.add(n)
-    return sum(v.nbytes for n in bases for v in _tensors(n.meta.get("val")))
-
-
-def _tensors(v: object) -> list[torch.Tensor]:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    return [t for x in v for t in _tensors(x)] if isinstance(v, (list, tuple)) else []
+    return sum(nbytes(n.meta.get("val")) for n in bases)
 
 
 def _grad_bytes(program: Program) -> int:
