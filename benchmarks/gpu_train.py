@@ -16,6 +16,7 @@ CPU ranks work too (gloo), for checking the script, not for speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -213,6 +214,31 @@ def gaps(kernels: dict[int, list[tuple[float, float, str]]], top: int = 12) -> d
                 dict(ms=round(g, 3), at_ms=round(t, 1), after=p, before=n) for g, t, p, n in sorted(found)[::-1][:top]]}
 
 
+class GcTimer:
+    """Time spent in Python's garbage collector during the timed steps, per generation collected."""
+
+    def __init__(self) -> None:
+        self.ms, self.runs, self._on, self._t0 = 0.0, {0: 0, 1: 0, 2: 0}, False, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if not self._on:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.runs[info["generation"]] += 1
+
+    @contextlib.contextmanager
+    def counting(self, on: bool):
+        self._on = on
+        gc.callbacks.append(self)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self)
+
+
 def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cuda = device.type == "cuda"
     if cuda:
@@ -223,11 +249,13 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     sync()
     setup_s = time.perf_counter() - started
     losses, step_times = [], []
+    collections = GcTimer()
     for step in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()  # a step includes making its batch (a small host-to-device copy), for every method
-        loss = train_step(model, opt, args, cfg, device, step)
-        sync()
+        with collections.counting(step >= args.warmup):
+            loss = train_step(model, opt, args, cfg, device, step)
+            sync()
         step_times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
     profile = kernel_profile(functools.partial(train_step, model, opt, args, cfg, device)) \
@@ -248,7 +276,9 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     world = dist.get_world_size()
     tokens = args.batch * args.seq * args.steps
     result = dict(method=method, tok_s_gpu=tokens / timed, setup_s=setup_s, first_step_s=step_times[0],
-                  step_s=timed / args.steps, losses=[float(v) for v in losses[:4]],
+                  step_s=timed / args.steps, step_ms=[round(t * 1e3, 2) for t in step_times],
+                  gc_ms_per_step=collections.ms / args.steps, gc_runs=collections.runs,
+                  losses=[float(v) for v in losses[:4]],
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, world=world,
                   no_host_sync=sync_ok)
     if profile is not None:
@@ -320,6 +350,8 @@ def main() -> None:
             + (f"  compile {r['compile_s']:.1f}s (+{r['inductor_s']:.1f}s inductor)  no host sync: "
                f"{r['no_host_sync']}" if method.startswith("fbmt") else ""),
             flush=True)
+        say(f"    step times (ms, warmup first): {r['step_ms']}; Python's garbage collector "
+            f"{r['gc_ms_per_step']:.2f} ms per timed step, collections by generation {r['gc_runs']}", flush=True)
         for name, summary in r.get("passes", {}).items():
             say(f"    {name}: {summary}", flush=True)
         if "profile" in r:
