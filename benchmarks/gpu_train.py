@@ -214,6 +214,12 @@ def gaps(kernels: dict[int, list[tuple[float, float, str]]], top: int = 12) -> d
                 dict(ms=round(g, 3), at_ms=round(t, 1), after=p, before=n) for g, t, p, n in sorted(found)[::-1][:top]]}
 
 
+def allocator_counts() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                                           "num_device_free")}
+
+
 class GcTimer:
     """Time spent in Python's garbage collector during the timed steps, per generation collected."""
 
@@ -250,14 +256,20 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     setup_s = time.perf_counter() - started
     losses, step_times = [], []
     collections = GcTimer()
+    allocator: dict[str, int] = {}
     for step in range(args.warmup + args.steps):
         sync()
+        if step == args.warmup and cuda:
+            allocator = allocator_counts()
         t0 = time.perf_counter()  # a step includes making its batch (a small host-to-device copy), for every method
         with collections.counting(step >= args.warmup):
             loss = train_step(model, opt, args, cfg, device, step)
             sync()
         step_times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
+    if cuda:  # what the caching allocator did during the timed steps (cudaMalloc/cudaFree, and the
+        # device-wide synchronizations it makes to free cached memory for a retry)
+        allocator = {k: v - allocator.get(k, 0) for k, v in allocator_counts().items()}
     profile = kernel_profile(functools.partial(train_step, model, opt, args, cfg, device)) \
         if cuda and args.profile else None
     sync_ok = None
@@ -277,7 +289,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     tokens = args.batch * args.seq * args.steps
     result = dict(method=method, tok_s_gpu=tokens / timed, setup_s=setup_s, first_step_s=step_times[0],
                   step_s=timed / args.steps, step_ms=[round(t * 1e3, 2) for t in step_times],
-                  gc_ms_per_step=collections.ms / args.steps, gc_runs=collections.runs,
+                  gc_ms_per_step=collections.ms / args.steps, gc_runs=collections.runs, allocator=allocator,
                   losses=[float(v) for v in losses[:4]],
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, world=world,
                   no_host_sync=sync_ok)
@@ -351,7 +363,9 @@ def main() -> None:
                f"{r['no_host_sync']}" if method.startswith("fbmt") else ""),
             flush=True)
         say(f"    step times (ms, warmup first): {r['step_ms']}; Python's garbage collector "
-            f"{r['gc_ms_per_step']:.2f} ms per timed step, collections by generation {r['gc_runs']}", flush=True)
+            f"{r['gc_ms_per_step']:.2f} ms per timed step, collections by generation {r['gc_runs']}"
+            + (f"; CUDA caching allocator over the timed steps: {r['allocator']}" if r["allocator"] else ""),
+            flush=True)
         for name, summary in r.get("passes", {}).items():
             say(f"    {name}: {summary}", flush=True)
         if "profile" in r:
