@@ -301,8 +301,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         result["inductor_s"] = model.regions.seconds  # compiling regions (backend="inductor"), in the first step
         result["regions"] = repr(model.regions)
         # what the passes decided about the model's ends: the last block saved or not, the group kept
-        result["passes"] = {rec.name: rec.summary.split("; ")[-1] for rec in model.program.history
-                            if rec.name in ("remat", "shard")}
+        result["passes"] = {name: model.program.summary(name).split("; ")[-1] for name in ("remat", "shard")}
     del model, opt, loss
     gc.collect()
     if cuda:

@@ -178,6 +178,13 @@ class Program:
     def record(self, name: str, started: float, summary: str) -> None:
         self.history.append(PassRecord(name, time.perf_counter() - started, summary, format_graph(self)))
 
+    def summary(self, name: str) -> str:
+        """What pass `name` said it did (its last record), e.g. `program.summary("remat")`."""
+        for r in reversed(self.history):
+            if r.name == name:
+                return r.summary
+        raise KeyError(f"no pass named {name!r} ran; passes: {[r.name for r in self.history]}")
+
     def collectives(self) -> list[fx.Node]:
         from fbmt.runtime import collectives
 

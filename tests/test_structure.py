@@ -53,7 +53,7 @@ def test_the_group_read_at_the_turnaround_stays_gathered_unless_its_block_asks_f
     bwd = _groups_read_in(program, "bwd")
     assert groups["wte"] not in bwd, "the turnaround group was gathered again for the backward"
     assert {groups["h.2"], groups["ln_f"]} <= bwd, "only the turnaround group may skip its backward gather"
-    assert "kept gathered across the turnaround: wte" in program.history[2].summary
+    assert "kept gathered across the turnaround: wte" in program.summary("shard")
     blocks = {b: {} for b in groups}
     blocks["wte"] = {"zero": 3}
     _, forced = _program(blocks=blocks)
@@ -107,13 +107,13 @@ def test_remat_recomputes_blocks_in_backward_but_the_last(remat):
     program = model.trace(idx[:4], tgt[:4])
     # h.2's backward follows the forward (NOTE: [Last block]): it saves, as do ln_f and lm_head after it
     assert _recomputed(program) == (set() if remat == "none" else {"h.0", "h.1"})
-    assert ("h.2, ln_f, lm_head: saved" in program.history[1].summary) == (remat != "none")
+    assert ("h.2, ln_f, lm_head: saved" in program.summary("remat")) == (remat != "none")
 
 
 def test_the_last_block_recomputes_where_saving_it_would_raise_the_peak():
     _, program = _program()  # 8 x 16 tokens on 8 ranks: the saved activations outweigh the gradient shards
     assert _recomputed(program) >= {"h.0", "h.1", "h.2"}
-    assert "h.2, ln_f, lm_head: recomputed although the backward begins with them" in program.history[1].summary
+    assert "h.2, ln_f, lm_head: recomputed although the backward begins with them" in program.summary("remat")
 
 
 def test_a_block_named_with_its_own_remat_policy_is_recomputed_even_last():
