@@ -98,16 +98,27 @@ def _recomputed(program):
     return {n.meta.get("fbmt_block") for n in program.graph.nodes if n.meta.get("fbmt_recompute") == "activation"}
 
 
-@pytest.mark.parametrize("remat", ["block", "selective", "none"])
-def test_remat_recomputes_blocks_in_backward_but_the_last(remat):
-    # the activations saved for the backward weigh less than the gradients
+@pytest.mark.parametrize("sequences, recomputed, saved", [
+    (4, set(), "h.0 ... lm_head (5 blocks): saved"),
+    (16, {"h.0"}, "h.1, h.2, ln_f, lm_head: saved"),
+    (24, {"h.0", "h.1"}, "h.2, ln_f, lm_head: saved"),
+    (32, {"h.0", "h.1", "h.2", "ln_f", "lm_head"}, "h.2, ln_f, lm_head: recomputed although the backward begins with them")])
+def test_remat_saves_the_last_blocks_whose_activations_fit_under_the_gradients(sequences, recomputed, saved):
+    # NOTE: [Trailing blocks]: the more tokens, the fewer blocks' activations fit
     torch.manual_seed(0)
-    model = fbmt.compile(gpt_short(), world_size=2, checks=True, remat=remat)
+    model = fbmt.compile(gpt_short(), world_size=2, checks=True, remat="block")
     (idx,), _, tgt = batch("gpt_short", 0)
-    program = model.trace(idx[:4], tgt[:4])
-    # h.2's backward follows the forward (NOTE: [Last block]): it saves, as do ln_f and lm_head after it
-    assert _recomputed(program) == (set() if remat == "none" else {"h.0", "h.1"})
-    assert ("h.2, ln_f, lm_head: saved" in program.summary("remat")) == (remat != "none")
+    program = model.trace(idx[:sequences], tgt[:sequences])
+    assert _recomputed(program) == recomputed
+    assert saved in program.summary("remat")
+
+
+@pytest.mark.parametrize("sequences, recomputed", [(8, set()), (32, {"h.0", "h.1", "h.2", "ln_f", "lm_head"})])
+def test_selective_remat_saves_the_last_blocks_that_fit_too(sequences, recomputed):
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt_short(), world_size=2, checks=True, remat="selective")
+    (idx,), _, tgt = batch("gpt_short", 0)
+    assert _recomputed(model.trace(idx[:sequences], tgt[:sequences])) == recomputed
 
 
 def test_the_last_block_recomputes_where_saving_it_would_raise_the_peak():

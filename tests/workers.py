@@ -97,7 +97,8 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
 
 
 def last_block_saved(rank: int, world: int) -> str:
-    """The last block saves its activations (NOTE: [Last block]) and training still matches eager."""
+    """The last blocks save their activations and the first recomputes (NOTE: [Trailing blocks]), and
+    training still matches eager."""
     cfg = dict(zero=3, remat="block", schedule="prefetch")
     got = train_compiled("gpt_short", rank, world, cfg)
     compare(got, eager_reference("gpt_short"), f"gpt_short world={world} {cfg}", buffers=False)

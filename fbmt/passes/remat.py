@@ -88,53 +88,66 @@ def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict
             todo += [a for a in n.all_input_nodes if a in inside]
         plans.append((block, needed, closure))
     plans.sort(key=lambda plan: min(map(order.__getitem__, plan[2])))  # forward order
-    last = _last_blocks(plans, per_block)
-    stats = []
-    for block, needed, closure in plans:
-        if block not in last:
-            stats.append(f"{block or '<root>'}: {_recompute(g, order, needed, closure)}")
-    if last:  # NOTE: [Last block]
-        saved, grads = _saved_bytes(g), _grad_bytes(program)
-        names = ", ".join(block or "<root>" for block, _, _ in plans if block in last)
-        if saved <= grads:
-            stats.append(f"{names}: saved, the backward begins with them "
-                         f"({_size(saved)} saved for the backward <= {_size(grads)} of gradients)")
-        else:
-            for block, needed, closure in plans:
-                if block in last:
-                    stats.append(f"{block or '<root>'}: {_recompute(g, order, needed, closure)}")
-            stats.append(f"{names}: recomputed although the backward begins with them "
-                         f"({_size(saved)} saved for the backward > {_size(grads)} of gradients)")
-    program.record("remat", started, "; ".join(stats) or "no block activations reach the backward")
+    saved_blocks, note = _trailing(g, plans, per_block, _grad_bytes(program))
+    stats = [f"{block or '<root>'}: {_recompute(g, order, needed, closure)}"
+             for block, needed, closure in plans if block not in saved_blocks]
+    program.record("remat", started, "; ".join(stats + [note] if note else stats)
+                   or "no block activations reach the backward")
     return program
 
 
-def _last_blocks(plans: list[tuple[str, list[fx.Node], set[fx.Node]]], per_block: dict[str, str]) -> set[str]:
-    """The blocks that may save their activations although their policy recomputes them (`plans` in
-    forward order): they do where that does not raise the step's peak memory.
+def _trailing(g: fx.Graph, plans: list[tuple[str, list[fx.Node], set[fx.Node]]], per_block: dict[str, str],
+              budget: int) -> tuple[set[str], str]:
+    """The blocks at the end of the forward that save their activations although their policy
+    recomputes them (`plans` in forward order), and what to say about it.
 
-    NOTE: [Last block]
-    The backward begins where the forward ends: after the loss and the output layer, the last
-    block's backward would first recompute what its forward has just computed. So the last block
+    NOTE: [Trailing blocks]
+    The backward begins where the forward ends, and holds every value saved for the backward as it
+    begins; from its end to the optimizer the step holds every gradient shard instead. While the
+    first weighs less than the second, saving more activations does not raise the step's peak. So
+    the last blocks save their activations, as `remat="none"` would, as many of them as keep the
+    values saved for the backward within the gradient shards (both estimated from the traced
+    shapes): their backward does not recompute their forward. The first to save is the last block
     whose recompute involves a matrix product or attention (as an op, or as a saved input with
-    "selective"), and the blocks after it (a final norm, the output layer), may save their
-    activations instead, as `remat="none"` would. They are held while the loss and the output layer
-    run, where the step holds every value saved for the backward; from the end of the backward to
-    the optimizer it holds every gradient instead. They are saved only if the first still weighs
-    less than the second (both estimated from the traced shapes), so the step's peak stays where it
-    was: at 6.7B and 13B (block recompute) it does, and the step saves one block's forward; at
-    1.36B with 16k tokens per rank the saved values outweigh the gradients, so the block recomputes
-    (BENCHMARKS.md). A block whose policy is set by name (`blocks={path: {"remat": ...}}`,
-    BMTrain's `Block`) keeps it, and so do the blocks before it.
+    "selective"), together with the blocks after it (a final norm, the output layer); then the
+    blocks before it, one at a time. On the GPU benchmark's models (block recompute, BENCHMARKS.md)
+    the last 5 of 32 layers save theirs at 6.7B and the last 9 of 40 at 13B, with the step's peak
+    unchanged; at 1.36B with 16k tokens per rank what the backward reads with every block recomputed
+    already outweighs the gradients, and every block recomputes. A block whose policy is set by name
+    (`blocks={path: {"remat": ...}}`, BMTrain's `Block`) keeps it, and so do the blocks before it.
     """
-    last: set[str] = set()
+    units: list[list[str]] = []  # candidates, last first: each saves together with those before it
+    unit: list[str] = []
     for block, _, closure in reversed(plans):
         if block in per_block:
             break
-        last.add(block)
+        unit.append(block)
         if any(expensive(n) or any(expensive(a) for a in n.all_input_nodes) for n in closure):
-            break
-    return last
+            units.append(unit)
+            unit = []
+    if not units:
+        return set(), ""
+
+    def saved_with(k: int) -> tuple[set[str], int]:
+        keep = {b for u in units[:k] for b in u}
+        return keep, _saved_bytes(g, [p for p in plans if p[0] not in keep])
+
+    lo, hi = 0, len(units)  # the most units that fit: the saved bytes grow with every unit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if saved_with(mid)[1] <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        names = ", ".join(b or "<root>" for b in reversed(units[0]))
+        return set(), (f"{names}: recomputed although the backward begins with them "
+                       f"({_size(saved_with(1)[1])} saved for the backward > {_size(budget)} of gradients)")
+    keep, saved = saved_with(lo)
+    names = [b or "<root>" for b, _, _ in plans if b in keep]
+    listed = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} blocks)"
+    return keep, (f"{listed}: saved, the backward begins with them "
+                  f"({_size(saved)} saved for the backward <= {_size(budget)} of gradients)")
 
 
 def _recompute(g: fx.Graph, order: dict[fx.Node, int], needed: list[fx.Node], closure: set[fx.Node]) -> str:
@@ -155,14 +168,19 @@ def _recompute(g: fx.Graph, order: dict[fx.Node, int], needed: list[fx.Node], cl
     return f"{len(closure)} recomputed, {len(saved)} saved"
 
 
-def _saved_bytes(g: fx.Graph) -> int:
-    """Bytes of the forward values the backward reads (a view counts as its base, once)."""
+def _saved_bytes(g: fx.Graph, recomputed: list[tuple[str, list[fx.Node], set[fx.Node]]]) -> int:
+    """Bytes of the forward values the backward reads once the `recomputed` plans are recomputed (a
+    view counts as its base, once; inputs and parameters are held anyway)."""
+    read = {n for n in g.nodes if n.op != "placeholder" and n.meta.get("fbmt_phase") == FWD
+            and any(u.meta.get("fbmt_phase") == BWD for u in n.users)}
+    for _, needed, closure in recomputed:  # the backward reads the closure's inputs, not `needed`
+        read.difference_update(needed)
+        read.update(a for n in closure for a in n.all_input_nodes if a not in closure)
     bases = set()
-    for n in g.nodes:
-        if n.op != "placeholder" and n.meta.get("fbmt_phase") == FWD and \
-                any(u.meta.get("fbmt_phase") == BWD for u in n.users):
-            while is_view(n) and isinstance(n.args[0], fx.Node):
-                n = n.args[0]
+    for n in read:
+        while is_view(n) and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        if n.op != "placeholder":
             bases.add(n)
     return sum(nbytes(n.meta.get("val")) for n in bases)
 
