@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
 #   bash benchmarks/gpu_suite.sh STAGE OUT_DIR
-# STAGE: example | 1.36b | 6.7b | 13b | final (earlier sessions' stages) | a | b | best (the current
+# STAGE: example | 1.36b | 6.7b | 13b | final (earlier sessions' stages) | a | b | best (session 3's
 # table: every method trains the model with the loss inside; a also runs the GPU checks) | direct
 # (compile(direct_grads=True)) | c (session 4: the copy kernel's tile sweep, GPU checks, 6.7B and 1.36B
 # without recompute, default vs direct_grads vs the peer) | d (session 4: every row again, after the changes
 # c measured and the last block saved) | e (session 4's table: every row after the last block's memory
 # guard, fbmt's best 6.7B setting, and 6.7B with the peer run first; logs in one tarball, as the device
-# tool brings back at most 8 files).
+# tool brings back at most 8 files) | f (session 5: the trailing blocks saved, 6.7B and 13B, with the
+# GPUs' clocks and power sampled) | g (session 5: GPU checks; 1.36B rows with the compute stream's kernels
+# by name, and with ZeRO-2 blocks) | h1, h2 (session 5's table, in two calls).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +92,31 @@ case $stage in
     run e6.7_best 70 benchmarks/gpu_train.py --config 6.7b --batch 12 --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/e6.7_best.json"
     run e6.7_peerfirst 90 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --methods fsdp2-compile,fbmt-inductor --out "$out/e6.7_peerfirst.json"
     (cd $logs && tar czf "$out/e_logs.tgz" *.txt) ;;
+  f)  # session 5: the trailing blocks saved (6.7B, 13B); allocator counts, clocks and power meanwhile
+    nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 500 > "$out/smi.csv" & smi=$!
+    m=fbmt-inductor,fsdp2-compile
+    run f6.7_block 170 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 2 --loss-in-model --profile --methods $m --out "$out/f6.7_block.json"
+    run f13_block 170 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods $m --out "$out/f13_block.json"
+    kill $smi ;;
+  g)  # session 5: GPU checks; 1.36B rows with the compute stream's kernels by name; ZeRO-2 for the blocks
+    echo "== gpt_on_gpu"
+    timeout 100 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu.txt" 2>&1
+    echo "rc=$?" >> "$out/gpt_on_gpu.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu.txt" | tail -4
+    a136="--config 1.36b --batch 8 --seq 2048 --steps 8 --warmup 2 --loss-in-model"
+    run g1.36_none 140 benchmarks/gpu_train.py $a136 --remat none --profile --methods fbmt-inductor,fbmt-inductor-selective,fsdp2-compile --out "$out/g1.36_none.json"
+    run g1.36_zero2 100 benchmarks/gpu_train.py $a136 --remat none --zero 2 --profile --methods fbmt-inductor,fbmt-inductor-selective --out "$out/g1.36_zero2.json"
+    run g1.36_block 90 benchmarks/gpu_train.py $a136 --remat block --methods fbmt-inductor,fsdp2-compile --out "$out/g1.36_block.json" ;;
+  h1|h2)  # session 5's table (two calls): every row with the trailing blocks saved; ratios by mean and median step
+    m=fbmt-inductor,fsdp2,fsdp2-compile
+    if [ "$stage" = h1 ]; then
+      run h6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --profile --methods $m --out "$out/h6.7_block.json"
+      run h13_block 220 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods $m --out "$out/h13_block.json"
+    else
+      run h1.36_none 170 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 8 --warmup 2 --loss-in-model --methods fbmt-inductor,fbmt-inductor-selective,fbmt-inductor-selective-zero2,fsdp2,fsdp2-compile --out "$out/h1.36_none.json"
+      run h1.36_block 100 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --methods $m --out "$out/h1.36_block.json"
+      run h6.7_best 80 benchmarks/gpu_train.py --config 6.7b --batch 12 --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/h6.7_best.json"
+    fi ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

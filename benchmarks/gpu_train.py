@@ -21,6 +21,7 @@ import functools
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import zlib
@@ -59,7 +60,8 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ---- methods: each returns (model, optimizer) ready to train ----
 
 def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
-               backend: str = "eager", remat: str | None = None, direct: bool = False) -> tuple[nn.Module, Any]:
+               backend: str = "eager", remat: str | None = None, direct: bool = False,
+               zero: int | None = None) -> tuple[nn.Module, Any]:
     import fbmt
 
     with torch.device("meta"):
@@ -72,7 +74,8 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
             with torch.no_grad():
                 p.copy_(param_value(full, p.shape, p.device))
 
-    model = fbmt.compile(model, remat=remat or args.remat, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+    model = fbmt.compile(model, zero=zero or args.zero, remat=remat or args.remat, param_dtype=torch.bfloat16,
+                         reduce_dtype=torch.float32,
                          backend=backend, prefetch=args.prefetch, direct_grads=direct, init_fn=init, device=device)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
@@ -108,6 +111,8 @@ METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "fbmt-inductor": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor"),
     "fbmt-inductor-selective": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
                                                                     remat="selective"),
+    "fbmt-inductor-selective-zero2": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
+                                                                          remat="selective", zero=2),
     "fbmt-inductor-direct": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor", direct=True),
     "fsdp2": build_fsdp2,
     "fsdp2-compile": lambda cfg, args, device: build_fsdp2(cfg, args, device, compile_blocks=True),
@@ -150,8 +155,14 @@ def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
             kind = next((k for k, keys in KERNEL_KINDS if any(w in name.lower() for w in keys)), "other")
             streams.setdefault(sid, {}).setdefault(kind, 0.0)
             streams[sid][kind] += b - a
+    compute = busiest(kernels)
+    by_name: dict[str, list[float]] = {}  # the compute stream's kernels by name: which ones take the time
+    for a, b, name in compute:
+        by_name.setdefault(name[:90], []).append(b - a)
     out: dict[str, Any] = {"wall_ms": wall * 1e3, "host_ms": host * 1e3, "streams": {}, "gaps": gaps(kernels),
-                           "host_ops": [dict(op=k[:60], self_ms=round(t, 2), count=c) for k, t, c in cpu]}
+                           "host_ops": [dict(op=k[:60], self_ms=round(t, 2), count=c) for k, t, c in cpu],
+                           "compute_kernels": [dict(name=n, ms=round(sum(v), 2), count=len(v)) for n, v in
+                                               sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]]}
     for sid, kinds in streams.items():
         busy, end = 0.0, float("-inf")
         for a, b, _ in sorted(kernels[sid]):  # union of the kernels' intervals
@@ -173,12 +184,17 @@ def cuda_kernels(prof: Any) -> dict[int, list[tuple[float, float, str]]]:
     return kernels
 
 
+def busiest(kernels: dict[int, list[tuple[float, float, str]]]) -> list[tuple[float, float, str]]:
+    """The compute stream: the one whose kernels run longest."""
+    return max(kernels.values(), key=lambda ks: sum(b - a for a, b, _ in ks))
+
+
 def gaps(kernels: dict[int, list[tuple[float, float, str]]], top: int = 12) -> dict[str, Any]:
     """Where the busiest (compute) stream idles: the largest gaps between its kernels, with the
     kernels around them and when (ms from the step's first kernel), the idle time by the pair of
     kernels around it, and how much of it each other stream (copies, NCCL) was busy."""
     first = min(k[0] for ks in kernels.values() for k in ks)
-    compute = max(kernels.values(), key=lambda ks: sum(b - a for a, b, _ in ks))
+    compute = busiest(kernels)
     compute.sort()
     found, end, prev = [], compute[0][1], compute[0][2]
     for a, b, name in compute[1:]:
@@ -287,7 +303,10 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     timed = sum(step_times[args.warmup:])
     world = dist.get_world_size()
     tokens = args.batch * args.seq * args.steps
-    result = dict(method=method, tok_s_gpu=tokens / timed, setup_s=setup_s, first_step_s=step_times[0],
+    # the median step too: one slow step (a full garbage collection, a straggling rank) moves the mean
+    median = statistics.median(step_times[args.warmup:])
+    result = dict(method=method, tok_s_gpu=tokens / timed, tok_s_gpu_median=args.batch * args.seq / median,
+                  setup_s=setup_s, first_step_s=step_times[0],
                   step_s=timed / args.steps, step_ms=[round(t * 1e3, 2) for t in step_times],
                   gc_ms_per_step=collections.ms / args.steps, gc_runs=collections.runs, allocator=allocator,
                   losses=[float(v) for v in losses[:4]],
@@ -326,6 +345,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the timed steps, profile one step: busy time per CUDA stream by kernel kind")
     ap.add_argument("--prefetch", type=int, default=1, help="fbmt: blocks gathered ahead")
+    ap.add_argument("--zero", type=int, choices=[2, 3], default=3,
+                    help="fbmt: 3 gathers each block again for its backward, 2 keeps its forward gather")
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     args = ap.parse_args()
 
@@ -380,6 +401,10 @@ def main() -> None:
                 say(f"      {x['ms']:7.2f} ms in {x['count']:4d}  after {x['after']}  before {x['before']}", flush=True)
             say(f"    host issued the step in {r['profile']['host_ms']:.1f} ms; host ops by self time: " + ", ".join(
                 f"{x['op']} {x['self_ms']:.1f} ms/{x['count']}" for x in r["profile"]["host_ops"]), flush=True)
+        if "profile" in r:
+            say("    compute stream's kernels by total time: " + "; ".join(
+                f"{x['name'][:60]} {x['ms']:.1f} ms/{x['count']}" for x in r["profile"]["compute_kernels"][:12]),
+                flush=True)
         for sid, st in r.get("profile", {}).get("streams", {}).items():
             say(f"    profiled step {r['profile']['wall_ms']:.1f} ms, stream {sid}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in st.items()), flush=True)
@@ -390,8 +415,10 @@ def main() -> None:
         for peer in ("fsdp2", "fsdp2-compile"):
             if peer in done:
                 ratio = done[ours]["tok_s_gpu"] / done[peer]["tok_s_gpu"]
+                by_median = done[ours]["tok_s_gpu_median"] / done[peer]["tok_s_gpu_median"]
                 mem = done[ours]["peak_gib"] / done[peer]["peak_gib"] if done[peer]["peak_gib"] else float("nan")
-                say(f"  {ours} / {peer}: {ratio:.3f}x tokens/s, {mem:.2f}x peak memory", flush=True)
+                say(f"  {ours} / {peer}: {ratio:.3f}x tokens/s ({by_median:.3f}x by median step), "
+                    f"{mem:.2f}x peak memory", flush=True)
         peer = "fsdp2" if "fsdp2" in done else "fsdp2-compile" if "fsdp2-compile" in done else None
         if peer:
             gap = max(abs(a - b) for a, b in zip(done[ours]["losses"], done[peer]["losses"]))
