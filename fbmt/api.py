@@ -26,7 +26,9 @@ class CompileOptions:
     """3: gather parameters again for the backward; 2: keep them gathered from forward to backward."""
     remat: str = "block"
     """"block": save only block inputs and recompute each block in the backward; "selective": save
-    matmul and attention outputs, recompute the cheap ops between them; "none": save all."""
+    matmul and attention outputs, recompute the cheap ops between them; "mincut": recompute only the
+    cheap ops whose recompute saves memory (a minimum cut, as torch.compile's partitioner); "none":
+    save all."""
     schedule: str = "prefetch"
     """A registered strategy: "prefetch" (overlap communication with compute) or "none"."""
     prefetch: int = 1

@@ -85,8 +85,8 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
         what = f"{name} world={world} {cfg} accumulating 2 micro-batches"
         compare(train_compiled(name, rank, world, cfg, accum=2), want, what, buffers=False)
         done.append(what)
-        for zero in (3, 2):
-            cfg = dict(zero=zero, remat="selective", schedule="prefetch")
+        for zero, remat in itertools.product((3, 2), ("selective", "mincut")):
+            cfg = dict(zero=zero, remat=remat, schedule="prefetch")
             compare(train_compiled(name, rank, world, cfg), want, f"{name} world={world} {cfg}", buffers=False)
             done.append(f"{name} world={world} {cfg}")
         cfg = dict(zero=3, remat="block", schedule="prefetch", direct_grads=True)  # and accumulating into .grad
