@@ -9,7 +9,8 @@
 # guard, fbmt's best 6.7B setting, and 6.7B with the peer run first; logs in one tarball, as the device
 # tool brings back at most 8 files) | f (session 5: the trailing blocks saved, 6.7B and 13B, with the
 # GPUs' clocks and power sampled) | g (session 5: GPU checks; 1.36B rows with the compute stream's kernels
-# by name, and with ZeRO-2 blocks) | h1, h2 (session 5's table, in two calls).
+# by name, and with ZeRO-2 blocks) | h1, h2 (session 5's table, in two calls) | i (session 5:
+# remat="mincut" at 1.36B without recompute, and the GPU checks) | j (the same over 16 steps).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -117,6 +118,13 @@ case $stage in
       run h1.36_block 100 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --methods $m --out "$out/h1.36_block.json"
       run h6.7_best 80 benchmarks/gpu_train.py --config 6.7b --batch 12 --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/h6.7_best.json"
     fi ;;
+  i)  # session 5: remat="mincut" at 1.36B without recompute, and the GPU checks
+    echo "== gpt_on_gpu"
+    timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_i.txt" 2>&1
+    echo "rc=$?" >> "$out/gpt_on_gpu_i.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_i.txt" | tail -4
+    run i1.36_none 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 8 --warmup 2 --loss-in-model --profile --methods fbmt-inductor,fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/i1.36_none.json" ;;
+  j)  # session 5: the same, 16 timed steps, no profile
+    run j1.36_none 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 16 --warmup 2 --loss-in-model --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/j1.36_none.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

@@ -113,6 +113,10 @@ METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
                                                                     remat="selective"),
     "fbmt-inductor-selective-zero2": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
                                                                           remat="selective", zero=2),
+    "fbmt-inductor-mincut": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
+                                                                 remat="mincut"),
+    "fbmt-inductor-mincut-zero2": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
+                                                                       remat="mincut", zero=2),
     "fbmt-inductor-direct": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor", direct=True),
     "fsdp2": build_fsdp2,
     "fsdp2-compile": lambda cfg, args, device: build_fsdp2(cfg, args, device, compile_blocks=True),
@@ -334,8 +338,9 @@ def main() -> None:
     ap.add_argument("--config", choices=sorted(CONFIGS), default="1.36b")
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--remat", choices=["none", "selective", "block"], default="none",
-                    help="recompute setting for every method (FSDP2 has no \"selective\": use it for fbmt only)")
+    ap.add_argument("--remat", choices=["none", "mincut", "selective", "block"], default="none",
+                    help="recompute setting for every method (FSDP2 has no \"selective\" or \"mincut\": "
+                         "use them for fbmt only)")
     ap.add_argument("--methods", default="fbmt,fbmt-inductor,fsdp2,fsdp2-compile")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

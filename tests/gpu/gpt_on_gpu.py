@@ -61,6 +61,7 @@ def main() -> None:
     combos = [(z, r, s, "eager", False) for z, r, s in itertools.product((3, 2), ("block", "selective", "none"),
                                                                            ("prefetch", "none"))]
     combos += [(3, "block", "prefetch", "inductor", False), (3, "selective", "prefetch", "inductor", False),
+               (3, "mincut", "prefetch", "inductor", False), (2, "mincut", "prefetch", "inductor", False),
                (3, "block", "prefetch", "inductor", True)]
     for zero, remat, schedule, backend, direct in combos:
         torch.manual_seed(0)
