@@ -72,11 +72,11 @@ def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict
     order = {n: i for i, n in enumerate(g.nodes)}
     plans = []  # (block, forward values the backward reads, what recomputes them)
     for block in chosen:
-        cheap_only = per_block.get(block, policy) in ("selective", "mincut")
+        own = per_block.get(block, policy)
         inside = {n for n in g.nodes if n.meta.get("fbmt_block") == block and recomputable(n)
-                  and not (cheap_only and expensive(n))
+                  and not (own in ("selective", "mincut") and expensive(n))
                   and all(u.meta.get("fbmt_block") == block for u in n.users if u.meta.get("fbmt_phase") == FWD)}
-        if per_block.get(block, policy) == "mincut":
+        if own == "mincut":
             inside = _mincut(g, block, inside)
         needed = [n for n in inside if any(u.meta.get("fbmt_phase") == BWD for u in n.users)]
         if not needed:
@@ -212,7 +212,7 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
             if u not in reaches_sink and cap[u][v] > 0:
                 reaches_sink.add(u)
                 todo.append(u)
-    return {n for n in cheap if (n, "in") in reaches_sink and not shrinks(n)}
+    return {n for n in cheap if (n, "in") in reaches_sink}  # never a reduction: those hang from the source
 
 
 def _max_flow(cap: dict[object, dict[object, float]], source: object, sink: object) -> None:
