@@ -18,6 +18,7 @@ compiled backward fuses, some of which (a norm's mean square, RoPE) save nothing
 
 from __future__ import annotations
 
+import functools
 import operator
 import time
 
@@ -131,6 +132,7 @@ def _trailing(g: fx.Graph, plans: list[tuple[str, list[fx.Node], set[fx.Node]]],
     if not units:
         return set(), ""
 
+    @functools.cache  # the search and the summary ask for the same k again
     def saved_with(k: int) -> tuple[set[str], int]:
         keep = {b for u in units[:k] for b in u}
         return keep, _saved_bytes(g, [p for p in plans if p[0] not in keep])
