@@ -76,6 +76,43 @@ def test_prefetch_issues_next_gather_before_block_compute():
     assert later_compute, "the first reduce-scatter should overlap later backward compute"
 
 
+class _Norm(torch.nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+class _Decoder(torch.nn.Module):
+    """SwiGLU blocks, a final norm and an untied output layer, as Llama ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_SwiGLU() for _ in range(2)])
+        self.norm, self.output = _Norm(), torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x)).sum()
+
+
+def test_a_small_groups_reduce_scatter_does_not_wait_for_the_one_before():
+    # NOTE: [Small groups]: the final norm's gradient is reduced right after the output layer's; were it
+    # counted, the backward would wait there for the output layer's reduce-scatter to finish
+    torch.manual_seed(0)
+    program = fbmt.compile(_Decoder(), world_size=2, checks=True).trace(torch.randn(4, 8, 32))
+    pos = {n: i for i, n in enumerate(program.graph.nodes)}
+    groups = {g.block: g.index for g in program.layout.groups}
+    starts = {n.meta["fbmt_group"]: n for n in _collectives(program, collectives.reduce_scatter, "bwd")}
+    waits = {g: next(u for u in n.users if u.target is collectives.wait) for g, n in starts.items()}
+    assert pos[starts[groups["output"]]] < pos[starts[groups["norm"]]]
+    assert pos[waits[groups["output"]]] > pos[starts[groups["norm"]]]
+    assert pos[waits[groups["output"]]] < pos[starts[groups["layers.1"]]]  # still one large one in flight
+
+
 def test_backward_gathers_its_first_block_when_the_backward_begins():
     # ln_f's weights are too few to hide a gather behind: h.2's gather must not wait for them
     _, program = _program(schedule="prefetch")

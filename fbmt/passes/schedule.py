@@ -9,8 +9,8 @@ Ensures, by strategy (registered by name in STRATEGIES; a strategy is a plain fu
   block i computes; the first `prefetch` gathers of a phase are issued when the phase begins, and
   groups too small to hide a gather behind are not counted (NOTE: [Small groups]); each
   reduce-scatter is issued as soon as its gradients exist (the shard pass placed it there) and
-  waited only when the next one is issued, or its buffer made (the last at the end), so it overlaps
-  the backward of the blocks before it while at most one is in flight.
+  waited only when the next one of a large group is issued, or its buffer made (the last at the
+  end), so it overlaps the backward of the blocks before it while at most one large one is in flight.
 Moves only starts earlier and waits later, so data dependencies are preserved by construction.
 """
 
@@ -103,9 +103,14 @@ def _prefetch(program: Program, *, prefetch: int) -> str:
     scatters = pairs(program, collectives.reduce_scatter, BWD)
     output = program.output_node()
     # each wait goes right before the next reduce-scatter, or before its buffer is made when its
-    # gradients are written in place (NOTE: [Direct gradients]): one flat buffer in flight at a time
+    # gradients are written in place (NOTE: [Direct gradients]): one flat buffer in flight at a time.
+    # A small group's reduce-scatter does not count (NOTE: [Small groups]): the final norm's, issued
+    # right after the output layer's, would otherwise wait for that one at the start of the backward
+    largest = max((sizes[w.meta["fbmt_group"]] for _, w in scatters), default=0)
+    large = [s for s, w in scatters if sizes[w.meta["fbmt_group"]] * 16 >= largest]
     order = {n: i for i, n in enumerate(g.nodes)}
-    for (start, wait), nxt in zip(scatters, [s for s, _ in scatters[1:]] + [output]):
+    for start, wait in scatters:
+        nxt = next((s for s in large if order[s] > order[start]), output)
         buffer = nxt.args[6] if nxt is not output and len(nxt.args) > 6 else None
         if buffer is not None and order[buffer] > order[start]:
             nxt = buffer
