@@ -54,8 +54,9 @@ def test_prefetch_hides_communication_that_no_overlap_exposes():
 def test_recompute_trades_time_for_memory():
     sims = {remat: simulate(_program(remat=remat)) for remat in ("none", "mincut", "selective", "block")}
     assert sims["block"].peak_activation_bytes < sims["none"].peak_activation_bytes
-    assert sims["selective"].peak_activation_bytes <= sims["none"].peak_activation_bytes
-    assert sims["mincut"].peak_activation_bytes < sims["none"].peak_activation_bytes
+    # GPT-2's MLP and norms: every value mincut could recompute is a product's operand (NOTE: [Operands])
+    assert (sims["selective"].peak_activation_bytes < sims["mincut"].peak_activation_bytes
+            <= sims["none"].peak_activation_bytes)
     assert sims["block"].compute_s > sims["none"].compute_s  # the recomputed forward costs time
     assert "exposed communication" in str(sims["block"])
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -71,54 +72,65 @@ def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict
 
     g = program.graph
     order = {n: i for i, n in enumerate(g.nodes)}
-    plans = []  # (block, forward values the backward reads, what recomputes them)
-    for block in chosen:
-        own = per_block.get(block, policy)
-        inside = {n for n in g.nodes if n.meta.get("fbmt_block") == block and recomputable(n)
-                  and not (own in ("selective", "mincut") and expensive(n))
-                  and all(u.meta.get("fbmt_block") == block for u in n.users if u.meta.get("fbmt_phase") == FWD)}
-        if own == "mincut":
-            inside = _mincut(g, block, inside)
-        needed = [n for n in inside if any(u.meta.get("fbmt_phase") == BWD for u in n.users)]
-        if not needed:
-            continue
-        closure: set[fx.Node] = set()
-        todo = list(needed)
-        while todo:
-            n = todo.pop()
-            if n in closure:
-                continue
-            closure.add(n)
-            todo += [a for a in n.all_input_nodes if a in inside]
-        plans.append((block, needed, closure))
+    plans = [plan for block in chosen if (plan := _plan(g, block, per_block.get(block, policy)))]
     plans.sort(key=lambda plan: min(map(order.__getitem__, plan[2])))  # forward order
-    saved_blocks, note = _trailing(g, plans, per_block, _grad_bytes(program))
-    stats = [f"{block or '<root>'}: {_recompute(g, order, needed, closure)}"
-             for block, needed, closure in plans if block not in saved_blocks]
+    lighter = functools.cache(lambda block: _plan(g, block, "mincut"))  # what a saved trailing block recomputes
+    saved_blocks, note = _trailing(g, plans, lighter, per_block, _grad_bytes(program))
+    plans = [plan for plan in plans if plan[0] not in saved_blocks] + \
+        [plan for block in saved_blocks if (plan := lighter(block))]
+    stats = [f"{block or '<root>'}: {_recompute(g, order, needed, closure)}" for block, needed, closure
+             in sorted(plans, key=lambda plan: min(map(order.__getitem__, plan[2])))]
     program.record("remat", started, "; ".join(stats + [note] if note else stats)
                    or "no block activations reach the backward")
     return program
 
 
-def _trailing(g: fx.Graph, plans: list[tuple[str, list[fx.Node], set[fx.Node]]], per_block: dict[str, str],
+Plan = tuple[str, list[fx.Node], set[fx.Node]]  # a block, the forward values the backward reads, what recomputes them
+
+
+def _plan(g: fx.Graph, block: str, policy: str) -> Plan | None:
+    """What the backward recomputes of `block` under `policy`; None if nothing."""
+    inside = {n for n in g.nodes if n.meta.get("fbmt_block") == block and recomputable(n)
+              and not (policy in ("selective", "mincut") and expensive(n))
+              and all(u.meta.get("fbmt_block") == block for u in n.users if u.meta.get("fbmt_phase") == FWD)}
+    if policy == "mincut":
+        inside = _mincut(g, block, inside)
+    needed = [n for n in inside if any(u.meta.get("fbmt_phase") == BWD for u in n.users)]
+    if not needed:
+        return None
+    closure: set[fx.Node] = set()
+    todo = list(needed)
+    while todo:
+        n = todo.pop()
+        if n in closure:
+            continue
+        closure.add(n)
+        todo += [a for a in n.all_input_nodes if a in inside]
+    return block, needed, closure
+
+
+def _trailing(g: fx.Graph, plans: list[Plan], lighter: Callable[[str], Plan | None], per_block: dict[str, str],
               budget: int) -> tuple[set[str], str]:
     """The blocks at the end of the forward that save their activations although their policy
-    recomputes them (`plans` in forward order), and what to say about it.
+    recomputes them (`plans` in forward order), and what to say about it. `lighter(block)`: what such
+    a block recomputes still.
 
     NOTE: [Trailing blocks]
     The backward begins where the forward ends, and holds every value saved for the backward as it
     begins; from its end to the optimizer the step holds every gradient shard instead. While the
     first weighs less than the second, saving more activations does not raise the step's peak. So
-    the last blocks save their activations, as `remat="none"` would, as many of them as keep the
-    values saved for the backward within the gradient shards (both estimated from the traced
-    shapes): their backward does not recompute their forward. The first to save is the last block
-    whose recompute involves a matrix product or attention (as an op, or as a saved input with
+    the last blocks save their activations as `remat="mincut"` would (no matrix product or
+    attention is recomputed, only cheap ops whose recompute saves memory: the lighter the saved
+    blocks, the more of them fit), as many of them as keep the values saved for the backward within
+    the gradient shards (both estimated from the traced shapes). The first to save is the last
+    block whose recompute involves a matrix product or attention (as an op, or as a saved input with
     "selective"), together with the blocks after it (a final norm, the output layer); then the
     blocks before it, one at a time. On the GPU benchmark's models (block recompute, BENCHMARKS.md)
-    the last 5 of 32 layers save theirs at 6.7B and the last 9 of 40 at 13B, with the step's peak
-    unchanged; at 1.36B with 16k tokens per rank what the backward reads with every block recomputed
-    already outweighs the gradients, and every block recomputes. A block whose policy is set by name
-    (`blocks={path: {"remat": ...}}`, BMTrain's `Block`) keeps it, and so do the blocks before it.
+    the last 7 of 32 layers save theirs at 6.7B and the last 14 of 40 at 13B (5 and 9 when they
+    saved as `"none"` would); at 1.36B with 16k tokens per rank what the backward reads with every
+    block recomputed already outweighs the gradients, and every block recomputes. A block whose
+    policy is set by name (`blocks={path: {"remat": ...}}`, BMTrain's `Block`) keeps it, and so do
+    the blocks before it.
     """
     units: list[list[str]] = []  # candidates, last first: each saves together with those before it
     unit: list[str] = []
@@ -135,7 +147,7 @@ def _trailing(g: fx.Graph, plans: list[tuple[str, list[fx.Node], set[fx.Node]]],
     @functools.cache  # the search and the summary ask for the same k again
     def saved_with(k: int) -> tuple[set[str], int]:
         keep = {b for u in units[:k] for b in u}
-        return keep, _saved_bytes(g, [p for p in plans if p[0] not in keep])
+        return keep, _saved_bytes(g, [p for p in plans if p[0] not in keep] + [p for b in keep if (p := lighter(b))])
 
     lo, hi = 0, len(units)  # the most units that fit: the saved bytes grow with every unit
     while lo < hi:
@@ -165,19 +177,22 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
     NOTE: [Min-cut]
     `policy="mincut"` recomputes no matrix product or attention, like "none", but lets the backward
     recompute cheap ops where that saves memory, as torch.compile's partitioner does: a norm's fp32
-    copy of its input and its normalized output come back from the bf16 input and the saved
-    reciprocal root mean square, SwiGLU's activation from its two projections. It is a minimum cut
-    in the block's forward graph. Each value is split into an edge `in -> out` whose capacity is
-    its bytes (the price of saving it); each read is an edge `producer out -> consumer in`, and each
-    value the backward reads an edge `out -> sink`, both unbounded; values that cannot be recomputed
-    (products, attention, random ops, the block's inputs) hang from the source. A cut then saves
-    some values, and everything on the sink's side of it is recomputed from them. Views cost
-    nothing to recompute, and parameters nothing to save (they are held anyway). Reductions (an
-    output a quarter of its inputs' size or less, a norm's mean square) are not recomputed: saving
-    their small output is cheaper than reading their input again. Of the minimum cuts the one that
-    recomputes least is taken. On the GPU benchmark's 1.36B model (BENCHMARKS.md) a block then
-    saves 0.7 instead of 1.8 GiB: the step peaks at 28.5 instead of 47.3 GiB per GPU at the same
-    speed, since Inductor fuses the recomputed ops into the backward's kernels.
+    copy of its input comes back from the bf16 input and the saved reciprocal root mean square,
+    SwiGLU's activation from its two projections. It is a minimum cut in the block's forward graph.
+    Each value is split into an edge `in -> out` whose capacity is its bytes (the price of saving
+    it); each read is an edge `producer out -> consumer in`, and each value the backward reads an
+    edge `out -> sink`, both unbounded; values that cannot be recomputed (products, attention,
+    random ops, the block's inputs) hang from the source. A cut then saves some values, and
+    everything on the sink's side of it is recomputed from them. Views cost nothing to recompute,
+    and parameters nothing to save (they are held anyway). Two kinds of cheap value hang from the
+    source too:
+    - reductions (an output a quarter of its inputs' size or less, a norm's mean square): saving
+      their small output is cheaper than reading their input again;
+    - the operands of products and attention in both passes (a norm's output, SwiGLU's product,
+      attention's reshaped output), NOTE: [Operands]: the forward writes them to memory for its
+      product anyway, and a backward product must read them from memory, so recomputing one saves
+      its bytes only by writing them a second time, reading its own inputs to do so.
+    Of the minimum cuts the one that recomputes least is taken.
     """
     nodes = [n for n in g.nodes if n.meta.get("fbmt_block") == block and n.meta.get("fbmt_phase") == FWD
              and n.op == "call_function"]
@@ -192,7 +207,7 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
         return 4 * nbytes(n.meta.get("val")) < sum(nbytes(a.meta.get("val")) for a in n.all_input_nodes)
 
     for n in members:
-        if n in cheap and not shrinks(n):
+        if n in cheap and not shrinks(n) and not (_operand(n, FWD) and _operand(n, BWD)):
             price = _INF if is_view(n) else nbytes(n.meta.get("val"))
         else:
             edge("source", (n, "in"), _INF)
@@ -215,6 +230,21 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
                 reaches_sink.add(u)
                 todo.append(u)
     return {n for n in cheap if (n, "in") in reaches_sink}  # never a reduction: those hang from the source
+
+
+# Reshapes that copy nothing (`_unsafe_view` declares no alias, but is the reshape of a fresh value).
+_RESHAPES = {torch.ops.aten._unsafe_view.default}
+
+
+def _operand(n: fx.Node, phase: str) -> bool:
+    """Whether a matrix product or attention of `phase` reads `n`, directly or through views
+    (NOTE: [Min-cut])."""
+    for u in n.users:
+        if u.meta.get("fbmt_phase") != phase:
+            continue
+        if expensive(u) or ((is_view(u) or u.target in _RESHAPES) and _operand(u, phase)):
+            return True
+    return False
 
 
 def _max_flow(cap: dict[object, dict[object, float]], source: object, sink: object) -> None:
