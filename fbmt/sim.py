@@ -138,7 +138,8 @@ def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
     else:  # reduce_scatter(pieces, world, padded_numel, average, wire_dtype, out_dtype[, buffer])
         pieces, world, padded = n.args[0], n.args[1], n.args[2]
         first = _val(pieces[0])
-        wire = n.args[4] if len(n.args) > 4 else first.dtype
+        reduce = n.args[4] if len(n.args) > 4 else first.dtype
+        wire = collectives.on_wire(first.dtype, reduce, world) if len(n.args) <= 6 else reduce
         total = padded * _itemsize(wire)
         copied = [p for p in pieces if p.target is not collectives.mm_into]  # the rest are in place already
         moved = sum(nbytes(_val(p)) + _val(p).numel() * _itemsize(wire) for p in copied)
@@ -213,13 +214,16 @@ def peak_memory(program: Program) -> int:
                 size[n] = shard.numel() * n.args[1] * _itemsize(dtype)
             elif n.target is collectives.reduce_scatter:  # the flat input lives until the wait, the shard after
                 pieces, world, padded = n.args[0], n.args[1], n.args[2]
-                wire = n.args[4] if len(n.args) > 4 else _val(pieces[0]).dtype
+                piece = _val(pieces[0]).dtype
+                wire = n.args[4] if len(n.args) > 4 else piece
                 out = n.args[5] if len(n.args) > 5 else wire
                 waited = min((order[u] for u in n.users if u.target is collectives.wait), default=order[n])
                 if len(n.args) > 6:  # the flat input is the group's grad_buffer: it lives until the wait
                     last[n.args[6]] = max(last.get(n.args[6], 0), waited)
-                else:
-                    events += [(order[n], padded * _itemsize(wire)), (waited + 0.5, -padded * _itemsize(wire))]
+                else:  # the flat input, and what an exchange receives (NOTE: [Narrow wire]), until the wait
+                    narrow = collectives.on_wire(piece, wire, world)
+                    held = padded * _itemsize(narrow) * (2 if narrow != wire else 1)
+                    events += [(order[n], held), (waited + 0.5, -held)]
                 size[n] = padded // world * _itemsize(out)
             else:
                 size[n] = nbytes(_val(n))

@@ -18,3 +18,19 @@ def test_bad_op_is_named():
 
     with pytest.raises(ValueError, match="op='mean'"):
         D.all_reduce(torch.ones(2), "mean")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bf16_gradients_reduced_in_fp32_travel_as_bf16_and_sum_the_same(world):
+    # NOTE: [Narrow wire]: an all-to-all of the bf16 pieces, summed in fp32 by the receiver, gives what
+    # an fp32 reduce-scatter of the (exactly) upcast pieces gives
+    import torch
+
+    from tests.workers import narrow_pieces, narrow_wire
+
+    every = torch.stack([torch.cat(narrow_pieces(q)) for q in range(world)]).double()
+    want = torch.nn.functional.pad(every.mean(0), (0, 1)).view(world, -1)  # each rank's shard of the mean
+    for rank, r in enumerate(run_ranks(world, narrow_wire)):
+        assert r["1"][0] and not r["0"][0]  # the exchange, then the fp32 reduce-scatter
+        torch.testing.assert_close(r["1"][1].double(), want[rank], rtol=1e-7, atol=0)
+        torch.testing.assert_close(r["1"][1], r["0"][1], rtol=1e-7, atol=0)

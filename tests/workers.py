@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 import torch.distributed as dist
@@ -231,3 +232,23 @@ def collectives(rank: int, world: int) -> None:
     torch.testing.assert_close(D.gather_result(torch.full((2, 3), float(rank))),
                                torch.cat([torch.full((2, 3), float(r)) for r in range(world)]))
     D.synchronize()
+
+
+def narrow_pieces(rank: int) -> list[torch.Tensor]:
+    """One rank's bf16 gradient pieces (11 elements, padded to 12), of very different magnitude per rank."""
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(n, generator=g).mul(10.0 ** (rank - 2)).bfloat16() for n in (5, 6)]
+
+
+def narrow_wire(rank: int, world: int) -> dict:
+    """A group's bf16 gradients reduced in fp32, sent as bf16 (NOTE: [Narrow wire]) and as fp32."""
+    from fbmt.runtime import collectives as C
+
+    out = {}
+    for setting in ("1", "0"):
+        os.environ["FBMT_NARROW_WIRE"] = setting
+        pending = C.reduce_scatter(narrow_pieces(rank), world, 12, average=True, wire_dtype=torch.float32,
+                                   out_dtype=torch.float32)
+        out[setting] = (pending.then is not None, C.wait(pending))
+    del os.environ["FBMT_NARROW_WIRE"]
+    return out
