@@ -333,6 +333,68 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     return result
 
 
+def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
+                device: torch.device) -> list[dict[str, Any]]:
+    """`--interleave`: build every method side by side, warm each up, then time their steps in turn,
+    the order reversed every round (A B, B A, ...). The GPUs' clocks follow their power draw and
+    temperature (BENCHMARKS.md: the 700 W cap), so methods timed one after the other see different
+    clocks; taken in turn, each round's steps see the same, and the ratio of a round's two steps is
+    a paired measurement. A method's peak is what it allocated beyond the others' resident state."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    built: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        base = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        model, opt = METHODS[method](cfg, args, device)
+        sync()
+        r = built[method] = dict(method=method, model=model, opt=opt, setup_s=time.perf_counter() - started,
+                                 step_ms=[], losses=[])
+        for step in range(args.warmup):
+            t0 = time.perf_counter()
+            r["losses"].append(train_step(model, opt, args, cfg, device, step).detach())
+            sync()
+            r["step_ms"].append((time.perf_counter() - t0) * 1e3)
+        r["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+    for step in range(args.warmup, args.warmup + args.steps):
+        for method in methods if step % 2 == 0 else methods[::-1]:
+            r = built[method]
+            sync()
+            t0 = time.perf_counter()
+            loss = train_step(r["model"], r["opt"], args, cfg, device, step)
+            sync()
+            r["step_ms"].append((time.perf_counter() - t0) * 1e3)
+            r["losses"].append(loss.detach())
+    results = []
+    for method in methods:
+        r = built.pop(method)
+        timed = r["step_ms"][args.warmup:]
+        tokens = args.batch * args.seq
+        out = dict(method=method, interleaved=True, tok_s_gpu=tokens * len(timed) / (sum(timed) / 1e3),
+                   tok_s_gpu_median=tokens / (statistics.median(timed) / 1e3), setup_s=r["setup_s"],
+                   first_step_s=r["step_ms"][0] / 1e3, step_s=sum(timed) / len(timed) / 1e3,
+                   step_ms=[round(t, 2) for t in r["step_ms"]], gc_ms_per_step=0.0, gc_runs={}, allocator={},
+                   losses=[float(v) for v in r["losses"][:4]], peak_gib=r["peak_gib"], world=dist.get_world_size(),
+                   no_host_sync=None)
+        out["mfu"] = out["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
+        if method.startswith("fbmt"):
+            out["compile_s"], out["inductor_s"] = r["model"].compile_seconds, r["model"].regions.seconds
+            out["regions"] = repr(r["model"].regions)
+            out["passes"] = {name: r["model"].program.summary(name).split("; ")[-1] for name in ("remat", "shard")}
+        results.append(out)
+    return results
+
+
+def paired(ours: dict[str, Any], peer: dict[str, Any], warmup: int) -> str:
+    """Round by round, the peer's step time over ours (interleaved runs): median and quartiles."""
+    ratios = sorted(p / o for o, p in zip(ours["step_ms"][warmup:], peer["step_ms"][warmup:]))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return (f"paired by round: {statistics.median(ratios):.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f}, "
+            f"{len(ratios)} rounds)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="1.36b")
@@ -352,6 +414,9 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=1, help="fbmt: blocks gathered ahead")
     ap.add_argument("--zero", type=int, choices=[2, 3], default=3,
                     help="fbmt: 3 gathers each block again for its backward, 2 keeps its forward gather")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every method side by side and time their steps in turn (paired ratios; "
+                         "no --profile, garbage-collector or allocator counts)")
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     args = ap.parse_args()
 
@@ -368,8 +433,9 @@ def main() -> None:
     say(f"gpu_train: {args.config} ({cfg.n_params() / 1e9:.2f}B), seq {args.seq}, batch {args.batch}/GPU, remat "
         f"{args.remat}, {dist.get_world_size()} x {torch.cuda.get_device_name() if cuda else 'CPU'}, "
         f"torch {torch.__version__}", flush=True)
-    results = []
-    for method in args.methods.split(","):
+    methods = args.methods.split(",")
+    results = interleaved(methods, cfg, args, device) if args.interleave else []
+    for method in methods if not args.interleave else []:
         try:
             r = run(method, cfg, args, device)
         except torch.OutOfMemoryError as e:
@@ -377,6 +443,8 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
         results.append(r)
+    for r in results:
+        method = r["method"]
         if "error" in r:
             say(f"  {method:14s} {r['error']}", flush=True)
             continue
@@ -387,8 +455,9 @@ def main() -> None:
             + (f"  compile {r['compile_s']:.1f}s (+{r['inductor_s']:.1f}s inductor)  no host sync: "
                f"{r['no_host_sync']}" if method.startswith("fbmt") else ""),
             flush=True)
-        say(f"    step times (ms, warmup first): {r['step_ms']}; Python's garbage collector "
-            f"{r['gc_ms_per_step']:.2f} ms per timed step, collections by generation {r['gc_runs']}"
+        say(f"    step times (ms, warmup first): {r['step_ms']}" + ("" if args.interleave else
+            f"; Python's garbage collector {r['gc_ms_per_step']:.2f} ms per timed step, collections by "
+            f"generation {r['gc_runs']}")
             + (f"; CUDA caching allocator over the timed steps: {r['allocator']}" if r["allocator"] else ""),
             flush=True)
         for name, summary in r.get("passes", {}).items():
@@ -422,8 +491,9 @@ def main() -> None:
                 ratio = done[ours]["tok_s_gpu"] / done[peer]["tok_s_gpu"]
                 by_median = done[ours]["tok_s_gpu_median"] / done[peer]["tok_s_gpu_median"]
                 mem = done[ours]["peak_gib"] / done[peer]["peak_gib"] if done[peer]["peak_gib"] else float("nan")
-                say(f"  {ours} / {peer}: {ratio:.3f}x tokens/s ({by_median:.3f}x by median step), "
-                    f"{mem:.2f}x peak memory", flush=True)
+                say(f"  {ours} / {peer}: {ratio:.3f}x tokens/s ({by_median:.3f}x by median step"
+                    + (f"; {paired(done[ours], done[peer], args.warmup)}" if args.interleave else "")
+                    + f"), {mem:.2f}x peak memory", flush=True)
         peer = "fsdp2" if "fsdp2" in done else "fsdp2-compile" if "fsdp2-compile" in done else None
         if peer:
             gap = max(abs(a - b) for a, b in zip(done[ours]["losses"], done[peer]["losses"]))
