@@ -11,7 +11,8 @@
 # GPUs' clocks and power sampled) | g (session 5: GPU checks; 1.36B rows with the compute stream's kernels
 # by name, and with ZeRO-2 blocks) | h1, h2 (session 5's table, in two calls) | i (session 5:
 # remat="mincut" at 1.36B without recompute, and the GPU checks) | j (the same over 16 steps) | k (session 6:
-# the GPU checks, then interleaved comparisons at 1.36B without recompute and at 6.7B).
+# the GPU checks, then interleaved comparisons at 1.36B without recompute and at 6.7B) | l (the same after the
+# narrow wire).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +136,14 @@ case $stage in
     run k1.36_none 230 benchmarks/gpu_train.py $n136 --steps 16 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/k1.36_none.json"
     run k1.36_profile 90 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/k1.36_profile.json"
     run k6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/k6.7_block.json" ;;
+  l)  # session 6, after the narrow wire and the small groups' reduce-scatters: stage k again
+    echo "== gpt_on_gpu"
+    timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_l.txt" 2>&1
+    echo "rc=$?" >> "$out/gpt_on_gpu_l.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_l.txt" | tail -4
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run l1.36_none 230 benchmarks/gpu_train.py $n136 --steps 16 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/l1.36_none.json"
+    run l1.36_profile 90 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/l1.36_profile.json"
+    run l6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/l6.7_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"
