@@ -12,7 +12,7 @@
 # by name, and with ZeRO-2 blocks) | h1, h2 (session 5's table, in two calls) | i (session 5:
 # remat="mincut" at 1.36B without recompute, and the GPU checks) | j (the same over 16 steps) | k (session 6:
 # the GPU checks, then interleaved comparisons at 1.36B without recompute and at 6.7B) | l (the same after the
-# narrow wire).
+# narrow wire) | m, n (session 6's table, in two calls).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -144,6 +144,12 @@ case $stage in
     run l1.36_none 230 benchmarks/gpu_train.py $n136 --steps 16 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/l1.36_none.json"
     run l1.36_profile 90 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/l1.36_profile.json"
     run l6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/l6.7_block.json" ;;
+  m)  # session 6's table, part 1: 13B (too large to interleave two methods) and 1.36B with block recompute
+    run m13_block 330 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fsdp2-compile,fsdp2 --out "$out/m13_block.json"
+    run m1.36_block 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 16 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile,fsdp2 --out "$out/m1.36_block.json" ;;
+  n)  # session 6's table, part 2: 1.36B without recompute and 6.7B, with FSDP2 eager too
+    run n1.36_none 250 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 16 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut,fsdp2-compile,fsdp2 --out "$out/n1.36_none.json"
+    run n6.7_block 250 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile,fsdp2 --out "$out/n6.7_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"
