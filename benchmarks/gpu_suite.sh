@@ -147,9 +147,9 @@ case $stage in
   m)  # session 6's table, part 1: 13B (too large to interleave two methods) and 1.36B with block recompute
     run m13_block 330 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fsdp2-compile,fsdp2 --out "$out/m13_block.json"
     run m1.36_block 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 16 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile,fsdp2 --out "$out/m1.36_block.json" ;;
-  n)  # session 6's table, part 2: 1.36B without recompute and 6.7B, with FSDP2 eager too
+  n)  # session 6's table, part 2: 1.36B without recompute; 6.7B against FSDP2 eager (with + compile: stage l)
     run n1.36_none 250 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 16 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut,fsdp2-compile,fsdp2 --out "$out/n1.36_none.json"
-    run n6.7_block 250 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile,fsdp2 --out "$out/n6.7_block.json" ;;
+    run n6.7_block 250 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2 --out "$out/n6.7_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"
