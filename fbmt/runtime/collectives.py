@@ -32,9 +32,13 @@ With mixed precision the gradients are bf16 (fp16) values and are summed in fp32
 before the reduce-scatter, as FSDP2 does, half of every byte on the wire is zeros: the cast is
 exact. So the pieces travel in their own dtype, through an all-to-all (rank r receives every rank's
 r-th chunk), and the receiver sums the chunks in fp32: the same sum, with the same precision, for
-half the bytes on the wire and in the copy-in. On CUDA the sum runs on a third stream, the reduce
-stream, once the exchange is done (the compute stream only waits for it at `wait`): on the copy
-stream it would hold up the next casts behind the exchange. `on_wire` says when: the reduce dtype
+half the bytes on the wire and in the copy-in. Two ranks exchange through an all-gather instead,
+each sending the chunk its partner reduces: NCCL runs an all-to-all as point-to-point sends on few
+channels, which on 2x H200 took as long for the bf16 bytes as its reduce-scatter took for fp32
+(BENCHMARKS.md), and an all-gather on as many as its reduce-scatter. On CUDA the sum runs on a third
+stream, the reduce stream, once the exchange is done (the compute stream only waits for it at
+`wait`), on a bounded grid (NOTE: [Bounded copies] in copies.py): on the copy stream it would hold
+up the next casts behind the exchange. `on_wire` says when: the reduce dtype
 is wider than the pieces', and all ranks are on one node (torchrun's LOCAL_WORLD_SIZE, where set,
 is the world size): across nodes a ring reduce-scatter scales better than an all-to-all.
 `FBMT_NARROW_WIRE=0` turns it off, `=1` on everywhere.
@@ -188,11 +192,17 @@ def _exchange(pieces: list[torch.Tensor], world_size: int, padded_numel: int, av
         flat = torch.empty(padded_numel, dtype=pieces[0].dtype, device=device)
         _fill(flat, pieces, copies.copy_)
         received = torch.empty_like(flat)
-        work = dist.all_to_all_single(received, flat, async_op=True)
+        if world_size == 2:  # each rank sends its partner's chunk: an all-gather delivers it
+            rank = dist.get_rank()
+            mine, theirs = flat.view(2, -1)[rank], received.view(2, -1)[1 - rank]
+            work = all_gather_into(received, flat.view(2, -1)[1 - rank], async_op=True)
+        else:
+            work = dist.all_to_all_single(received, flat, async_op=True)
 
     def reduce() -> torch.Tensor:
-        chunks = received.view(world_size, -1)
-        return (torch.mean if average else torch.sum)(chunks, 0, dtype=out.dtype, out=out)
+        if world_size == 2:
+            return copies.sum_(out, mine, theirs, 0.5 if average else 1.0)
+        return (torch.mean if average else torch.sum)(received.view(world_size, -1), 0, dtype=out.dtype, out=out)
 
     if side is None:  # gloo: sum after the wait, on the host
         return Pending(out, work, out_dtype=out_dtype, keep=(flat, received), then=reduce)

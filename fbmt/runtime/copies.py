@@ -34,7 +34,8 @@ BLOCK, WARPS = 65536, 32  # elements per thread block and iteration, and its war
 
 
 @functools.cache
-def _kernel() -> Any:
+def _kernels() -> Any:
+    """(copy, sum) Triton kernels, or None without Triton."""
     try:
         import triton
         import triton.language as tl
@@ -48,7 +49,15 @@ def _kernel() -> Any:
             mask = offs < n
             tl.store(dst + offs, tl.load(src + offs, mask=mask).to(dst.dtype.element_ty), mask=mask)
 
-    return bounded_copy
+    @triton.jit
+    def bounded_sum(a, b, dst, n, iters, scale, BLOCK: tl.constexpr):
+        for i in range(iters):
+            offs = (tl.program_id(0) + i * tl.num_programs(0)) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(a + offs, mask=mask).to(tl.float32) + tl.load(b + offs, mask=mask).to(tl.float32)
+            tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
+
+    return bounded_copy, bounded_sum
 
 
 @functools.cache
@@ -73,20 +82,40 @@ def programs(device_index: int) -> int:
     return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count // 4)
 
 
+def _launch(which: int, dst: torch.Tensor, *srcs: torch.Tensor, extra: tuple = ()) -> bool:
+    """Run kernel `which` of `_kernels()` over dst and srcs (contiguous, 1-D, equal sizes) on a
+    bounded grid; False where it cannot (no Triton, off CUDA, FBMT_COPY_PROGRAMS=0, int32 overflow)."""
+    n = dst.numel()
+    for src in srcs:
+        if src.numel() != n:
+            raise ValueError(f"fbmt copies: {src.numel()} elements into {n}")
+    kernels = _kernels() if dst.is_cuda else None
+    grid = programs(dst.device.index if dst.device.index is not None else torch.cuda.current_device()) \
+        if kernels is not None else 0
+    block, warps = tiling()
+    # int32 offsets: the last iteration of the grid stride reaches up to (blocks + grid) * block
+    if grid == 0 or n == 0 or n + (grid + 1) * block >= 2**31 or not all(
+            t.is_contiguous() for t in (dst, *srcs)):
+        return False
+    blocks = -(-n // block)
+    grid = min(grid, blocks)
+    kernels[which][(grid,)](*srcs, dst, n, -(-blocks // grid), *extra, BLOCK=block, num_warps=warps)
+    return True
+
+
 def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """`dst.copy_(src)` for contiguous 1-D tensors of equal size, casting to dst's dtype; on CUDA
     with a bounded grid (NOTE: [Bounded copies])."""
-    n = src.numel()
-    if dst.numel() != n:
-        raise ValueError(f"fbmt copy_: {n} elements into {dst.numel()}")
-    kernel = _kernel() if src.is_cuda else None
-    grid = programs(src.device.index if src.device.index is not None else torch.cuda.current_device()) \
-        if kernel is not None else 0
-    block, warps = tiling()
-    # int32 offsets: the last iteration of the grid stride reaches up to (blocks + grid) * block
-    if grid == 0 or n == 0 or n + (grid + 1) * block >= 2**31 or not (src.is_contiguous() and dst.is_contiguous()):
-        return dst.copy_(src)
-    blocks = -(-n // block)
-    grid = min(grid, blocks)
-    kernel[(grid,)](src, dst, n, -(-blocks // grid), BLOCK=block, num_warps=warps)
+    if not _launch(0, dst, src):
+        dst.copy_(src)
+    return dst
+
+
+def sum_(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """`dst = (a + b) * scale`, computed in fp32 (exact for bf16 a and b into fp32, and for a scale
+    of 1/2), on CUDA with a bounded grid: the reduce stream's half of NOTE: [Narrow wire]."""
+    if not _launch(1, dst, a, b, extra=(scale,)):
+        torch.add(a.to(torch.float32), b.to(torch.float32), out=dst)
+        if scale != 1.0:
+            dst.mul_(scale)
     return dst

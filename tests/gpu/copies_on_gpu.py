@@ -2,8 +2,9 @@
 
     python tests/gpu/copies_on_gpu.py
 
-Exact equality with `Tensor.copy_` for every cast the collectives make, sizes around the kernel's
-block size and grids larger and smaller than the work; `mm_into` writing a bf16 product as fp32 into
+Exact equality with `Tensor.copy_` for every cast the collectives make, and of the reduce stream's
+fp32 sum of two bf16 halves with float64's, sizes around the kernel's block size and grids larger and
+smaller than the work; `mm_into` writing a bf16 product as fp32 into
 its slice of a buffer (direct_grads); then the time of a 6.7B block's copy-in
 (202M bf16 gradients into fp32) alone, bounded and with torch's copy.
 """
@@ -16,7 +17,7 @@ from fbmt.runtime import collectives, copies
 
 
 def main() -> None:
-    assert copies._kernel() is not None, "Triton is missing: copy_ would fall back to Tensor.copy_"
+    assert copies._kernels() is not None, "Triton is missing: copy_ would fall back to Tensor.copy_"
     dev = torch.device("cuda")
     pairs = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
              (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)]
@@ -32,6 +33,13 @@ def main() -> None:
                 dst = torch.full((n + 2,), float("nan"), device=dev, dtype=dst_dtype)
                 copies.copy_(dst[1:1 + n], src)
                 assert torch.equal(dst[1:1 + n], src.to(dst_dtype)), (grid, src_dtype, dst_dtype, n)
+                assert dst[0].isnan() and dst[-1].isnan(), "wrote outside its slice"
+                checked += 1
+            for n in sizes:  # the reduce stream's sum (NOTE: [Narrow wire]): exact against float64
+                a, b = ((torch.randn(n, device=dev) * 10.0 ** k).bfloat16() for k in (-3, 2))
+                dst = torch.full((n + 2,), float("nan"), device=dev)
+                copies.sum_(dst[1:1 + n], a, b, 0.5)
+                assert torch.equal(dst[1:1 + n].double(), ((a.double() + b.double()) * 0.5).float().double()), (grid, n)
                 assert dst[0].isnan() and dst[-1].isnan(), "wrote outside its slice"
                 checked += 1
     os.environ.pop("FBMT_COPY_PROGRAMS")
@@ -56,7 +64,7 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         times[name] = start.elapsed_time(end) / 10
-    print(f"copies: {checked} cases equal to Tensor.copy_, mm_into writes fp32 in place; "
+    print(f"copies: {checked} cases exact, mm_into writes fp32 in place; "
           f"202M bf16 -> fp32 alone: bounded "
           f"({copies.programs(0)} programs) {times['bounded']:.2f} ms, torch {times['torch']:.2f} ms")
 
