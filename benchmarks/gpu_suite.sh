@@ -12,7 +12,8 @@
 # by name, and with ZeRO-2 blocks) | h1, h2 (session 5's table, in two calls) | i (session 5:
 # remat="mincut" at 1.36B without recompute, and the GPU checks) | j (the same over 16 steps) | k (session 6:
 # the GPU checks, then interleaved comparisons at 1.36B without recompute and at 6.7B) | l (the same after the
-# narrow wire) | m, n (session 6's table, in two calls).
+# narrow wire) | m, n (session 6's table, in two calls) | o (the 1.36B rows after two ranks' exchange became an
+# all-gather).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -150,6 +151,15 @@ case $stage in
   n)  # session 6's table, part 2: 1.36B without recompute; 6.7B against FSDP2 eager (with + compile: stage l)
     run n1.36_none 250 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 16 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut,fsdp2-compile,fsdp2 --out "$out/n1.36_none.json"
     run n6.7_block 250 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2 --out "$out/n6.7_block.json" ;;
+  o)  # session 6: two ranks exchange gradients through an all-gather (NOTE: [Narrow wire]); the 1.36B rows again
+    echo "== copies_on_gpu"; timeout 60 python3 tests/gpu/copies_on_gpu.py 2>&1 | tail -2
+    echo "== gpt_on_gpu"
+    timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_o.txt" 2>&1
+    echo "rc=$?" >> "$out/gpt_on_gpu_o.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_o.txt" | tail -2
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run o1.36_none 200 benchmarks/gpu_train.py $n136 --steps 16 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut,fsdp2-compile --out "$out/o1.36_none.json"
+    run o1.36_profile 80 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/o1.36_profile.json"
+    run o1.36_block 150 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 12 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/o1.36_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"
