@@ -13,7 +13,7 @@
 # remat="mincut" at 1.36B without recompute, and the GPU checks) | j (the same over 16 steps) | k (session 6:
 # the GPU checks, then interleaved comparisons at 1.36B without recompute and at 6.7B) | l (the same after the
 # narrow wire) | m, n (session 6's table, in two calls) | o (the 1.36B rows after two ranks' exchange became an
-# all-gather).
+# all-gather) | p (6.7B after it).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -160,6 +160,8 @@ case $stage in
     run o1.36_none 200 benchmarks/gpu_train.py $n136 --steps 16 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut,fsdp2-compile --out "$out/o1.36_none.json"
     run o1.36_profile 80 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/o1.36_profile.json"
     run o1.36_block 150 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 12 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/o1.36_block.json" ;;
+  p)  # session 6: 6.7B after two ranks' exchange became an all-gather
+    run p6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/p6.7_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"
