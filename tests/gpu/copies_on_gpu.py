@@ -35,13 +35,13 @@ def main() -> None:
                 assert torch.equal(dst[1:1 + n], src.to(dst_dtype)), (grid, src_dtype, dst_dtype, n)
                 assert dst[0].isnan() and dst[-1].isnan(), "wrote outside its slice"
                 checked += 1
-            for n in sizes:  # the reduce stream's sum (NOTE: [Narrow wire]): exact against float64
-                a, b = ((torch.randn(n, device=dev) * 10.0 ** k).bfloat16() for k in (-3, 2))
-                dst = torch.full((n + 2,), float("nan"), device=dev)
-                copies.sum_(dst[1:1 + n], a, b, 0.5)
-                assert torch.equal(dst[1:1 + n].double(), ((a.double() + b.double()) * 0.5).float().double()), (grid, n)
-                assert dst[0].isnan() and dst[-1].isnan(), "wrote outside its slice"
-                checked += 1
+        for n in sizes:  # the reduce stream's sum (NOTE: [Narrow wire]): exact against float64
+            a, b = ((torch.randn(n, device=dev) * 10.0 ** k).bfloat16() for k in (-3, 2))
+            dst = torch.full((n + 2,), float("nan"), device=dev)
+            copies.sum_(dst[1:1 + n], a, b, 0.5)
+            assert torch.equal(dst[1:1 + n].double(), ((a.double() + b.double()) * 0.5).float().double()), (grid, n)
+            assert dst[0].isnan() and dst[-1].isnan(), "wrote outside its slice"
+            checked += 1
     os.environ.pop("FBMT_COPY_PROGRAMS")
     # direct_grads: a bf16 product written as fp32 into its place in a buffer, by the GEMM itself
     assert collectives._mm_dtype_out is not None, f"torch {torch.__version__} has no aten.mm.dtype_out"
