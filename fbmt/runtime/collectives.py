@@ -34,15 +34,14 @@ exact. So the pieces travel in their own dtype, through an all-to-all (rank r re
 r-th chunk), and the receiver sums the chunks in fp32: the same sum, with the same precision, for
 half the bytes on the wire and in the copy-in. Two ranks exchange through an all-gather instead,
 each sending the chunk its partner reduces: NCCL runs an all-to-all as point-to-point sends on few
-channels, and an all-gather on as many as its reduce-scatter (1.36B step on 2x H200, BENCHMARKS.md:
-NCCL's kernels 35.5 ms with the fp32 reduce-scatter, 42.0 with the all-to-all, 18.6 with the
-all-gather). On CUDA the sum runs on a third
-stream, the reduce stream, once the exchange is done (the compute stream only waits for it at
-`wait`), on a bounded grid (NOTE: [Bounded copies] in copies.py): on the copy stream it would hold
-up the next casts behind the exchange. `on_wire` says when: the reduce dtype
-is wider than the pieces', and all ranks are on one node (torchrun's LOCAL_WORLD_SIZE, where set,
-is the world size): across nodes a ring reduce-scatter scales better than an all-to-all.
-`FBMT_NARROW_WIRE=0` turns it off, `=1` on everywhere.
+channels, and an all-gather on as many as its reduce-scatter (a 1.36B step on 2x H200,
+BENCHMARKS.md: NCCL's kernels took 35.5 ms with the fp32 reduce-scatter, 42.0 with the all-to-all,
+18.6 with the all-gather). On CUDA the sum runs on a third stream, the reduce stream, once the
+exchange is done (the compute stream only waits for it at `wait`), on a bounded grid (NOTE:
+[Bounded copies] in copies.py): on the copy stream it would hold up the next casts behind the
+exchange. `on_wire` says when: the reduce dtype is wider than the pieces', and all ranks are on one
+node (torchrun's LOCAL_WORLD_SIZE, where set, is the world size): across nodes a ring reduce-scatter
+scales better than an all-to-all. `FBMT_NARROW_WIRE=0` turns it off, `=1` on everywhere.
 
 `release(buffer)` marks the end of a gathered buffer's life. The generated code drops every value
 after its last use, so once `release` has run nothing references the buffer and its memory returns
@@ -51,10 +50,9 @@ to the allocator. `verify` checks that no node reads a buffer after its release.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from typing import Any
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -193,17 +191,17 @@ def _exchange(pieces: list[torch.Tensor], world_size: int, padded_numel: int, av
         flat = torch.empty(padded_numel, dtype=pieces[0].dtype, device=device)
         _fill(flat, pieces, copies.copy_)
         received = torch.empty_like(flat)
-        if world_size == 2:  # each rank sends its partner's chunk: an all-gather delivers it
+        sent, got = flat.view(world_size, -1), received.view(world_size, -1)
+        if world_size == 2:  # each rank sends the chunk its partner reduces: an all-gather delivers it
             rank = dist.get_rank()
-            mine, theirs = flat.view(2, -1)[rank], received.view(2, -1)[1 - rank]
-            work = all_gather_into(received, flat.view(2, -1)[1 - rank], async_op=True)
+            work = all_gather_into(received, sent[1 - rank], async_op=True)
         else:
             work = dist.all_to_all_single(received, flat, async_op=True)
 
     def reduce() -> torch.Tensor:
-        if world_size == 2:
-            return copies.sum_(out, mine, theirs, 0.5 if average else 1.0)
-        return (torch.mean if average else torch.sum)(received.view(world_size, -1), 0, dtype=out.dtype, out=out)
+        if world_size == 2:  # its own chunk, and the partner's chunk for it
+            return copies.sum_(out, sent[rank], got[1 - rank], 0.5 if average else 1.0)
+        return (torch.mean if average else torch.sum)(got, 0, dtype=out.dtype, out=out)
 
     if side is None:  # gloo: sum after the wait, on the host
         return Pending(out, work, out_dtype=out_dtype, keep=(flat, received), then=reduce)
