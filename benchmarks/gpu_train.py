@@ -10,6 +10,8 @@ against 989 TFLOP/s dense bf16 (H200), peak allocated memory, the time to set up
 step, the first losses (fbmt's must agree with FSDP2's), and the fbmt/peer ratios. `--out` writes
 JSON; `--profile` adds one profiled step per method: each CUDA stream's busy time by kernel kind, and
 where the compute stream idles (which kernels around each gap, which other stream ran meanwhile).
+`--interleave` builds the methods side by side and times their steps in turn, and prints the ratio
+of each round's step times (paired: the GPUs' clocks drift within a run, BENCHMARKS.md).
 CPU ranks work too (gloo), for checking the script, not for speed.
 """
 
