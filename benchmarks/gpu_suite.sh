@@ -30,6 +30,11 @@ run() {  # run NAME SECONDS ARGS...: one torchrun on every GPU, output to $logs/
   echo "rc=$?" >> "$logs/$name.txt"
   grep -v "^W[0-9]" "$logs/$name.txt" | tail -8
 }
+gpu_checks() {  # gpu_checks SUFFIX: tests/gpu/gpt_on_gpu.py on 2 GPUs, its log to $out/gpt_on_gpu_SUFFIX.txt
+  echo "== gpt_on_gpu"
+  timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_$1.txt" 2>&1
+  echo "rc=$?" >> "$out/gpt_on_gpu_$1.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_$1.txt" | tail -4
+}
 case $stage in
   example)
     run bmtrain_example 90 examples/bmtrain_gpt.py --steps 60 --save /tmp/bmtrain_gpt.pt ;;
@@ -130,17 +135,13 @@ case $stage in
     run j1.36_none 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 16 --warmup 2 --loss-in-model --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/j1.36_none.json" ;;
   k)  # session 6: mincut saves the products' operands, the trailing blocks save as mincut does; every
       # comparison interleaved (--interleave: the methods' steps in turn, paired ratios), the GPU checks first
-    echo "== gpt_on_gpu"
-    timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_k.txt" 2>&1
-    echo "rc=$?" >> "$out/gpt_on_gpu_k.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_k.txt" | tail -4
+    gpu_checks k
     n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
     run k1.36_none 230 benchmarks/gpu_train.py $n136 --steps 16 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/k1.36_none.json"
     run k1.36_profile 90 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/k1.36_profile.json"
     run k6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/k6.7_block.json" ;;
   l)  # session 6, after the narrow wire and the small groups' reduce-scatters: stage k again
-    echo "== gpt_on_gpu"
-    timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_l.txt" 2>&1
-    echo "rc=$?" >> "$out/gpt_on_gpu_l.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_l.txt" | tail -4
+    gpu_checks l
     n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
     run l1.36_none 230 benchmarks/gpu_train.py $n136 --steps 16 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/l1.36_none.json"
     run l1.36_profile 90 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/l1.36_profile.json"
@@ -153,9 +154,7 @@ case $stage in
     run n6.7_block 250 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2 --out "$out/n6.7_block.json" ;;
   o)  # session 6: two ranks exchange gradients through an all-gather (NOTE: [Narrow wire]); the 1.36B rows again
     echo "== copies_on_gpu"; timeout 60 python3 tests/gpu/copies_on_gpu.py 2>&1 | tail -2
-    echo "== gpt_on_gpu"
-    timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_o.txt" 2>&1
-    echo "rc=$?" >> "$out/gpt_on_gpu_o.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_o.txt" | tail -2
+    gpu_checks o
     n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
     run o1.36_none 200 benchmarks/gpu_train.py $n136 --steps 16 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut,fsdp2-compile --out "$out/o1.36_none.json"
     run o1.36_profile 80 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/o1.36_profile.json"

@@ -22,8 +22,8 @@ def test_bad_op_is_named():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bf16_gradients_reduced_in_fp32_travel_as_bf16_and_sum_the_same(world):
-    # NOTE: [Narrow wire]: an all-to-all of the bf16 pieces, summed in fp32 by the receiver, gives what
-    # an fp32 reduce-scatter of the (exactly) upcast pieces gives
+    # NOTE: [Narrow wire]: the bf16 pieces exchanged (two ranks: an all-gather, three: an all-to-all)
+    # and summed in fp32 by the receiver give what an fp32 reduce-scatter of the upcast pieces gives
     import torch
 
     from tests.workers import narrow_pieces, narrow_wire
