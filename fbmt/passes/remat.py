@@ -73,13 +73,16 @@ def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict
     g = program.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     plans = [plan for block in chosen if (plan := _plan(g, block, per_block.get(block, policy)))]
-    plans.sort(key=lambda plan: min(map(order.__getitem__, plan[2])))  # forward order
+    def forward_order(plan: Plan) -> int:
+        return min(map(order.__getitem__, plan[2]))
+
+    plans.sort(key=forward_order)
     lighter = functools.cache(lambda block: _plan(g, block, "mincut"))  # what a saved trailing block recomputes
     saved_blocks, note = _trailing(g, plans, lighter, per_block, _grad_bytes(program))
     plans = [plan for plan in plans if plan[0] not in saved_blocks] + \
         [plan for block in saved_blocks if (plan := lighter(block))]
-    stats = [f"{block or '<root>'}: {_recompute(g, order, needed, closure)}" for block, needed, closure
-             in sorted(plans, key=lambda plan: min(map(order.__getitem__, plan[2])))]
+    stats = [f"{block or '<root>'}: {_recompute(g, order, needed, closure)}"
+             for block, needed, closure in sorted(plans, key=forward_order)]
     program.record("remat", started, "; ".join(stats + [note] if note else stats)
                    or "no block activations reach the backward")
     return program
