@@ -7,7 +7,7 @@ import torch
 
 import fbmt
 from fbmt.passes.verify import VerifyError, verify
-from fbmt.program import BWD
+from fbmt.program import BWD, is_view
 from fbmt.runtime import collectives
 from tests.models.reference import batch, gpt, gpt_short
 
@@ -235,6 +235,45 @@ def test_mincut_remat_recomputes_cheap_ops_from_saved_values_but_no_product_oper
     assert not any(expensive(n) for n in programs["mincut"].graph.nodes if n.meta.get("fbmt_recompute"))
     saved = {remat: _saved_bytes(p.graph, []) for remat, p in programs.items()}
     assert saved["selective"] < saved["mincut"] < 0.75 * saved["none"], saved
+
+
+def test_recomputed_values_come_right_before_their_first_reader_and_block_remat_recomputes_twice():
+    torch.manual_seed(0)
+    model = fbmt.compile(_Stack(), world_size=2, checks=True, remat="block")
+    program = model.trace(torch.randn(64, 8, 32))
+    nodes = list(program.graph.nodes)
+    copies = [n for n in nodes if n.meta.get("fbmt_recompute") == "activation"]
+
+    def first_read(n):  # the first backward node that is not a copy and needs `n`, directly or through copies
+        return min((first_read(u) if u in copies else nodes.index(u) for u in n.users), default=len(nodes))
+
+    # NOTE: [Late recompute]: between a copy and its first reader, nothing but other copies, collectives
+    # and the views of a gathered group's parameters (the shard pass puts those before their first reader)
+    def inserted(m):
+        return m in copies or is_view(m) or getattr(m.target, "__module__", None) == collectives.__name__
+
+    for n in copies:
+        assert all(map(inserted, nodes[nodes.index(n) + 1:first_read(n)])), n
+    # the block's forward path recomputes SwiGLU's activation for the saved product; the late copy that
+    # the backward reads is recomputed again from the projection, as remat="mincut" recomputes it
+    silus = [n for n in copies if n.meta.get("fbmt_block") == "layers.0" and str(n.target) == "aten.silu.default"]
+    assert len(silus) == 2
+    assert "recomputed (" in program.summary("remat") and " late)" in program.summary("remat")
+
+
+def test_a_recomputed_multi_output_op_keeps_its_outputs_next_to_it():
+    """A compiled region returns tensors: if a late copy of layer norm's mean were placed after a
+    collective, the region computing the norm would have to return the op's tuple (NOTE: [Regions])."""
+    import operator
+
+    _, program = _program(remat="block")
+    nodes = list(program.graph.nodes)
+    outputs = [n for n in nodes if n.target is operator.getitem
+               and n.meta.get("fbmt_recompute") == n.args[0].meta.get("fbmt_recompute") == "activation"]
+    assert any(str(n.args[0].target) == "aten.native_layer_norm.default" for n in outputs)
+    for n in outputs:
+        between = nodes[nodes.index(n.args[0]) + 1:nodes.index(n)]
+        assert all(m.target is operator.getitem and m.args[0] is n.args[0] for m in between), n
 
 
 def test_print_shows_pass_history_and_collectives():
