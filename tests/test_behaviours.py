@@ -116,6 +116,16 @@ def test_state_dict_has_original_keys_and_round_trips():
         other.load_state_dict(bad)
 
 
+def test_a_buffer_assigned_a_new_tensor_is_read_by_the_next_call():
+    """The compiled module finds each buffer's owner once, but reads the buffer at every call."""
+    ref, model = _pair(Buffered)
+    (x,), kw, _ = batch("buffered", 0)
+    model(x, **kw)
+    for m in (ref, model._orig):
+        m.scale = torch.full((8,), 2.0)  # a new tensor, not an in-place update
+    torch.testing.assert_close(model(x, **kw)["out"], ref(x, **kw)["out"])
+
+
 def test_tied_weights_appear_under_both_names():
     ref, model = _pair(gpt)
     sd = model.state_dict()
