@@ -51,6 +51,7 @@ class Machine:
     latency: float = 20e-6  # seconds per collective
     launch: float = 4e-6  # seconds per kernel
     fp32_matmul_flops: float | None = None  # for fp32 matrix products (default: a 16th of matmul_flops)
+    gpus_per_node: int | None = None  # ranks that share the fast link (default: all of them, one machine)
 
 
 # Measured on the H200 host of BENCHMARKS.md: ~700 TFLOP/s bf16 matmul (71% of the 989 peak), 4.19 TB/s
@@ -139,7 +140,8 @@ def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
         pieces, world, padded = n.args[0], n.args[1], n.args[2]
         first = _val(pieces[0])
         reduce = n.args[4] if len(n.args) > 4 else first.dtype
-        wire = collectives.on_wire(first.dtype, reduce, world) if len(n.args) <= 6 else reduce
+        wire = collectives.on_wire(first.dtype, reduce, world, machine.gpus_per_node or world) \
+            if len(n.args) <= 6 else reduce
         total = padded * _itemsize(wire)
         copied = [p for p in pieces if p.target is not collectives.mm_into]  # the rest are in place already
         moved = sum(nbytes(_val(p)) + _val(p).numel() * _itemsize(wire) for p in copied)
@@ -184,11 +186,13 @@ def simulate(program: Program, machine: Machine = H200) -> Simulation:
             compute += cost
     return Simulation(machine=machine, world_size=program.layout.world_size, step_s=max(t_compute, t_comm),
                       compute_s=compute, comm_s=busy_comm, exposed_comm_s=sum(exposed.values()),
-                      exposed_by_phase=exposed, peak_activation_bytes=peak_memory(program), timeline=timeline)
+                      exposed_by_phase=exposed, peak_activation_bytes=peak_memory(program, machine.gpus_per_node),
+                      timeline=timeline)
 
 
-def peak_memory(program: Program) -> int:
-    """Peak bytes of values alive at once when the program runs in its order (NOTE: [Simulator])."""
+def peak_memory(program: Program, gpus_per_node: int | None = None) -> int:
+    """Peak bytes of values alive at once when the program runs in its order (NOTE: [Simulator]);
+    `gpus_per_node` as `Machine` has it."""
     g = program.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     base: dict[fx.Node, fx.Node] = {}
@@ -221,7 +225,7 @@ def peak_memory(program: Program) -> int:
                 if len(n.args) > 6:  # the flat input is the group's grad_buffer: it lives until the wait
                     last[n.args[6]] = max(last.get(n.args[6], 0), waited)
                 else:  # the flat input, and what an exchange receives (NOTE: [Narrow wire]), until the wait
-                    narrow = collectives.on_wire(piece, wire, world)
+                    narrow = collectives.on_wire(piece, wire, world, gpus_per_node or world)
                     held = padded * _itemsize(narrow) * (2 if narrow != wire else 1)
                     events += [(order[n], held), (waited + 0.5, -held)]
                 size[n] = padded // world * _itemsize(out)

@@ -85,3 +85,16 @@ def test_collective_copies_run_on_the_communication_stream_when_there_is_one():
             assert sim.compute_s == pytest.approx(ops) and sim.comm_s == pytest.approx(copies)
         else:
             assert sim.comm_s == 0 and sim.compute_s == pytest.approx(ops + copies)
+
+
+def test_gradients_travel_narrow_within_a_node_and_in_fp32_across_nodes(monkeypatch):
+    """NOTE: [Narrow wire]: what the simulator charges follows the machine it is given, not the
+    environment of the process that runs it."""
+    monkeypatch.delenv("FBMT_NARROW_WIRE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # as in a one-GPU notebook on a multi-node job's host
+    program = _program(world=4, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    rs = [n for n in program.graph.nodes if n.target is collectives.reduce_scatter]
+    one_node = sum(_collective(n, H200)[2] for n in rs)
+    two_nodes = sum(_collective(n, dataclasses.replace(H200, gpus_per_node=2))[2] for n in rs)
+    assert two_nodes == 2 * one_node  # fp32 on the wire, not bf16
+    assert simulate(program, H200).comm_s < simulate(program, dataclasses.replace(H200, gpus_per_node=2)).comm_s

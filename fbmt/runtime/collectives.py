@@ -116,15 +116,18 @@ def _reduce_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def on_wire(piece_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int) -> torch.dtype:
-    """The dtype a group's gradients travel in to be reduced in `reduce_dtype` (NOTE: [Narrow wire])."""
+def on_wire(piece_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int,
+            local_world_size: int | None = None) -> torch.dtype:
+    """The dtype a group's gradients travel in to be reduced in `reduce_dtype` (NOTE: [Narrow wire]).
+    `local_world_size`: the ranks on one node (default: torchrun's LOCAL_WORLD_SIZE, else all)."""
     if reduce_dtype.itemsize <= piece_dtype.itemsize or world_size == 1:
         return reduce_dtype
     setting = os.environ.get("FBMT_NARROW_WIRE", "")
     if setting in ("0", "1"):
         return piece_dtype if setting == "1" else reduce_dtype
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return piece_dtype if local is None or int(local) >= world_size else reduce_dtype
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return piece_dtype if local_world_size >= world_size else reduce_dtype
 
 
 def _on(stream: torch.cuda.Stream | None) -> Any:
