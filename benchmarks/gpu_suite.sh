@@ -13,7 +13,9 @@
 # remat="mincut" at 1.36B without recompute, and the GPU checks) | j (the same over 16 steps) | k (session 6:
 # the GPU checks, then interleaved comparisons at 1.36B without recompute and at 6.7B) | l (the same after the
 # narrow wire) | m, n (session 6's table, in two calls) | o (the 1.36B rows after two ranks' exchange became an
-# all-gather) | p (6.7B after it).
+# all-gather) | p (6.7B after it) | q (session 7: late recompute, 6.7B and 1.36B with block recompute) | r, s (session 7's
+# table, in two calls) | t (1.36B over more rounds, the step's start, fbmt's best 6.7B setting) | u (1.36B
+# with block recompute over more rounds).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -161,6 +163,25 @@ case $stage in
     run o1.36_block 150 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 12 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/o1.36_block.json" ;;
   p)  # session 6: 6.7B after two ranks' exchange became an all-gather
     run p6.7_block 200 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/p6.7_block.json" ;;
+  q)  # session 7: a recomputed block's cheap values recomputed late (NOTE: [Late recompute]); 6.7B and 1.36B with block
+      # recompute against the peer, interleaved
+    gpu_checks q
+    run q6.7_block 240 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/q6.7_block.json"
+    run q1.36_block 150 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 12 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/q1.36_block.json" ;;
+  r)  # session 7's table, part 1: the GPU checks; 13B (sequential: two 13B states do not fit); 1.36B with block recompute
+    gpu_checks r
+    run r13_block 330 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fsdp2-compile --out "$out/r13_block.json"
+    run r1.36_block 150 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 12 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/r1.36_block.json" ;;
+  s)  # session 7's table, part 2: 1.36B without recompute, 6.7B with block recompute
+    run s1.36_none 230 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 16 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut,fsdp2-compile --out "$out/s1.36_none.json"
+    run s6.7_block 240 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/s6.7_block.json" ;;
+  t)  # session 7: 1.36B without recompute over more rounds; where the step's start goes (--profile); fbmt's best 6.7B setting
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run t1.36_none 260 benchmarks/gpu_train.py $n136 --steps 24 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut,fsdp2-compile --out "$out/t1.36_none.json"
+    run t1.36_profile 80 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/t1.36_profile.json"
+    run t6.7_best 100 benchmarks/gpu_train.py --config 6.7b --batch 12 --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/t6.7_best.json" ;;
+  u)  # session 7: 1.36B with block recompute over more rounds, against FSDP2 eager too
+    run u1.36_block 280 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 24 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile,fsdp2 --out "$out/u1.36_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

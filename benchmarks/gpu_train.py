@@ -162,11 +162,21 @@ def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
             streams.setdefault(sid, {}).setdefault(kind, 0.0)
             streams[sid][kind] += b - a
     compute = busiest(kernels)
+    # what the host did before the compute stream's first kernel (the step starts after a synchronization,
+    # so the GPU idles meanwhile): CPU ops of 50 us or more, from the first thing the profiler saw
+    first_kernel = min((a for a, _, name in compute if not name.startswith(("Memcpy", "Memset"))),
+                       default=compute[0][0])
+    began = min(e.time_range.start for e in prof.events()) / 1e3
+    before = sorted((e.time_range.start / 1e3 - began, (e.time_range.end - e.time_range.start) / 1e3, e.name)
+                    for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
+                    and e.time_range.start / 1e3 < first_kernel and e.time_range.elapsed_us() >= 50)
     by_name: dict[str, list[float]] = {}  # the compute stream's kernels by name: which ones take the time
     for a, b, name in compute:
         by_name.setdefault(name[:90], []).append(b - a)
     out: dict[str, Any] = {"wall_ms": wall * 1e3, "host_ms": host * 1e3, "streams": {}, "gaps": gaps(kernels),
                            "host_ops": [dict(op=k[:60], self_ms=round(t, 2), count=c) for k, t, c in cpu],
+                           "before_first_kernel": dict(ms=round(first_kernel - began, 3), host_ops=[
+                               dict(at_ms=round(a, 3), ms=round(d, 3), op=n[:60]) for a, d, n in before[:40]]),
                            "compute_kernels": [dict(name=n, ms=round(sum(v), 2), count=len(v)) for n, v in
                                                sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]]}
     for sid, kinds in streams.items():
