@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import fbmt
 from fbmt.checkpoint import save_atomic
 from fbmt.models import GPT, GPTConfig, init_weights
+from fbmt.passes.remat import POLICIES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3 if gpu else 2e-3)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16" if gpu else "float32")
     p.add_argument("--zero", type=int, default=3, choices=[2, 3])
-    p.add_argument("--remat", default="block", choices=["block", "selective", "mincut", "none"])
+    p.add_argument("--remat", default="block", choices=POLICIES)
     p.add_argument("--backend", default="eager", choices=["eager", "inductor"],
                    help="inductor: compile the compute between collectives (see README)")
     p.add_argument("--schedule", default="prefetch", choices=["prefetch", "none"])

@@ -88,7 +88,16 @@ class _Recorded:
         torch.cuda.current_stream().wait_event(self.event)
 
 
-_copy_streams: dict[int, torch.cuda.Stream] = {}
+_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+
+
+def _side_stream(kind: str, device: torch.device) -> torch.cuda.Stream:
+    """The device's stream of this kind ("copy", "reduce"), made on first use."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _streams.get((kind, index))
+    if stream is None:
+        stream = _streams[kind, index] = torch.cuda.Stream(device)
+    return stream
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -96,24 +105,14 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
     (NOTE: [Copy stream]); None off CUDA."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _copy_streams.get(index)
-    if stream is None:
-        stream = _copy_streams[index] = torch.cuda.Stream(device)
+    stream = _side_stream("copy", device)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
 
 
-_reduce_streams: dict[int, torch.cuda.Stream] = {}
-
-
 def _reduce_stream(device: torch.device) -> torch.cuda.Stream:
     """The device's reduce stream (NOTE: [Narrow wire]); the caller orders it after what it must see."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _reduce_streams.get(index)
-    if stream is None:
-        stream = _reduce_streams[index] = torch.cuda.Stream(device)
-    return stream
+    return _side_stream("reduce", device)
 
 
 def on_wire(piece_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int,
