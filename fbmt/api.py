@@ -51,6 +51,11 @@ class CompileOptions:
     backend: str = "eager"
     """"eager": run the aten graphs op by op; "inductor": compile each compute region between
     collectives with Inductor, once per distinct region (identical blocks share it)."""
+    cuda_graph: bool = False
+    """Replay each training step's forward and backward as CUDA graphs after two warm-up calls (CUDA
+    only; NOTE: [CUDA graphs]): no launch gaps between kernels. Needs fixed input shapes, gradients
+    cleared with `zero_grad(set_to_none=True)` between steps, and each backward before the next
+    forward; the step's peak memory stays reserved between steps."""
     disable: tuple[str, ...] = ()
     """Pass names to skip (to bisect a problem); "shard" cannot be skipped."""
     checks: bool = False
@@ -94,7 +99,7 @@ def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefet
                  blocks: Blocks = None, grad_reduce: str = "mean", param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, backend: str = "eager", disable: tuple[str, ...] = (),
                  checks: bool | None = None, dump_dir: str | None = None,
-                 direct_grads: bool = False) -> CompileOptions:
+                 direct_grads: bool = False, cuda_graph: bool = False) -> CompileOptions:
     """CompileOptions from `fbmt.compile`'s keyword arguments (environment defaults filled in)."""
     policies = []
     if isinstance(blocks, dict):
@@ -109,7 +114,7 @@ def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefet
         zero=zero, remat=remat, schedule=schedule, prefetch=prefetch,
         blocks=tuple(blocks) if blocks is not None else None, block_policies=tuple(policies),
         grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype, backend=backend,
-        direct_grads=direct_grads, disable=tuple(disable),
+        direct_grads=direct_grads, cuda_graph=cuda_graph, disable=tuple(disable),
         checks=bool(os.environ.get("FBMT_CHECKS")) if checks is None else checks,
         dump_dir=dump_dir or os.environ.get("FBMT_DUMP_DIR"))
 
@@ -117,8 +122,8 @@ def make_options(*, zero: int = 3, remat: str = "block", schedule: str = "prefet
 def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: str = "prefetch",
             prefetch: int = 1, blocks: Blocks = None, grad_reduce: str = "mean",
             param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-            backend: str = "eager", direct_grads: bool = False, disable: tuple[str, ...] = (),
-            checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
+            backend: str = "eager", direct_grads: bool = False, cuda_graph: bool = False,
+            disable: tuple[str, ...] = (), checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
             device: torch.device | str | None = None,
             init_fn: Callable[[nn.Module], None] | None = None) -> CompiledModule:
     """Compile `model` for training on every rank of the job (see README and docs/ARCHITECTURE.md).
@@ -144,11 +149,14 @@ def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: 
         raise TypeError("fbmt.compile: this module is already compiled")
     options = make_options(zero=zero, remat=remat, schedule=schedule, prefetch=prefetch, blocks=blocks,
                            grad_reduce=grad_reduce, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           backend=backend, direct_grads=direct_grads, disable=disable, checks=checks,
-                           dump_dir=dump_dir)
+                           backend=backend, direct_grads=direct_grads, cuda_graph=cuda_graph, disable=disable,
+                           checks=checks, dump_dir=dump_dir)
     world = world_size or distributed.world_size()
     rank = distributed.rank() if world == distributed.world_size() else 0
     device = resolve_device(device)
+    if cuda_graph and device.type != "cuda":
+        raise ValueError(f"fbmt.compile(cuda_graph=True): CUDA graphs need the model on a CUDA device, and this "
+                         f"one compiles for {device}; pass device='cuda' or leave cuda_graph off")
     layout = plan_layout(model, world, list(options.blocks) if options.blocks is not None else None,
                          param_dtype=param_dtype)
     shards = build_shards(model, layout, rank, device, init_fn)

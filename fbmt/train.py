@@ -51,10 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="eager", choices=["eager", "inductor"],
                    help="inductor: compile the compute between collectives (see README)")
     p.add_argument("--schedule", default="prefetch", choices=["prefetch", "none"])
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="GPU only: replay each step's forward and backward as CUDA graphs after 2 warm-up steps")
     p.add_argument("--corpus-mb", type=float, default=16.0, help="how much of the stdlib to read")
     p.add_argument("--out", default="checkpoints/gpt-stdlib.pt", help="checkpoint written at the end")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.cuda_graph and not gpu:
+        p.error("--cuda-graph needs GPUs (CUDA graphs), and this machine has none")
+    return args
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -119,7 +124,7 @@ def main(args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     model = fbmt.compile(model, zero=args.zero, remat=args.remat, schedule=args.schedule, backend=args.backend,
-                         init_fn=init_weights)
+                         cuda_graph=args.cuda_graph, init_fn=init_weights)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     corpus = load_corpus(args.corpus_mb)
     split = int(0.95 * len(corpus))
@@ -168,6 +173,7 @@ def main(args: argparse.Namespace) -> None:
                      "steps": args.steps, "loss": last_loss}, args.out)
         log(f"fbmt.train: saved {args.out} (loads into fbmt.models.GPT with load_state_dict)", flush=True)
     dist.barrier()  # nobody leaves while a peer may still be mid-collective
+    model.release_graphs()  # NCCL waits for CUDA graphs that captured its collectives
     dist.destroy_process_group()
 
 

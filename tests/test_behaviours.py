@@ -178,6 +178,7 @@ def test_untraceable_code_names_module_op_and_line():
     (dict(zero=1), "zero=1"), (dict(remat="auto"), "remat='auto'"), (dict(schedule="fast"), "schedule='fast'"),
     (dict(prefetch=0), "prefetch=0"), (dict(blocks=["nope"]), "no submodule named"),
     (dict(disable=("shard",)), "cannot be disabled"), (dict(disable=("nope",)), "no pass named"),
+    (dict(cuda_graph=True), r"cuda_graph=True.*CUDA device.*compiles for cpu"),
 ])
 def test_bad_options_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -178,10 +178,8 @@ def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: in
         _fill(flat, pieces, copies.copy_)
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
         work = reduce_scatter_into(out, flat, op=op, async_op=True)
-    if side is not None:
-        for p in pieces:  # freed on the compute stream soon: not reused before the side stream read them
-            p.record_stream(side)
-    return Pending(out, work, divisor=world_size if average and not avg else 1, out_dtype=out_dtype, keep=flat)
+    keep = (flat, _guard(pieces, side))
+    return Pending(out, work, divisor=world_size if average and not avg else 1, out_dtype=out_dtype, keep=keep)
 
 
 def _exchange(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool, out: torch.Tensor,
@@ -207,8 +205,7 @@ def _exchange(pieces: list[torch.Tensor], world_size: int, padded_numel: int, av
 
     if side is None:  # gloo: sum after the wait, on the host
         return Pending(out, work, out_dtype=out_dtype, keep=(flat, received), then=reduce)
-    for p in pieces:  # freed on the compute stream soon: not reused before the side stream read them
-        p.record_stream(side)
+    held = _guard(pieces, side)
     stream = _reduce_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))  # `out` is the compute stream's memory
     with _on(stream):
@@ -216,7 +213,24 @@ def _exchange(pieces: list[torch.Tensor], world_size: int, padded_numel: int, av
         reduce()
         done = torch.cuda.Event()
         done.record(stream)
-    return Pending(out, _Recorded(done), out_dtype=out_dtype, keep=(flat, received))
+    return Pending(out, _Recorded(done), out_dtype=out_dtype, keep=(flat, received, held))
+
+
+def _guard(pieces: list[torch.Tensor], side: torch.cuda.Stream | None) -> list[torch.Tensor] | None:
+    """Keep the gradient pieces' memory from the allocator until the side stream has copied them.
+
+    They are the compute stream's, freed there right after the start. Eagerly, `record_stream` tells
+    the allocator to wait for the side stream before reusing them. While a CUDA graph is captured the
+    allocator cannot check such uses and keeps every recorded block until the capture ends, which
+    would hold all of a step's gradients at once; so then the pieces are returned, for the `Pending`
+    to hold until its wait (the next reduce-scatter's start, NOTE: [CUDA graphs] in graphs.py)."""
+    if side is None:
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return pieces
+    for p in pieces:
+        p.record_stream(side)
+    return None
 
 
 def _fill(flat: torch.Tensor, pieces: list[torch.Tensor], copy: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from fbmt import inspect
 from fbmt.passes import run_pipeline
 from fbmt.program import Layout, Program
+from fbmt.runtime.graphs import Graphed
 from fbmt.runtime.params import copy_into_shard, gather_group, local_range
 from fbmt.runtime.partition import Executable, partition
 from fbmt.runtime.regions import RegionCache, split_regions
@@ -33,17 +34,18 @@ Routes = dict[int, list[tuple[int, int, int]]]  # group -> (view index, lo, hi i
 
 
 class _RunProgram(torch.autograd.Function):
-    """Runs an Executable's forward, and its backward when autograd asks.
+    """Runs an Executable's forward, and its backward when autograd asks, through `runner`: the
+    Executable itself, or its CUDA graphs (`Graphed`).
 
     `args` are the forward graph's inputs, then (view mode) the per-parameter views: `routes` says
     which slice of each shard gradient is the gradient of which view argument.
     """
 
     @staticmethod
-    def forward(ctx: Any, exe: Executable, routes: Routes | None, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        results = exe.forward(*args[:len(exe.fwd_inputs)])
-        outs = results[:exe.n_outputs]
-        ctx.exe, ctx.routes, ctx.saved, ctx.n_args = exe, routes, results[exe.n_outputs:], len(args)
+    def forward(ctx: Any, exe: Executable, runner: Executable | Graphed, routes: Routes | None,
+                *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs, saved = runner.run_forward(*args[:len(exe.fwd_inputs)])
+        ctx.exe, ctx.runner, ctx.routes, ctx.saved, ctx.n_args = exe, runner, routes, saved, len(args)
         diff = set(exe.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
         return tuple(outs)
@@ -55,8 +57,8 @@ class _RunProgram(torch.autograd.Function):
             raise RuntimeError("fbmt: backward through the same compiled call twice is not supported "
                                "(its saved values were freed); run the forward again")
         tangents = [grads[i].contiguous() for i in exe.diff_outputs]
-        saved, ctx.saved = list(ctx.saved), None  # the graph empties the list: each value dies at its last use
-        results = exe.backward(saved, *tangents)
+        saved, ctx.saved = ctx.saved, None  # the graph empties the list: each value dies at its last use
+        results = ctx.runner.run_backward(saved, *tangents)
         out: list[torch.Tensor | None] = [None] * ctx.n_args
         for arg, result in exe.grad_slots:
             grad, role = results[result], exe.fwd_inputs[arg]
@@ -66,7 +68,7 @@ class _RunProgram(torch.autograd.Function):
                         out[len(exe.fwd_inputs) + view] = grad[lo:hi]
             else:
                 out[arg] = grad
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
 class CompiledModule(nn.Module):
@@ -104,6 +106,7 @@ class CompiledModule(nn.Module):
         # what every call reads, found once: walking the module tree cost a 24-layer model ~0.5 ms a call
         self._submodules = list(module.modules())
         self._buffer_owners: dict[str, tuple[nn.Module, str]] = {}  # buffer name -> (module, attribute)
+        self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
         self.train(module.training)
 
     # ---- calling ----
@@ -128,11 +131,13 @@ class CompiledModule(nn.Module):
         feed = self._feed(exe, inputs)
         if exe.backward is None:
             with torch.no_grad():
-                outs = exe.forward(*feed)[:exe.n_outputs]
-        elif self.views is None:
-            outs = _RunProgram.apply(exe, None, *feed)
+                outs = exe.run_forward(*feed)[0]
         else:
-            outs = _RunProgram.apply(exe, self._routes, *feed, *(v for vs in self.views for v in vs))
+            runner = self._graphs(key, exe) if self.options.cuda_graph else exe
+            if self.views is None:
+                outs = _RunProgram.apply(exe, runner, None, *feed)
+            else:
+                outs = _RunProgram.apply(exe, runner, self._routes, *feed, *(v for vs in self.views for v in vs))
         program = self.programs[key]
         flat: list[Any] = [None] * (len(program.out_constants) + exe.n_outputs)
         for k, v in program.out_constants.items():
@@ -187,6 +192,35 @@ class CompiledModule(nn.Module):
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
         return exe
+
+    def _graphs(self, key: Any, exe: Executable) -> Graphed:
+        """The CUDA graphs of this training program (NOTE: [CUDA graphs]); one program's at a time."""
+        if self._graphed is None or self._graphed[0] != key:
+            if self._graphed is not None:
+                log.info("fbmt: cuda_graph: new input signature; dropping the previous program's graphs")
+            self.release_graphs()  # the old graphs' pool goes before the new one is made
+            self._graphed = (key, Graphed(exe, self.device, list(self._params_with_grads())))
+        return self._graphed[1]
+
+    def _params_with_grads(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) of each leaf whose .grad the backward sets: the shards, or the views."""
+        if self.views is None:
+            yield from ((f"flat_params.{i}", p) for i, p in enumerate(self.flat_params))
+        else:
+            for group, views in zip(self.layout.groups, self.views):
+                yield from ((slot.name, v) for slot, v in zip(group.slots, views))
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs of `cuda_graph=True` and their memory; the next calls warm up and
+        capture again. Call it before `dist.destroy_process_group()`, which otherwise waits for them."""
+        if self._graphed is not None:
+            self._graphed[1].release()
+            self._graphed = None
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing CUDA graphs (cuda_graph=True), 0 before the capture."""
+        return self._graphed[1].capture_seconds if self._graphed is not None else 0.0
 
     def _feed(self, exe: Executable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         shards = list(self.flat_params._parameters.values())

@@ -37,6 +37,16 @@ class Executable:
     signature: str  # digest of the collective sequence, compared across ranks before the first run
     saved_names: list[str]
 
+    def run_forward(self, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
+        """The user's outputs, and the values saved for the backward."""
+        results = self.forward(*args)
+        return list(results[:self.n_outputs]), list(results[self.n_outputs:])
+
+    def run_backward(self, saved: list[Any], *tangents: torch.Tensor) -> list[torch.Tensor | None]:
+        """The gradients (`grad_roles`); takes the saved values out of `saved` as it goes (`take`)."""
+        assert self.backward is not None
+        return list(self.backward(saved, *tangents))
+
 
 def partition(program: Program) -> Executable:
     g = program.graph
