@@ -15,7 +15,12 @@
 # narrow wire) | m, n (session 6's table, in two calls) | o (the 1.36B rows after two ranks' exchange became an
 # all-gather) | p (6.7B after it) | q (session 7: late recompute, 6.7B and 1.36B with block recompute) | r, s (session 7's
 # table, in two calls) | t (1.36B over more rounds, the step's start, fbmt's best 6.7B setting) | u (1.36B
-# with block recompute over more rounds).
+# with block recompute over more rounds) | v (session 8: the GPU checks with cuda_graph=True; 1.36B with block
+# recompute, fbmt with and without CUDA graphs against FSDP2 + compile; the main job with --cuda-graph) | w (the
+# 1.36B step with block recompute as CUDA graphs, profiled: where it still idles) | x (that row over 24 rounds
+# against both peers, then one after the other for each method's reserved memory) | y (CUDA graphs on the other
+# rows: 1.36B without recompute, 6.7B with block recompute) | z (the main job with and without --cuda-graph; 1.36B without recompute
+# over 20 rounds).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +39,7 @@ run() {  # run NAME SECONDS ARGS...: one torchrun on every GPU, output to $logs/
 }
 gpu_checks() {  # gpu_checks SUFFIX: tests/gpu/gpt_on_gpu.py on 2 GPUs, its log to $out/gpt_on_gpu_SUFFIX.txt
   echo "== gpt_on_gpu"
-  timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_$1.txt" 2>&1
+  timeout 200 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_$1.txt" 2>&1
   echo "rc=$?" >> "$out/gpt_on_gpu_$1.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_$1.txt" | tail -4
 }
 case $stage in
@@ -130,7 +135,7 @@ case $stage in
     fi ;;
   i)  # session 5: remat="mincut" at 1.36B without recompute, and the GPU checks
     echo "== gpt_on_gpu"
-    timeout 120 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_i.txt" 2>&1
+    timeout 200 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_i.txt" 2>&1
     echo "rc=$?" >> "$out/gpt_on_gpu_i.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_i.txt" | tail -4
     run i1.36_none 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 8 --warmup 2 --loss-in-model --profile --methods fbmt-inductor,fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/i1.36_none.json" ;;
   j)  # session 5: the same, 16 timed steps, no profile
@@ -182,6 +187,28 @@ case $stage in
     run t6.7_best 100 benchmarks/gpu_train.py --config 6.7b --batch 12 --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/t6.7_best.json" ;;
   u)  # session 7: 1.36B with block recompute over more rounds, against FSDP2 eager too
     run u1.36_block 280 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 24 --warmup 2 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile,fsdp2 --out "$out/u1.36_block.json" ;;
+  v)  # session 8: the step as CUDA graphs (NOTE: [CUDA graphs]): GPU checks, then 1.36B with block recompute
+    gpu_checks v
+    echo "== fbmt.train --cuda-graph"
+    timeout 150 python3 -m fbmt.train --cuda-graph --steps 40 --out /tmp/gpt.pt > "$out/train_graph.txt" 2>&1
+    echo "rc=$?" >> "$out/train_graph.txt"; grep -v "^W[0-9]" "$out/train_graph.txt" | tail -4
+    run v1.36_block 300 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 12 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fbmt-inductor-graph,fsdp2-compile --out "$out/v1.36_block.json" ;;
+  w)  # session 8: the graphed 1.36B step with block recompute, profiled
+    run w1.36_block_profile 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 4 --warmup 3 --loss-in-model --profile --methods fbmt-inductor-graph --out "$out/w1.36_block_profile.json" ;;
+  x)  # session 8: 1.36B with block recompute, fbmt's step as CUDA graphs, over more rounds; then sequential runs,
+    # which also report the allocator's reserved peak (the graphs keep their pool reserved)
+    run x1.36_block 300 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 24 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-graph,fsdp2-compile,fsdp2 --out "$out/x1.36_block.json"
+    run x1.36_block_seq 240 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 4 --warmup 3 --loss-in-model --methods fbmt-inductor-graph,fbmt-inductor,fsdp2-compile --out "$out/x1.36_block_seq.json" ;;
+  y)  # session 8: the step as CUDA graphs on 1.36B without recompute and 6.7B with block recompute
+    run y1.36_none 250 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 14 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-mincut-zero2-graph,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/y1.36_none.json"
+    run y6.7_block 260 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-graph,fsdp2-compile --out "$out/y6.7_block.json" ;;
+  z)  # session 8: the main job (85.65M GPT, eager backend) without and with CUDA graphs, one after the other
+    for g in "" --cuda-graph; do
+      echo "== fbmt.train $g"
+      timeout 150 python3 -m fbmt.train $g --steps 100 --out /tmp/gpt.pt > "$out/train${g:+_graph}_z.txt" 2>&1
+      echo "rc=$?" >> "$out/train${g:+_graph}_z.txt"; grep -v "^W[0-9]" "$out/train${g:+_graph}_z.txt" | grep "step  100\|loss .* ->\|compile"
+    done
+    run z1.36_none 240 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 20 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-mincut-zero2-graph,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/z1.36_none.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

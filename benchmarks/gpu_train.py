@@ -63,7 +63,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
                backend: str = "eager", remat: str | None = None, direct: bool = False,
-               zero: int | None = None) -> tuple[nn.Module, Any]:
+               zero: int | None = None, graph: bool = False) -> tuple[nn.Module, Any]:
     import fbmt
 
     with torch.device("meta"):
@@ -78,7 +78,8 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
 
     model = fbmt.compile(model, zero=zero or args.zero, remat=remat or args.remat, param_dtype=torch.bfloat16,
                          reduce_dtype=torch.float32,
-                         backend=backend, prefetch=args.prefetch, direct_grads=direct, init_fn=init, device=device)
+                         backend=backend, prefetch=args.prefetch, direct_grads=direct, cuda_graph=graph,
+                         init_fn=init, device=device)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
 
@@ -108,21 +109,22 @@ def build_fsdp2(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
 
+FBMT_VARIANTS: dict[str, dict[str, Any]] = {
+    "fbmt": {},
+    "fbmt-inductor": {"backend": "inductor"},
+    "fbmt-inductor-selective": {"backend": "inductor", "remat": "selective"},
+    "fbmt-inductor-selective-zero2": {"backend": "inductor", "remat": "selective", "zero": 2},
+    "fbmt-inductor-mincut": {"backend": "inductor", "remat": "mincut"},
+    "fbmt-inductor-mincut-zero2": {"backend": "inductor", "remat": "mincut", "zero": 2},
+    "fbmt-inductor-direct": {"backend": "inductor", "direct": True},
+}
 METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
-    "fbmt": build_fbmt,
-    "fbmt-inductor": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor"),
-    "fbmt-inductor-selective": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
-                                                                    remat="selective"),
-    "fbmt-inductor-selective-zero2": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
-                                                                          remat="selective", zero=2),
-    "fbmt-inductor-mincut": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
-                                                                 remat="mincut"),
-    "fbmt-inductor-mincut-zero2": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor",
-                                                                       remat="mincut", zero=2),
-    "fbmt-inductor-direct": lambda cfg, args, device: build_fbmt(cfg, args, device, backend="inductor", direct=True),
     "fsdp2": build_fsdp2,
     "fsdp2-compile": lambda cfg, args, device: build_fsdp2(cfg, args, device, compile_blocks=True),
 }
+for _name, _kw in FBMT_VARIANTS.items():  # each fbmt variant, and with "-graph" its step as CUDA graphs
+    METHODS[_name] = functools.partial(build_fbmt, **_kw)
+    METHODS[f"{_name}-graph"] = functools.partial(build_fbmt, **_kw, graph=True)
 
 
 def train_step(model: nn.Module, opt: Any, args: argparse.Namespace, cfg: LlamaConfig, device: torch.device,
@@ -326,7 +328,8 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
                   step_s=timed / args.steps, step_ms=[round(t * 1e3, 2) for t in step_times],
                   gc_ms_per_step=collections.ms / args.steps, gc_runs=collections.runs, allocator=allocator,
                   losses=[float(v) for v in losses[:4]],
-                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, world=world,
+                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                  reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None, world=world,
                   no_host_sync=sync_ok)
     if profile is not None:
         result["profile"] = profile
@@ -334,9 +337,11 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     if method.startswith("fbmt"):
         result["compile_s"] = model.compile_seconds  # trace + passes + partition of the training program
         result["inductor_s"] = model.regions.seconds  # compiling regions (backend="inductor"), in the first step
+        result["capture_s"] = model.capture_seconds  # CUDA graphs (-graph methods)
         result["regions"] = repr(model.regions)
         # what the passes decided about the model's ends: the last block saved or not, the group kept
         result["passes"] = {name: model.program.summary(name).split("; ")[-1] for name in ("remat", "shard")}
+        model.release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL
     del model, opt, loss
     gc.collect()
     if cuda:
@@ -393,6 +398,8 @@ def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
         out["mfu"] = out["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
         if method.startswith("fbmt"):
             out["compile_s"], out["inductor_s"] = r["model"].compile_seconds, r["model"].regions.seconds
+            out["capture_s"] = r["model"].capture_seconds
+            r["model"].release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL
             out["regions"] = repr(r["model"].regions)
             out["passes"] = {name: r["model"].program.summary(name).split("; ")[-1] for name in ("remat", "shard")}
         results.append(out)
@@ -446,6 +453,9 @@ def main() -> None:
         f"{args.remat}, {dist.get_world_size()} x {torch.cuda.get_device_name() if cuda else 'CPU'}, "
         f"torch {torch.__version__}", flush=True)
     methods = args.methods.split(",")
+    from fbmt.runtime.graphs import WARMUP
+    if any(m.endswith("-graph") for m in methods) and args.warmup <= WARMUP:
+        ap.error(f"--warmup {args.warmup}: a -graph method warms up for {WARMUP} steps and captures in the next")
     results = interleaved(methods, cfg, args, device) if args.interleave else []
     for method in methods if not args.interleave else []:
         try:
