@@ -9,6 +9,9 @@ share one memory pool, and from then on every call replays them: two launches a 
 well over a thousand, so the GPU no longer waits for launches between kernels (2x H200, BENCHMARKS.md:
 1.36B with block recompute 1-2% faster; 6.7B, whose kernels are long, no faster).
 
+Programs traced under an active inspector (`fbmt.inspect`) run without graphs: their recording ops
+report from the host, which a replay does not run.
+
 A graph replays into the memory it was captured with, so:
 - the call's inputs are copied into the captured ones (parameters and buffers are the captured
   tensors themselves: nothing to copy); the user's outputs are cloned out of the pool, so a loss
@@ -99,9 +102,11 @@ class Graphed:
         if self._pending is None or self._pending() is not saved:
             raise RuntimeError("fbmt: compile(cuda_graph=True): this backward's saved values were overwritten by "
                                "a later forward; call backward before the next forward")
+        if self.bwd is None:
+            raise RuntimeError("fbmt: compile(cuda_graph=True): the graphs were released (release_graphs) between "
+                               "this forward and its backward; run the forward again")
         for static, t in zip(self.tangents, tangents):
             static.copy_(t)
-        assert self.bwd is not None
         self.bwd.replay()
         self._pending = None
         # shard gradients as fresh views of the pool, which autograd makes .grad without a copy
@@ -112,7 +117,7 @@ class Graphed:
     def _capture(self, args: tuple[torch.Tensor, ...]) -> None:
         started = time.perf_counter()
         exe = self.exe
-        self.inputs = [x if role.kind in ("shard", "buffer") else _like(x).copy_(x)
+        self.inputs = [x if role.kind in ("shard", "buffer") else _captured_copy(x, role.key)
                        for role, x in zip(exe.fwd_inputs, args)]
         pool = torch.cuda.graph_pool_handle()
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -160,6 +165,10 @@ class Graphed:
         current.wait_stream(self.stream)
 
 
-def _like(x: torch.Tensor) -> torch.Tensor:
-    """An empty tensor with x's sizes and strides (a compiled region checks its inputs' strides)."""
-    return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+def _captured_copy(x: torch.Tensor, index: int) -> torch.Tensor:
+    """A copy of input `index` with its sizes and strides (a compiled region checks its inputs' strides)."""
+    if 0 in x.stride() and x.numel() > 1:
+        raise ValueError(f"fbmt: compile(cuda_graph=True): tensor input #{index} (shape {tuple(x.shape)}, strides "
+                         f"{x.stride()}) is a broadcast view, which the graphs cannot copy the next inputs into; "
+                         "pass x.contiguous()")
+    return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device).copy_(x)

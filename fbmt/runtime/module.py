@@ -133,7 +133,9 @@ class CompiledModule(nn.Module):
             with torch.no_grad():
                 outs = exe.run_forward(*feed)[0]
         else:
-            runner = self._graphs(key, exe) if self.options.cuda_graph else exe
+            # an inspector's recording ops report from the host, which a replayed graph does not run
+            graphed = self.options.cuda_graph and not inspect.active()
+            runner = self._graphs(key, exe) if graphed else exe
             if self.views is None:
                 outs = _RunProgram.apply(exe, runner, None, *feed)
             else:
