@@ -123,8 +123,8 @@ def compile(model: nn.Module, *, zero: int = 3, remat: str = "block", schedule: 
             prefetch: int = 1, blocks: Blocks = None, grad_reduce: str = "mean",
             param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
             backend: str = "eager", direct_grads: bool = False, cuda_graph: bool = False,
-            disable: tuple[str, ...] = (), checks: bool | None = None, dump_dir: str | None = None, world_size: int | None = None,
-            device: torch.device | str | None = None,
+            disable: tuple[str, ...] = (), checks: bool | None = None, dump_dir: str | None = None,
+            world_size: int | None = None, device: torch.device | str | None = None,
             init_fn: Callable[[nn.Module], None] | None = None) -> CompiledModule:
     """Compile `model` for training on every rank of the job (see README and docs/ARCHITECTURE.md).
 
