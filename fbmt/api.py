@@ -53,9 +53,10 @@ class CompileOptions:
     collectives with Inductor, once per distinct region (identical blocks share it)."""
     cuda_graph: bool = False
     """Replay each training step's forward and backward as CUDA graphs after two warm-up calls (CUDA
-    only; NOTE: [CUDA graphs]): no launch gaps between kernels. Needs fixed input shapes, gradients
-    cleared with `zero_grad(set_to_none=True)` between steps, and each backward before the next
-    forward; the step's peak memory stays reserved between steps."""
+    only; NOTE: [CUDA graphs]): no launch gaps between kernels. Needs fixed input shapes and each
+    backward before the next forward; gradients still set at a forward (not cleared with
+    `zero_grad(set_to_none=True)`) are copied out of the graphs' memory first. The step's peak memory
+    stays reserved between steps."""
     disable: tuple[str, ...] = ()
     """Pass names to skip (to bisect a problem); "shard" cannot be skipped."""
     checks: bool = False

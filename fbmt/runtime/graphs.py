@@ -20,9 +20,10 @@ A graph replays into the memory it was captured with, so:
   before the first one's backward would overwrite them, so it raises;
 - the shard gradients are handed to autograd as views of the pool, which makes them `.grad` without
   a copy (as the eager program's reduce-scatter outputs are). The next replay writes the same memory,
-  so a forward that finds such a `.grad` still set raises instead of overwriting it: clear gradients
-  with `zero_grad(set_to_none=True)` (torch's default) between steps. Accumulating gradients over
-  several backward calls needs `cuda_graph=False`.
+  so a forward that finds such a `.grad` still set (gradients accumulated over several backward
+  calls, or zeroed in place by `zero_grad(set_to_none=False)`) first copies it out of the pool, and
+  autograd then adds the next gradients to the copy, as it would eagerly. That copy costs time and
+  memory that `zero_grad(set_to_none=True)` (torch's default) between steps avoids.
 The pool keeps a step's peak memory reserved between steps, and one pool exists at a time: a new
 input signature drops the previous graphs and warms up again, so graphs pay off with static shapes.
 
@@ -61,9 +62,9 @@ class _Replayed:
 class Graphed:
     """Runs an Executable like `Executable.run_forward`/`run_backward`, by CUDA graphs after warm-up.
 
-    `params`: (name, parameter) of each parameter whose `.grad` the backward sets."""
+    `params`: each parameter whose `.grad` the backward sets."""
 
-    def __init__(self, exe: Executable, device: torch.device, params: list[tuple[str, torch.Tensor]]):
+    def __init__(self, exe: Executable, device: torch.device, params: list[torch.Tensor]):
         self.exe, self.device, self.params = exe, device, params
         self.calls = 0
         self.capture_seconds = 0.0
@@ -86,6 +87,7 @@ class Graphed:
                     return self.exe.run_forward(*args)
             self._capture(args)
         self._check_free()
+        self._evacuate_grads()
         for static, x in zip(self.inputs, args):
             if x is not static and x.data_ptr() != static.data_ptr():
                 static.copy_(x)
@@ -135,19 +137,18 @@ class Graphed:
                  self.capture_seconds, torch.cuda.memory_reserved(self.device) / 2**30)
 
     def _check_free(self) -> None:
-        """Nothing the next replay overwrites may still be in use (see NOTE: [CUDA graphs])."""
+        """The saved values the next replay overwrites are no longer needed (see NOTE: [CUDA graphs])."""
         if self._pending is not None and self._pending() is not None:
             raise RuntimeError("fbmt: compile(cuda_graph=True): a forward ran before the previous forward's "
                                "backward; the graphs hold one forward's saved values at a time. Call backward "
                                "(or drop the previous outputs) first, or compile with cuda_graph=False")
-        for name, p in self.params:
+
+    def _evacuate_grads(self) -> None:
+        """A `.grad` still in the pool is copied out before the replay overwrites it (NOTE: [CUDA graphs])."""
+        for p in self.params:
             g = p.grad
             if g is not None and g.untyped_storage().data_ptr() in self._grad_storage:
-                raise RuntimeError(
-                    f"fbmt: compile(cuda_graph=True): parameter {name!r} still has the gradient of the last "
-                    "backward, which the next step's graphs overwrite in place. Clear gradients with "
-                    "optimizer.zero_grad(set_to_none=True) (torch's default) before the next forward; "
-                    "accumulating gradients over several backward calls needs cuda_graph=False")
+                p.grad = g.clone()
 
     def release(self) -> None:
         """Drop the graphs and their pool. NCCL's communicators wait for every graph that captured

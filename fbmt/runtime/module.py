@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -201,16 +201,9 @@ class CompiledModule(nn.Module):
             if self._graphed is not None:
                 log.info("fbmt: cuda_graph: new input signature; dropping the previous program's graphs")
             self.release_graphs()  # the old graphs' pool goes before the new one is made
-            self._graphed = (key, Graphed(exe, self.device, list(self._params_with_grads())))
+            leaves = list(self.flat_params) if self.views is None else [v for vs in self.views for v in vs]
+            self._graphed = (key, Graphed(exe, self.device, leaves))
         return self._graphed[1]
-
-    def _params_with_grads(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(name, parameter) of each leaf whose .grad the backward sets: the shards, or the views."""
-        if self.views is None:
-            yield from ((f"flat_params.{i}", p) for i, p in enumerate(self.flat_params))
-        else:
-            for group, views in zip(self.layout.groups, self.views):
-                yield from ((slot.name, v) for slot, v in zip(group.slots, views))
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs of `cuda_graph=True` and their memory; the next calls warm up and

@@ -8,9 +8,9 @@ global batch: so few tokens that its last two blocks save their activations unde
 NOTE: [Trailing blocks]) against eager PyTorch on the whole batch on one GPU. After the first step
 (which compiles), steps run under `torch.cuda.set_sync_debug_mode("error")`: any host sync inside
 fbmt's forward, backward or the collectives raises (with cuda_graph=True, after the step that captures).
-With cuda_graph=True it also checks that the gradients are the graph pool's memory (no copy), and that
-the misuses the graphs must refuse are refused: a forward while the last gradients are still set, and
-two forwards before a backward.
+With cuda_graph=True it also checks what the graphs promise: the gradients are the graph pool's memory
+(no copy); gradients accumulated over two backward calls, or zeroed in place, add up as eagerly; two
+forwards before a backward are refused.
 """
 
 import itertools
@@ -51,27 +51,49 @@ def run(model, steps: int, rank: int, world: int, device, guard: int, batch: int
     return torch.stack(losses)
 
 
-def misuse(model, rank: int, world: int, device) -> float:
-    """The graphs' rules (NOTE: [CUDA graphs]): refused, not silently wrong. Returns 0, or 1 on a failure."""
+def graph_rules(model, rank: int, world: int, device) -> float:
+    """What the graphs promise (NOTE: [CUDA graphs]): the gradients are the pool's memory; gradients
+    accumulated over two backward calls, or zeroed in place, are copied out of the pool before the next
+    replay, so they add up as eagerly; two forwards before a backward are refused. 0, or 1 on a failure."""
     failed = 0.0
-    x, y = data(0, world, device)
-    x, y = x[rank:rank + 1], y[rank:rank + 1]
-    shard = model.flat_params[0]
-    F.cross_entropy(model(x).view(-1, 256), y.reshape(-1)).backward()
-    stolen = shard.grad.untyped_storage().data_ptr() in model._graphed[1]._grad_storage
-    for what, call in (("a forward with last step's gradients still set", lambda: model(x)),
-                       ("two forwards before a backward", lambda: (model.zero_grad(), model(x), model(x)))):
-        try:
-            call()
-            failed = 1.0
-            result = "NOT refused (FAILED)"
-        except RuntimeError as e:
-            result = f"refused: {str(e)[:80]}..."
+    batches = [tuple(t[rank:rank + 1] for t in data(step, world, device)) for step in (10, 11)]
+
+    def backward(x, y):
+        F.cross_entropy(model(x).view(-1, 256), y.reshape(-1)).backward()
+
+    def grads():
+        return torch.cat([g.reshape(-1) for g in model.full_gradients().values()])
+
+    model.zero_grad()
+    backward(*batches[0])
+    stolen = model.flat_params[0].grad.untyped_storage().data_ptr() in model._graphed[1]._grad_storage
+    first = grads()
+    model.zero_grad()
+    backward(*batches[1])
+    second = grads()
+    model.zero_grad()
+    backward(*batches[0])
+    backward(*batches[1])  # accumulates onto the first batch's gradients
+    both = grads()
+    for p in model.parameters():  # zero_grad(set_to_none=False), as BMTrain's OptimManager does
+        p.grad.zero_()
+    backward(*batches[1])
+    again = grads()
+    checks = {"gradients are the graph pool's memory (no copy)": stolen,
+              "two backward calls accumulate": torch.allclose(both, first + second, rtol=1e-4, atol=1e-6),
+              "gradients zeroed in place, then one backward": torch.allclose(again, second, rtol=1e-4, atol=1e-6)}
+    model.zero_grad()
+    try:
+        outs = (model(batches[0][0]), model(batches[0][0]))
+        checks["two forwards before a backward are refused"] = False
+        del outs
+    except RuntimeError:
+        checks["two forwards before a backward are refused"] = True
+    for what, ok in checks.items():
+        failed = max(failed, 0.0 if ok else 1.0)
         if rank == 0:
-            print(f"    cuda_graph: {what}: {result}", flush=True)
-    if rank == 0:
-        print(f"    cuda_graph: gradients are views of the graph pool (no copy): {stolen}", flush=True)
-    return failed if stolen else 1.0
+            print(f"    cuda_graph: {what}: {'yes' if ok else 'NO (FAILED)'}", flush=True)
+    return failed
 
 
 def main() -> None:
@@ -114,7 +136,7 @@ def main() -> None:
                   f"param max rel err after 5 steps {err:.1e}, 5 steps {time.perf_counter() - t0:.2f}s "
                   f"(no host sync after step 1); remat: {model.program.summary('remat')[-90:]}", flush=True)
         if graph:
-            worst = max(worst, misuse(model, rank, world, device))
+            worst = max(worst, graph_rules(model, rank, world, device))
             model.release_graphs()  # NCCL's communicators wait for graphs that captured them
     if rank == 0:
         print(f"GPU check {'PASSED' if worst < 1e-4 else 'FAILED'}: worst relative error {worst:.1e} "
