@@ -154,7 +154,7 @@ class Graphed:
         """Drop the graphs and their pool. NCCL's communicators wait for every graph that captured
         their collectives, so `dist.destroy_process_group()` hangs while one is alive."""
         self.fwd = self.bwd = None
-        self.outputs, self.tangents, self.grads, self._grad_storage = [], [], [], set()
+        self.inputs, self.outputs, self.tangents, self.grads, self._grad_storage = [], [], [], [], set()
 
     @contextmanager
     def _on_stream(self) -> Iterator[None]:
