@@ -12,13 +12,15 @@ from fbmt.runtime.regions import Region
 from tests.models.reference import gpt
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile(direct):
-    """Also with direct_grads: its gradient products run between regions and write into the buffer."""
+@pytest.mark.parametrize("direct,schedule", [(False, "prefetch"), (True, "prefetch"), (False, "prefetch-tail")])
+def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile(direct, schedule):
+    """Also with direct_grads: its gradient products run between regions and write into the buffer;
+    and with the first block's weight products moved to the end (NOTE: [Tail]), which must not
+    leave a layer norm's gradient outputs in a region apart from the op that makes them."""
     torch.manual_seed(0)
     ref = gpt(n_layer=3)
     torch.manual_seed(0)
-    model = fbmt.compile(gpt(n_layer=3), backend="inductor", checks=True, direct_grads=direct)
+    model = fbmt.compile(gpt(n_layer=3), backend="inductor", checks=True, direct_grads=direct, schedule=schedule)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
         g = torch.Generator().manual_seed(step)

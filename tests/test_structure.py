@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ import fbmt
 from fbmt.passes.verify import VerifyError, verify
 from fbmt.program import BWD, is_view
 from fbmt.runtime import collectives
+from fbmt.sim import peak_memory
 from tests.models.reference import batch, gpt, gpt_short
 
 
@@ -75,6 +78,64 @@ def test_prefetch_issues_next_gather_before_block_compute():
     later_compute = [n for n in nodes[pos[rs[0]] + 1:] if n.meta.get("fbmt_phase") == "bwd"
                      and n.target not in collectives.EFFECTFUL and n.op == "call_function"]
     assert later_compute, "the first reduce-scatter should overlap later backward compute"
+
+
+@pytest.mark.parametrize("remat", ["none", "block"])
+def test_the_first_blocks_weight_products_run_beside_the_last_reduce_scatter(remat):
+    # NOTE: [Tail]: h.0's weight products feed only its reduce-scatter; "prefetch-tail" computes them
+    # after the tied embedding's (the last group's) reduce-scatter has started, and waits for that one after them
+    aten = torch.ops.aten
+    _, program = _program(remat=remat, schedule="prefetch-tail")
+    _, in_order = _program(remat=remat)
+    groups = {g.block: g.index for g in program.layout.groups}
+
+    def tail(p):
+        nodes = list(p.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        rs = {n.meta["fbmt_group"]: n for n in _collectives(p, collectives.reduce_scatter, "bwd")}
+        first, last = rs[groups["h.0"]], rs[groups["wte"]]
+        waited = next(u for u in last.users if u.target is collectives.wait)
+        return nodes, pos, first, last, waited
+
+    nodes, pos, first, last, waited = tail(program)
+    beside = [n for n in nodes[pos[last]:pos[waited]] if n.target is aten.mm.default]
+    assert pos[last] < pos[waited] < pos[first], "the embedding's reduce-scatter should start before h.0's"
+    assert beside, "no product runs while the embedding's reduce-scatter is in flight"
+    for n in beside:  # each feeds h.0's reduce-scatter and nothing else
+        todo, reached = [n], set()
+        while todo:
+            for u in todo.pop().users:
+                assert u is first or u.meta["fbmt_phase"] == "bwd" and u.target is not collectives.wait, u
+                if u is not first and u not in reached:
+                    reached.add(u)
+                    todo.append(u)
+    summary = program.summary("schedule")
+    assert "moved h.0's" in summary and "wte's reduce-scatter start" in summary
+    assert peak_memory(program) <= peak_memory(in_order)  # kept only where the estimated peak does not grow
+
+    nodes, pos, first, last, waited = tail(in_order)
+    assert pos[first] < pos[last], "prefetch keeps the backward's compute as traced"
+    assert not [n for n in nodes[pos[first]:] if n.target is aten.mm.default]
+
+
+def test_the_tail_moves_as_many_products_as_keep_the_peak(monkeypatch):
+    # NOTE: [Tail]: a stand-in peak that grows by 1 MiB for each product after the last reduce-scatter's
+    # start beyond the second: the last 2 of h.0's 4 products move; with none allowed, none does
+    from fbmt.passes import schedule
+
+    def peak(allowed, program):
+        nodes = list(program.graph.nodes)
+        group = next(g.index for g in program.layout.groups if g.block == "wte")
+        wte = next(n for n in _collectives(program, collectives.reduce_scatter, "bwd") if n.meta["fbmt_group"] == group)
+        moved = [n for n in nodes[nodes.index(wte):] if n.target is torch.ops.aten.mm.default]
+        return max(len(moved) - allowed, 0) * 2**20
+
+    for allowed, said in ((2, "moved h.0's last 2 of 4 weight-gradient products"),
+                          (0, "the tail kept in order: moving h.0's last weight-gradient product after wte's "
+                              "reduce-scatter start would raise peak memory by 1 MiB")):
+        monkeypatch.setattr(schedule, "peak_memory", functools.partial(peak, allowed))
+        _, program = _program(remat="none", schedule="prefetch-tail")
+        assert said in program.summary("schedule"), program.summary("schedule")
 
 
 class _Norm(torch.nn.Module):

@@ -96,6 +96,9 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
             compare(train_compiled(name, rank, world, cfg, steps=2), eager_reference(name, steps=2), what,
                     buffers=False, rtol=1e-4, atol=1e-5)
             done.append(what)
+        cfg = dict(zero=3, remat="none", schedule="prefetch-tail")  # the first block's weight products moved
+        compare(train_compiled(name, rank, world, cfg), want, f"{name} world={world} {cfg}", buffers=False)
+        done.append(f"{name} world={world} {cfg}")
         cfg = dict(zero=3, remat="block", schedule="prefetch", direct_grads=True)  # and accumulating into .grad
         what = f"{name} world={world} {cfg} accumulating 2 micro-batches"
         compare(train_compiled(name, rank, world, cfg, accum=2), want, what, buffers=False)
