@@ -31,6 +31,10 @@ from typing import Any
 import torch
 
 BLOCK, WARPS = 65536, 32  # elements per thread block and iteration, and its warps: 64 per thread
+# the sum kernel's: it loads two values and stores a wider one per element, and with 64 elements per
+# thread it drew 1.2 TB/s on a quarter of an H200's SMs; 32 per thread draw 1.5 TB/s, and slow the
+# products beside it less (benchmarks/sum_sweep.py, BENCHMARKS.md)
+SUM_BLOCK, SUM_WARPS = 32768, 16
 
 
 @functools.cache
@@ -74,6 +78,18 @@ def tiling() -> tuple[int, int]:
 
 
 @functools.cache
+def sum_tiling() -> tuple[int, int]:
+    """`tiling()` of the sum kernel: SUM_BLOCK and SUM_WARPS, or the environment's FBMT_SUM_BLOCK
+    and FBMT_SUM_WARPS (benchmarks/sum_sweep.py)."""
+    block = int(os.environ.get("FBMT_SUM_BLOCK", SUM_BLOCK))
+    warps = int(os.environ.get("FBMT_SUM_WARPS", SUM_WARPS))
+    for name, v in (("FBMT_SUM_BLOCK", block), ("FBMT_SUM_WARPS", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name}={v}: expected a power of two")
+    return block, warps
+
+
+@functools.cache
 def programs(device_index: int) -> int:
     """Thread blocks a copy may use on this device (NOTE: [Bounded copies])."""
     env = os.environ.get("FBMT_COPY_PROGRAMS")
@@ -92,7 +108,7 @@ def _launch(which: int, dst: torch.Tensor, *srcs: torch.Tensor, extra: tuple = (
     kernels = _kernels() if dst.is_cuda else None
     grid = programs(dst.device.index if dst.device.index is not None else torch.cuda.current_device()) \
         if kernels is not None else 0
-    block, warps = tiling()
+    block, warps = tiling() if which == 0 else sum_tiling()
     # int32 offsets: the last iteration of the grid stride reaches up to (blocks + grid) * block
     if grid == 0 or n == 0 or n + (grid + 1) * block >= 2**31 or not all(
             t.is_contiguous() for t in (dst, *srcs)):
