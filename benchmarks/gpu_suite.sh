@@ -20,7 +20,12 @@
 # 1.36B step with block recompute as CUDA graphs, profiled: where it still idles) | x (that row over 24 rounds
 # against both peers, then one after the other for each method's reserved memory) | y (CUDA graphs on the other
 # rows: 1.36B without recompute, 6.7B with block recompute) | z (the main job with and without --cuda-graph; 1.36B without recompute
-# over 20 rounds).
+# over 20 rounds) | s9a, s9b (session 9: the first block's weight products moved after the embedding's
+# reduce-scatter start, NOTE: [Tail], against the backward in trace order: 1.36B without recompute, profiled;
+# 6.7B and 1.36B with block recompute) | s9c (the copy kernel's tiles beside products, the GPU checks, the sum
+# kernel's new tile against the old at 1.36B without recompute) | s9d (rounds in balanced orders: the 1.36B rows
+# against FSDP2 + compile over 40-60 rounds, and the sum kernel's two tiles side by side) | s9e (6.7B on the final
+# code).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -209,6 +214,31 @@ case $stage in
       echo "rc=$?" >> "$out/train${g:+_graph}_z.txt"; grep -v "^W[0-9]" "$out/train${g:+_graph}_z.txt" | grep "step  100\|loss .* ->\|compile"
     done
     run z1.36_none 240 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 20 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-mincut-zero2-graph,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/z1.36_none.json" ;;
+  s9a)  # session 9: the first block's weight products moved after the embedding's reduce-scatter start (NOTE: [Tail]),
+    # against the same setting with the backward in trace order ("prefetch-in-order"), at 1.36B without recompute; then
+    # both profiled, for how the step ends
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run s9a1.36_none 280 benchmarks/gpu_train.py $n136 --steps 24 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-in-order,fsdp2-compile --out "$out/s9a1.36_none.json"
+    run s9a1.36_profile 150 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-in-order --out "$out/s9a1.36_profile.json" ;;
+  s9b)  # session 9: the same A/B with block recompute: 6.7B (where only the last 5 of 7 products move) and 1.36B
+    # (all 7, with the step as CUDA graphs, fbmt's setting for that row)
+    run s9b6.7_block 280 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fbmt-inductor-in-order --out "$out/s9b6.7_block.json"
+    run s9b1.36_block 260 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 16 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-graph,fbmt-inductor-in-order-graph,fsdp2-compile --out "$out/s9b1.36_block.json" ;;
+  s9c)  # session 9: the copy kernel's tiles beside matrix products; the GPU checks; the sum kernel's new tile
+    # (32768 x 16, benchmarks/sum_sweep.py) against the old one (65536 x 32) at 1.36B without recompute
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/copy_sweep.py --out "$out/copy_sweep.json" | tail -16
+    gpu_checks s9c
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run s9c1.36_none 280 benchmarks/gpu_train.py $n136 --steps 24 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-sum64k,fsdp2-compile --out "$out/s9c1.36_none.json" ;;
+  s9d)  # session 9: rounds in balanced orders (every method timed right after every other equally often): 1.36B
+    # without recompute against the peer alone over 60 rounds; the same with the sum kernel's two tiles side by side
+    # (equal code but for one kernel's tile: their ratios to the peer should now agree); 1.36B with block recompute
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run s9d1.36_none 200 benchmarks/gpu_train.py $n136 --steps 60 --interleave --methods fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/s9d1.36_none.json"
+    run s9d1.36_none3 200 benchmarks/gpu_train.py $n136 --steps 30 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-sum64k,fsdp2-compile --out "$out/s9d1.36_none3.json"
+    run s9d1.36_block 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 40 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-graph,fsdp2-compile --out "$out/s9d1.36_block.json" ;;
+  s9e)  # session 9: 6.7B with block recompute on the final code (the sum kernel's new tile), rounds in balanced orders
+    run s9e6.7_block 400 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/s9e6.7_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -63,7 +64,8 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
                backend: str = "eager", remat: str | None = None, direct: bool = False,
-               zero: int | None = None, graph: bool = False) -> tuple[nn.Module, Any]:
+               zero: int | None = None, graph: bool = False,
+               schedule: str = "prefetch") -> tuple[nn.Module, Any]:
     import fbmt
 
     with torch.device("meta"):
@@ -78,7 +80,8 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
 
     model = fbmt.compile(model, zero=zero or args.zero, remat=remat or args.remat, param_dtype=torch.bfloat16,
                          reduce_dtype=torch.float32,
-                         backend=backend, prefetch=args.prefetch, direct_grads=direct, cuda_graph=graph,
+                         backend=backend, schedule=schedule, prefetch=args.prefetch, direct_grads=direct,
+                         cuda_graph=graph,
                          init_fn=init, device=device)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
@@ -117,6 +120,18 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
     "fbmt-inductor-mincut": {"backend": "inductor", "remat": "mincut"},
     "fbmt-inductor-mincut-zero2": {"backend": "inductor", "remat": "mincut", "zero": 2},
     "fbmt-inductor-direct": {"backend": "inductor", "direct": True},
+    # the first block's weight products after the embedding's reduce-scatter start (NOTE: [Tail]); session 9
+    # measured these as the default "prefetch" against "-in-order" variants that are today's "prefetch"
+    "fbmt-inductor-tail": {"backend": "inductor", "schedule": "prefetch-tail"},
+    "fbmt-inductor-mincut-zero2-tail": {"backend": "inductor", "remat": "mincut", "zero": 2,
+                                        "schedule": "prefetch-tail"},
+}
+# variants that differ only in a tuning knob fbmt reads from the environment when it launches a kernel
+# (NOTE: [Bounded copies]): that environment is set around each of the method's steps, so that
+# interleaved methods can differ in it
+KNOB_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "fbmt-inductor-mincut-zero2-sum64k": ("fbmt-inductor-mincut-zero2", {"FBMT_SUM_BLOCK": "65536",
+                                                                          "FBMT_SUM_WARPS": "32"}),
 }
 METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "fsdp2": build_fsdp2,
@@ -125,6 +140,35 @@ METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
 for _name, _kw in FBMT_VARIANTS.items():  # each fbmt variant, and with "-graph" its step as CUDA graphs
     METHODS[_name] = functools.partial(build_fbmt, **_kw)
     METHODS[f"{_name}-graph"] = functools.partial(build_fbmt, **_kw, graph=True)
+for _name, (_base, _) in KNOB_VARIANTS.items():
+    METHODS[_name] = METHODS[_base]
+
+
+@contextlib.contextmanager
+def knobs(method: str):
+    """The environment of `method`'s KNOB_VARIANTS entry, if any, while the block runs."""
+    env = KNOB_VARIANTS.get(method, ("", {}))[1]
+    saved = {k: os.environ.get(k) for k in env}
+
+    def apply(values: dict[str, str | None]) -> None:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        from fbmt.runtime import copies  # the knobs are read once and cached: read them again
+
+        for cached in (copies.tiling, copies.sum_tiling, copies.programs):
+            cached.cache_clear()
+
+    apply(env)
+    try:
+        yield
+    finally:
+        apply(saved)
+
+
+PASSES_SHOWN = ("remat", "shard", "schedule")  # what these passes decided about the model's ends
 
 
 def train_step(model: nn.Module, opt: Any, args: argparse.Namespace, cfg: LlamaConfig, device: torch.device,
@@ -180,7 +224,8 @@ def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
                            "before_first_kernel": dict(ms=round(first_kernel - began, 3), host_ops=[
                                dict(at_ms=round(a, 3), ms=round(d, 3), op=n[:60]) for a, d, n in before[:40]]),
                            "compute_kernels": [dict(name=n, ms=round(sum(v), 2), count=len(v)) for n, v in
-                                               sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]]}
+                                               sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]],
+                           "edges": edges(kernels)}
     for sid, kinds in streams.items():
         busy, end = 0.0, float("-inf")
         for a, b, _ in sorted(kernels[sid]):  # union of the kernels' intervals
@@ -200,6 +245,23 @@ def cuda_kernels(prof: Any) -> dict[int, list[tuple[float, float, str]]]:
             kernels.setdefault(e.device_resource_id, []).append(
                 (e.time_range.start / 1e3, e.time_range.end / 1e3, e.name))
     return kernels
+
+
+def edges(kernels: dict[int, list[tuple[float, float, str]]], head_ms: float = 3.0,
+          tail_ms: float = 4.0) -> dict[str, list[list[Any]]]:
+    """Every stream's kernels in the step's first `head_ms` and in the `tail_ms` before the
+    optimizer's first kernel, as [stream, start ms, duration ms, name] from the step's first kernel:
+    how the step starts (the first gathers) and how its backward ends (the last reduce-scatters)."""
+    every = sorted((a, b, name, sid) for sid, ks in kernels.items() for a, b, name in ks)
+    first = every[0][0]
+    optimizer = min((a for a, _, name, _ in every if "multi_tensor" in name or "adam" in name.lower()),
+                    default=every[-1][1])
+
+    def rows(lo: float, hi: float) -> list[list[Any]]:
+        return [[sid, round(a - first, 3), round(b - a, 3), name[:60]] for a, b, name, sid in every
+                if b > lo and a < hi]
+
+    return {"head": rows(first, first + head_ms), "tail": rows(optimizer - tail_ms, optimizer + 0.05)}
 
 
 def busiest(kernels: dict[int, list[tuple[float, float, str]]]) -> list[tuple[float, float, str]]:
@@ -340,7 +402,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         result["capture_s"] = model.capture_seconds  # CUDA graphs (-graph methods)
         result["regions"] = repr(model.regions)
         # what the passes decided about the model's ends: the last block saved or not, the group kept
-        result["passes"] = {name: model.program.summary(name).split("; ")[-1] for name in ("remat", "shard")}
+        result["passes"] = {name: model.program.summary(name).split("; ")[-1] for name in PASSES_SHOWN}
         model.release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL
     del model, opt, loss
     gc.collect()
@@ -350,13 +412,46 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     return result
 
 
+def balanced_orders(methods: list[str]) -> list[list[str]]:
+    """The orders of successive rounds, each with every method once, such that over the cycle of
+    rounds (the next cycle's first step included) every method is timed right after every other
+    exactly once: each step's predecessor, whose heat and power state it inherits, is balanced.
+    Reversing a fixed order every round (A B C, C B A) kept B in the middle, always after A or C
+    while they ran after themselves at the round boundaries: session 9 found B's ratio to the peer
+    0.6% higher than A's when A and B ran the same code (BENCHMARKS.md)."""
+    n = len(methods)
+    if n < 3:
+        return [list(methods)]  # A B A B ...: each runs right after the other
+    pairs_needed = n * (n - 1)
+
+    def extend(rounds: list[tuple[int, ...]], used: set[tuple[int, int]]) -> list[tuple[int, ...]] | None:
+        if len(rounds) == n - 1:  # the cycle closes on the first round's first method
+            closing = (rounds[-1][-1], rounds[0][0])
+            return rounds if closing[0] != closing[1] and closing not in used else None
+        for order in itertools.permutations(range(n)):
+            steps = [(rounds[-1][-1], order[0])] + list(zip(order, order[1:]))
+            if len(set(steps)) == n and not used & set(steps) and all(a != b for a, b in steps):
+                found = extend(rounds + [order], used | set(steps))
+                if found:
+                    return found
+        return None
+
+    first = tuple(range(n))
+    rounds = extend([first], set(zip(first, first[1:]))) if pairs_needed <= 20 else None
+    if rounds is None:  # more methods than a quick search covers: rotations, in both directions
+        rounds = [tuple((i + j) % n for j in range(n)) for i in range(n)]
+        rounds += [r[::-1] for r in rounds]
+    return [[methods[i] for i in r] for r in rounds]
+
+
 def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
                 device: torch.device) -> list[dict[str, Any]]:
     """`--interleave`: build every method side by side, warm each up, then time their steps in turn,
-    the order reversed every round (A B, B A, ...). The GPUs' clocks follow their power draw and
-    temperature (BENCHMARKS.md: the 700 W cap), so methods timed one after the other see different
-    clocks; taken in turn, each round's steps see the same, and the ratio of a round's two steps is
-    a paired measurement. A method's peak is what it allocated beyond the others' resident state."""
+    in the orders of `balanced_orders` (two methods: A B A B ...). The GPUs' clocks follow their
+    power draw and temperature (BENCHMARKS.md: the 700 W cap), so methods timed one after the other
+    see different clocks; taken in turn, each round's steps see the same, and the ratio of a round's
+    two steps is a paired measurement. A method's peak is what it allocated beyond the others'
+    resident state."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     built: dict[str, dict[str, Any]] = {}
@@ -365,23 +460,26 @@ def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        model, opt = METHODS[method](cfg, args, device)
-        sync()
-        r = built[method] = dict(method=method, model=model, opt=opt, setup_s=time.perf_counter() - started,
-                                 step_ms=[], losses=[])
-        for step in range(args.warmup):
-            t0 = time.perf_counter()
-            r["losses"].append(train_step(model, opt, args, cfg, device, step).detach())
+        with knobs(method):
+            model, opt = METHODS[method](cfg, args, device)
             sync()
-            r["step_ms"].append((time.perf_counter() - t0) * 1e3)
+            r = built[method] = dict(method=method, model=model, opt=opt, setup_s=time.perf_counter() - started,
+                                     step_ms=[], losses=[])
+            for step in range(args.warmup):
+                t0 = time.perf_counter()
+                r["losses"].append(train_step(model, opt, args, cfg, device, step).detach())
+                sync()
+                r["step_ms"].append((time.perf_counter() - t0) * 1e3)
         r["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+    orders = balanced_orders(methods)
     for step in range(args.warmup, args.warmup + args.steps):
-        for method in methods if step % 2 == 0 else methods[::-1]:
+        for method in orders[step % len(orders)]:
             r = built[method]
-            sync()
-            t0 = time.perf_counter()
-            loss = train_step(r["model"], r["opt"], args, cfg, device, step)
-            sync()
+            with knobs(method):
+                sync()
+                t0 = time.perf_counter()
+                loss = train_step(r["model"], r["opt"], args, cfg, device, step)
+                sync()
             r["step_ms"].append((time.perf_counter() - t0) * 1e3)
             r["losses"].append(loss.detach())
     results = []
@@ -401,7 +499,7 @@ def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
             out["capture_s"] = r["model"].capture_seconds
             r["model"].release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL
             out["regions"] = repr(r["model"].regions)
-            out["passes"] = {name: r["model"].program.summary(name).split("; ")[-1] for name in ("remat", "shard")}
+            out["passes"] = {name: r["model"].program.summary(name).split("; ")[-1] for name in PASSES_SHOWN}
         results.append(out)
     return results
 
@@ -459,7 +557,8 @@ def main() -> None:
     results = interleaved(methods, cfg, args, device) if args.interleave else []
     for method in methods if not args.interleave else []:
         try:
-            r = run(method, cfg, args, device)
+            with knobs(method):
+                r = run(method, cfg, args, device)
         except torch.OutOfMemoryError as e:
             r = dict(method=method, error=f"out of memory: {str(e).splitlines()[0]}")
             gc.collect()
@@ -498,6 +597,10 @@ def main() -> None:
             say(f"    host issued the step in {r['profile']['host_ms']:.1f} ms; host ops by self time: " + ", ".join(
                 f"{x['op']} {x['self_ms']:.1f} ms/{x['count']}" for x in r["profile"]["host_ops"]), flush=True)
         if "profile" in r:
+            for part in ("head", "tail"):
+                say(f"    the step's {part} (stream, start ms, ms, kernel):", flush=True)
+                for sid, a, d, name in r["profile"]["edges"][part]:
+                    say(f"      {sid:>3} {a:8.3f} {d:7.3f}  {name}", flush=True)
             say("    compute stream's kernels by total time: " + "; ".join(
                 f"{x['name'][:60]} {x['ms']:.1f} ms/{x['count']}" for x in r["profile"]["compute_kernels"][:12]),
                 flush=True)
