@@ -25,7 +25,7 @@
 # 6.7B and 1.36B with block recompute) | s9c (the copy kernel's tiles beside products, the GPU checks, the sum
 # kernel's new tile against the old at 1.36B without recompute) | s9d (rounds in balanced orders: the 1.36B rows
 # against FSDP2 + compile over 40-60 rounds, and the sum kernel's two tiles side by side) | s9e (6.7B on the final
-# code).
+# code) | s9f (13B on the final code).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -239,6 +239,8 @@ case $stage in
     run s9d1.36_block 200 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 40 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-graph,fsdp2-compile --out "$out/s9d1.36_block.json" ;;
   s9e)  # session 9: 6.7B with block recompute on the final code (the sum kernel's new tile), rounds in balanced orders
     run s9e6.7_block 400 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/s9e6.7_block.json" ;;
+  s9f)  # session 9: 13B on the final code (sequential: two 13B states do not fit)
+    run s9f13_block 330 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fsdp2-compile --out "$out/s9f13_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"
