@@ -197,3 +197,19 @@ def test_input_on_the_wrong_device_is_named():
     model = fbmt.compile(MLP())
     with pytest.raises(ValueError, match=r"tensor input #0 \(shape \(2, 12\)\) is on meta.*\.to\('cpu'\)"):
         model(torch.empty(2, 12, device="meta"))
+
+
+@pytest.mark.parametrize("var", ["FBMT_COPY_BLOCK", "FBMT_SUM_WARPS"])
+def test_a_copy_or_sum_tile_that_is_not_a_power_of_two_is_a_named_error(monkeypatch, var):
+    from fbmt.runtime import copies
+
+    tile = copies.tiling if "COPY" in var else copies.sum_tiling
+    monkeypatch.setenv(var, "3")
+    tile.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"{var}=3: expected a power of two"):
+            tile()
+    finally:
+        monkeypatch.delenv(var)
+        tile.cache_clear()
+    assert tile() == ((copies.BLOCK, copies.WARPS) if "COPY" in var else (copies.SUM_BLOCK, copies.SUM_WARPS))

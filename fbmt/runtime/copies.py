@@ -66,27 +66,25 @@ def _kernels() -> Any:
 
 @functools.cache
 def tiling() -> tuple[int, int]:
-    """(elements per program and iteration, warps per program): BLOCK and WARPS, or the environment's
-    FBMT_COPY_BLOCK and FBMT_COPY_WARPS (powers of two), for tuning on a new GPU
-    (benchmarks/copy_sweep.py)."""
-    block = int(os.environ.get("FBMT_COPY_BLOCK", BLOCK))
-    warps = int(os.environ.get("FBMT_COPY_WARPS", WARPS))
-    for name, v in (("FBMT_COPY_BLOCK", block), ("FBMT_COPY_WARPS", warps)):
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"{name}={v}: expected a power of two")
-    return block, warps
+    """(elements per program and iteration, warps per program) of the copy kernel: BLOCK and WARPS,
+    or the environment's FBMT_COPY_BLOCK and FBMT_COPY_WARPS (powers of two), for tuning on a new
+    GPU (benchmarks/copy_sweep.py)."""
+    return _tile("COPY", BLOCK, WARPS)
 
 
 @functools.cache
 def sum_tiling() -> tuple[int, int]:
-    """`tiling()` of the sum kernel: SUM_BLOCK and SUM_WARPS, or the environment's FBMT_SUM_BLOCK
-    and FBMT_SUM_WARPS (benchmarks/sum_sweep.py)."""
-    block = int(os.environ.get("FBMT_SUM_BLOCK", SUM_BLOCK))
-    warps = int(os.environ.get("FBMT_SUM_WARPS", SUM_WARPS))
-    for name, v in (("FBMT_SUM_BLOCK", block), ("FBMT_SUM_WARPS", warps)):
+    """`tiling()` of the sum kernel: SUM_BLOCK and SUM_WARPS, or FBMT_SUM_BLOCK and FBMT_SUM_WARPS
+    (benchmarks/sum_sweep.py)."""
+    return _tile("SUM", SUM_BLOCK, SUM_WARPS)
+
+
+def _tile(kernel: str, block: int, warps: int) -> tuple[int, int]:
+    tile = (int(os.environ.get(f"FBMT_{kernel}_BLOCK", block)), int(os.environ.get(f"FBMT_{kernel}_WARPS", warps)))
+    for what, v in zip(("BLOCK", "WARPS"), tile):
         if v < 1 or v & (v - 1):
-            raise ValueError(f"{name}={v}: expected a power of two")
-    return block, warps
+            raise ValueError(f"FBMT_{kernel}_{what}={v}: expected a power of two")
+    return tile
 
 
 @functools.cache
