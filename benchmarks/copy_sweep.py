@@ -94,10 +94,16 @@ def main() -> None:
         print(f"{r['tile']:>10} on {r['programs']:3d} programs: {r['ms']:6.2f} ms, {r['gb_s']:6.0f} GB/s, "
               f"{r['sm_ms']:5.2f} whole-GPU ms{extra}")
     best = min((r for r in rows if r.get("programs") == sms // 4 and "block" in r), key=lambda r: r["ms"])
-    if args.out:
-        with open(args.out, "w") as f:
+    report(args.out, sms, rows, best, "COPY")
+
+
+def report(out: str | None, sms: int, rows: list[dict], best: dict, kernel: str) -> None:
+    """Write the rows to `out` as JSON, if given, and print the best tile as the environment
+    variables that select it (FBMT_{kernel}_BLOCK, FBMT_{kernel}_WARPS)."""
+    if out:
+        with open(out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), sms=sms, rows=rows, best=best), f, indent=1)
-    print(f"FBMT_COPY_BLOCK={best['block']} FBMT_COPY_WARPS={best['warps']}")
+    print(f"FBMT_{kernel}_BLOCK={best['block']} FBMT_{kernel}_WARPS={best['warps']}")
 
 
 if __name__ == "__main__":

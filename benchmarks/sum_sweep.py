@@ -13,45 +13,14 @@ least (over both sizes) is printed last, as the environment variables that selec
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
+from copy_sweep import beside, report, timed  # benchmarks/copy_sweep.py: the same timers and report
 
 from fbmt.runtime import copies
 
 TILES = [(4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16), (32768, 32), (65536, 16), (65536, 32)]
-
-
-def timed(fn, reps: int = 10) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def beside(products, side_fn, reps: int = 5) -> float:
-    """ms of `products` on the current stream while `side_fn` runs on another stream."""
-    side = torch.cuda.Stream()
-    products()
-    side_fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    total = 0.0
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        with torch.cuda.stream(side):
-            side_fn()
-        start.record()
-        products()
-        end.record()
-        torch.cuda.synchronize()
-        total += start.elapsed_time(end)
-    return total / reps
 
 
 def main() -> None:
@@ -97,10 +66,7 @@ def main() -> None:
         if "block" in r:
             beside_both[r["tile"]] = beside_both.get(r["tile"], 0.0) + r["products_beside_ms"]
     best = min((r for r in rows if "block" in r), key=lambda r: beside_both[r["tile"]])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), sms=sms, rows=rows, best=best), f, indent=1)
-    print(f"FBMT_SUM_BLOCK={best['block']} FBMT_SUM_WARPS={best['warps']}")
+    report(args.out, sms, rows, best, "SUM")
 
 
 if __name__ == "__main__":
