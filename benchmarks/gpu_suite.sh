@@ -214,16 +214,17 @@ case $stage in
       echo "rc=$?" >> "$out/train${g:+_graph}_z.txt"; grep -v "^W[0-9]" "$out/train${g:+_graph}_z.txt" | grep "step  100\|loss .* ->\|compile"
     done
     run z1.36_none 240 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none --steps 20 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-mincut-zero2-graph,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/z1.36_none.json" ;;
-  s9a)  # session 9: the first block's weight products moved after the embedding's reduce-scatter start (NOTE: [Tail]),
-    # against the same setting with the backward in trace order ("prefetch-in-order"), at 1.36B without recompute; then
-    # both profiled, for how the step ends
+  s9a)  # session 9: the first block's weight products moved after the embedding's reduce-scatter start (NOTE: [Tail],
+    # schedule="prefetch-tail") against the backward in trace order, at 1.36B without recompute; then both profiled,
+    # for how the step ends. (As run, the move was the default and the in-order methods were named "-in-order":
+    # the results' method names are those; these are today's names for the same settings.)
     n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
-    run s9a1.36_none 280 benchmarks/gpu_train.py $n136 --steps 24 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-in-order,fsdp2-compile --out "$out/s9a1.36_none.json"
-    run s9a1.36_profile 150 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-in-order --out "$out/s9a1.36_profile.json" ;;
+    run s9a1.36_none 280 benchmarks/gpu_train.py $n136 --steps 24 --interleave --methods fbmt-inductor-mincut-zero2-tail,fbmt-inductor-mincut-zero2,fsdp2-compile --out "$out/s9a1.36_none.json"
+    run s9a1.36_profile 150 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2-tail,fbmt-inductor-mincut-zero2 --out "$out/s9a1.36_profile.json" ;;
   s9b)  # session 9: the same A/B with block recompute: 6.7B (where only the last 5 of 7 products move) and 1.36B
     # (all 7, with the step as CUDA graphs, fbmt's setting for that row)
-    run s9b6.7_block 280 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fbmt-inductor-in-order --out "$out/s9b6.7_block.json"
-    run s9b1.36_block 260 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 16 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-graph,fbmt-inductor-in-order-graph,fsdp2-compile --out "$out/s9b1.36_block.json" ;;
+    run s9b6.7_block 280 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-tail,fbmt-inductor --out "$out/s9b6.7_block.json"
+    run s9b1.36_block 260 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 16 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-tail-graph,fbmt-inductor-graph,fsdp2-compile --out "$out/s9b1.36_block.json" ;;
   s9c)  # session 9: the copy kernel's tiles beside matrix products; the GPU checks; the sum kernel's new tile
     # (32768 x 16, benchmarks/sum_sweep.py) against the old one (65536 x 32) at 1.36B without recompute
     CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/copy_sweep.py --out "$out/copy_sweep.json" | tail -16

@@ -126,7 +126,8 @@ def test_the_tail_moves_as_many_products_as_keep_the_peak(monkeypatch):
     def peak(allowed, program):
         nodes = list(program.graph.nodes)
         group = next(g.index for g in program.layout.groups if g.block == "wte")
-        wte = next(n for n in _collectives(program, collectives.reduce_scatter, "bwd") if n.meta["fbmt_group"] == group)
+        wte = next(n for n in _collectives(program, collectives.reduce_scatter, "bwd")
+                   if n.meta["fbmt_group"] == group)
         moved = [n for n in nodes[nodes.index(wte):] if n.target is torch.ops.aten.mm.default]
         return max(len(moved) - allowed, 0) * 2**20
 
