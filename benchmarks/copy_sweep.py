@@ -55,12 +55,16 @@ def beside(products, side_fn, reps: int = 5) -> float:
     return total / reps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def setup(doc: str) -> tuple[argparse.Namespace, torch.device, int]:
+    """A sweep's command line (`--out`), its GPU and that GPU's SM count."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
     dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return parser.parse_args(), dev, torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def main() -> None:
+    args, dev, sms = setup(__doc__)
     shard = torch.randn(101_000_000, device=dev)
     cast = torch.empty(shard.numel(), device=dev, dtype=torch.bfloat16)
     grads = torch.randn(202_000_000, device=dev, dtype=torch.bfloat16)

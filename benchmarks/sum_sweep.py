@@ -12,11 +12,10 @@ least (over both sizes) is printed last, as the environment variables that selec
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
-from copy_sweep import beside, report, timed  # benchmarks/copy_sweep.py: the same timers and report
+from copy_sweep import beside, report, setup, timed  # benchmarks/copy_sweep.py: the same timers and report
 
 from fbmt.runtime import copies
 
@@ -24,11 +23,7 @@ TILES = [(4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16), (32768, 32)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    args, dev, sms = setup(__doc__)
     x = torch.randn(16384, 2048, device=dev, dtype=torch.bfloat16)
     w = torch.randn(2048, 5632, device=dev, dtype=torch.bfloat16)
     out = torch.empty(16384, 5632, device=dev, dtype=torch.bfloat16)
