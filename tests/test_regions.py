@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import fbmt
 from fbmt.runtime import collectives
+from fbmt.runtime import regions
 from fbmt.runtime.regions import Region
 from tests.models.reference import gpt
 
@@ -49,3 +50,37 @@ def test_unknown_backend_is_rejected():
 
     with pytest.raises(ValueError, match="backend"):
         fbmt.compile(gpt(), backend="tvm")
+
+
+def test_the_cat_guard_takes_materialized_cats_of_shared_reads_only(monkeypatch):
+    """NOTE: [Cats of shared reads]: a cat that products read, of two expressions that read one
+    buffer, is a ConcatKernel; a cat a pointwise op reads is left to Inductor's own lowering."""
+    from torch._inductor import lowering
+
+    real = lowering.lowerings[torch.ops.aten.cat.default]
+    left_to_inductor = []
+
+    def inductors(inputs, dim=0):
+        left_to_inductor.append(len(inputs))
+        return real(inputs, dim)
+
+    monkeypatch.setitem(lowering.lowerings, torch.ops.aten.cat.default, inductors)
+
+    def merged_gradient(g, u, w):  # SwiGLU's gate and up gradients, both from g and u, read by a product
+        return torch.cat([g * u.sigmoid(), g * u], 1) @ w
+
+    def rotary(a, b):  # read by a pointwise op
+        return torch.cat([a * b, a - b], 1).to(torch.float64)
+
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g, u, w = torch.randn(4, 3), torch.randn(4, 3), torch.randn(6, 5)
+    for fn, args, guarded in ((merged_gradient, (g, u, w), True), (rotary, (g, u), False)):
+        left_to_inductor.clear()
+        gm = make_fx(fn)(*args)
+        with regions._cats_of_shared_reads():
+            compiled = compile_fx(gm, list(args))
+        out = compiled(*args)
+        torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, fn(*args))
+        assert left_to_inductor == ([] if guarded else [2]), (fn.__name__, left_to_inductor)
