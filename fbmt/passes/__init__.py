@@ -4,6 +4,7 @@ The pipeline (read top to bottom):
 
     blocks    tag forward nodes with their block (the unit of sharding and recompute)
     remat     recompute block activations in the backward instead of saving them
+    merge     products that read one input, weights side by side, become one product
     shard     ZeRO-3/2: flat shards, all-gather before use, release after, reduce-scatter grads
     schedule  overlap: issue gathers ahead, wait reduce-scatters late
     verify    static invariants (also run after every pass when checks are on)
@@ -22,6 +23,7 @@ from typing import Callable
 import torch
 
 from fbmt.passes.blocks import assign_blocks
+from fbmt.passes.merge import merge_products
 from fbmt.passes.remat import recompute_blocks
 from fbmt.passes.schedule import schedule_overlap
 from fbmt.passes.shard import shard_parameters
@@ -39,6 +41,7 @@ def default_pipeline(*, zero: int, remat: str, schedule: str, prefetch: int, gra
     return [
         ("blocks", assign_blocks),
         ("remat", functools.partial(recompute_blocks, policy=remat, per_block=remat_per_block)),
+        ("merge", merge_products),
         ("shard", functools.partial(shard_parameters, zero=zero, per_block=zero_per_block, grad_reduce=grad_reduce,
                                     reduce_dtype=reduce_dtype, direct_grads=direct_grads)),
         ("schedule", functools.partial(schedule_overlap, strategy=schedule, prefetch=prefetch)),

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from fbmt.passes.remat import recomputable
 from fbmt.program import BWD, FWD, FlatGroup, Program, Role, buffer_readers
@@ -91,6 +92,7 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
             for p, view in zip(members, views):
                 for u in [u for u in p.users if u.meta.get("fbmt_phase") == phase]:
                     u.replace_input_with(p, view)
+            _join_adjacent(g, buffer, group, views, phase)
             if phase == FWD:
                 fwd_buffer = buffer
             if phase == BWD or level == 3 or not read_by[BWD]:  # ZeRO-2 keeps it only for a backward reader
@@ -166,8 +168,8 @@ def emit(g: fx.Graph, target: Any, args: tuple, phase: str, **meta: Any) -> fx.N
     node = g.call_function(target, args)
     node.meta.update(fbmt_phase=phase, **meta)
     if isinstance(target, torch._ops.OpOverload):
-        vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
-        fake = next((v for v in vals if hasattr(v, "fake_mode")), None)
+        vals = fx.node.map_arg(args, lambda a: a.meta.get("val"))  # lists of nodes (a cat's) too
+        fake = next((v for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
         if fake is not None:
             with fake.fake_mode:
                 node.meta["val"] = target(*vals)
@@ -192,6 +194,27 @@ def _views(g: fx.Graph, buffer: fx.Node, group: FlatGroup, phase: str) -> list[f
         piece = emit(g, aten.slice.Tensor, (buffer, 0, s.offset, s.offset + s.numel), phase)
         views.append(emit(g, aten.view.default, (piece, list(s.shape)), phase))
     return views
+
+
+def _join_adjacent(g: fx.Graph, buffer: fx.Node, group: FlatGroup, views: list[fx.Node], phase: str) -> None:
+    """A `cat` along rows of parameters that lie back to back in the buffer (the merge pass's, NOTE:
+    [Merged products]) becomes one view of the buffer: no copy."""
+    index = {v: i for i, v in enumerate(views)}
+    cats = {u for v in views for u in v.users if u.target is aten.cat.default}
+    for cat in cats:
+        parts, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+        at = [index.get(p) for p in parts]
+        if dim != 0 or None in at or at != list(range(at[0], at[0] + len(at))):
+            continue
+        first, last = group.slots[at[0]], group.slots[at[-1]]
+        if any(group.slots[i].shape[1:] != first.shape[1:] for i in at):
+            continue
+        with g.inserting_before(cat):
+            piece = emit(g, aten.slice.Tensor, (buffer, 0, first.offset, last.offset + last.numel), phase)
+            joined = emit(g, aten.view.default, (piece, [sum(group.slots[i].shape[0] for i in at), *first.shape[1:]]),
+                          phase, **{k: cat.meta[k] for k in ("fbmt_block", "fbmt_module") if k in cat.meta})
+        cat.replace_all_uses_with(joined)
+        g.erase_node(cat)
 
 
 def _release_after_last_use(g: fx.Graph, buffer: fx.Node, phase: str) -> None:

@@ -1,4 +1,4 @@
-"""The GPT equivalence check on CUDA + NCCL, with host synchronization forbidden inside steps.
+"""The GPT (and Llama) equivalence check on CUDA + NCCL, with host synchronization forbidden inside steps.
 
     torchrun --nproc_per_node=2 tests/gpu/gpt_on_gpu.py
 
@@ -10,11 +10,14 @@ NOTE: [Trailing blocks]) against eager PyTorch on the whole batch on one GPU. Af
 fbmt's forward, backward or the collectives raises (with cuda_graph=True, after the step that captures).
 With cuda_graph=True it also checks what the graphs promise: the gradients are the graph pool's memory
 (no copy); gradients accumulated over two backward calls, or zeroed in place, add up as eagerly; two
-forwards before a backward are refused.
+forwards before a backward are refused. Then a Llama-style model (tests/models/reference.py), whose
+q/k and gate/up products the merge pass merges (NOTE: [Merged products]), in the benchmark's settings.
 """
 
 import itertools
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,9 @@ import torch.nn.functional as F
 import fbmt
 from fbmt.models import GPT, GPTConfig
 from fbmt.runtime.graphs import WARMUP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.models.reference import Llama  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256, dropout=0.0)
 
@@ -96,28 +102,17 @@ def graph_rules(model, rank: int, world: int, device) -> float:
     return failed
 
 
-def main() -> None:
-    fbmt.init_distributed(seed=0)
-    rank, world = fbmt.rank(), fbmt.world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.backends.cuda.matmul.allow_tf32 = False
+def check(build, combos: list[tuple], rank: int, world: int, device: torch.device) -> float:
+    """`build()`'s model compiled with each combination against eager PyTorch: the worst relative error."""
     torch.manual_seed(0)
-    ref = GPT(CFG).to(device)
+    ref = build().to(device)
     init = {k: v.clone() for k, v in ref.state_dict().items()}
     want = run(ref, 5, 0, 1, device, guard=99, batch=world)
     want_params = {n: p.detach() for n, p in ref.named_parameters()}
     worst = 0.0
-    combos = [(z, r, s, "eager", False, False) for z, r, s in itertools.product(
-        (3, 2), ("block", "selective", "none"), ("prefetch", "none"))]
-    combos += [(3, "block", "prefetch", "inductor", False, False),
-               (3, "selective", "prefetch", "inductor", False, False),
-               (3, "mincut", "prefetch", "inductor", False, False), (2, "mincut", "prefetch", "inductor", False, False),
-               (3, "block", "prefetch", "inductor", True, False),
-               (3, "block", "prefetch", "eager", False, True), (3, "block", "prefetch", "inductor", False, True),
-               (3, "mincut", "prefetch", "inductor", False, True), (2, "mincut", "prefetch", "inductor", False, True)]
     for zero, remat, schedule, backend, direct, graph in combos:
         torch.manual_seed(0)
-        model = GPT(CFG)
+        model = build()
         model.load_state_dict(init)
         model = fbmt.compile(model, zero=zero, remat=remat, schedule=schedule, backend=backend, checks=True,
                              direct_grads=direct, cuda_graph=graph)
@@ -131,13 +126,36 @@ def main() -> None:
         lerr = ((losses - want).abs() / want.abs()).max().item()
         worst = max(worst, err, lerr)
         if rank == 0:
-            print(f"zero={zero} remat={remat:<9} schedule={schedule:<8} {backend:<8}"
+            print(f"{type(ref).__name__} zero={zero} remat={remat:<9} schedule={schedule:<8} {backend:<8}"
                   f"{' direct_grads' if direct else ''}{' cuda_graph' if graph else ''}: loss rel err {lerr:.1e}, "
                   f"param max rel err after 5 steps {err:.1e}, 5 steps {time.perf_counter() - t0:.2f}s "
-                  f"(no host sync after step 1); remat: {model.program.summary('remat')[-90:]}", flush=True)
+                  f"(no host sync after step 1); remat: {model.program.summary('remat')[-60:]}; "
+                  f"merge: {model.program.summary('merge')}", flush=True)
         if graph:
             worst = max(worst, graph_rules(model, rank, world, device))
             model.release_graphs()  # NCCL's communicators wait for graphs that captured them
+    return worst
+
+
+def main() -> None:
+    fbmt.init_distributed(seed=0)
+    rank, world = fbmt.rank(), fbmt.world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    combos = [(z, r, s, "eager", False, False) for z, r, s in itertools.product(
+        (3, 2), ("block", "selective", "none"), ("prefetch", "none"))]
+    combos += [(3, "block", "prefetch", "inductor", False, False),
+               (3, "selective", "prefetch", "inductor", False, False),
+               (3, "mincut", "prefetch", "inductor", False, False), (2, "mincut", "prefetch", "inductor", False, False),
+               (3, "block", "prefetch", "inductor", True, False),
+               (3, "block", "prefetch", "eager", False, True), (3, "block", "prefetch", "inductor", False, True),
+               (3, "mincut", "prefetch", "inductor", False, True), (2, "mincut", "prefetch", "inductor", False, True)]
+    worst = check(lambda: GPT(CFG), combos, rank, world, device)
+    llama = [(3, "block", "prefetch", "eager", False, False), (2, "none", "prefetch", "eager", False, False),
+             (2, "mincut", "prefetch", "inductor", False, False), (3, "block", "prefetch", "inductor", False, False),
+             (2, "mincut", "prefetch", "inductor", False, True)]
+    worst = max(worst, check(lambda: Llama(vocab=256, d=256, heads=4, ff=512, n_layer=3, seq=CFG.seq_len), llama,
+                             rank, world, device))
     if rank == 0:
         print(f"GPU check {'PASSED' if worst < 1e-4 else 'FAILED'}: worst relative error {worst:.1e} "
               f"on {world} x {torch.cuda.get_device_name()} with torch {torch.__version__}", flush=True)
