@@ -25,7 +25,13 @@
 # 6.7B and 1.36B with block recompute) | s9c (the copy kernel's tiles beside products, the GPU checks, the sum
 # kernel's new tile against the old at 1.36B without recompute) | s9d (rounds in balanced orders: the 1.36B rows
 # against FSDP2 + compile over 40-60 rounds, and the sum kernel's two tiles side by side) | s9e (6.7B on the final
-# code) | s9f (13B on the final code).
+# code) | s9f (13B on the final code) | s10a (session 10: what merging the products that share an input would
+# save, benchmarks/gemm_merge.py; fbmt's fused Adam against torch's; 1.36B without recompute with fbmt's Adam) |
+# s10b (the merge pass, NOTE: [Merged products]: the GPU checks with the Llama leg; 1.36B with and without it
+# against FSDP2 + compile, without recompute and with block recompute as CUDA graphs) | s10c (6.7B and 13B) |
+# s10d (the merged products' cost: 1.36B without recompute profiled with and without; 6.7B with and without) |
+# s10e (after NOTE: [Cats of shared reads]: the GPU checks; 1.36B without recompute with and without, profiled too) |
+# s10f (6.7B and 1.36B with block recompute, merged, against the peer) | s10g (13B, merged, against the peer).
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +50,7 @@ run() {  # run NAME SECONDS ARGS...: one torchrun on every GPU, output to $logs/
 }
 gpu_checks() {  # gpu_checks SUFFIX: tests/gpu/gpt_on_gpu.py on 2 GPUs, its log to $out/gpt_on_gpu_SUFFIX.txt
   echo "== gpt_on_gpu"
-  timeout 200 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_$1.txt" 2>&1
+  timeout 280 torchrun --nproc_per_node=2 --master_port=29411 tests/gpu/gpt_on_gpu.py > "$out/gpt_on_gpu_$1.txt" 2>&1
   echo "rc=$?" >> "$out/gpt_on_gpu_$1.txt"; grep -v "^W[0-9]" "$out/gpt_on_gpu_$1.txt" | tail -4
 }
 case $stage in
@@ -242,6 +248,34 @@ case $stage in
     run s9e6.7_block 400 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/s9e6.7_block.json" ;;
   s9f)  # session 9: 13B on the final code (sequential: two 13B states do not fit)
     run s9f13_block 330 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fsdp2-compile --out "$out/s9f13_block.json" ;;
+  s10a)  # session 10: merged products (one GPU), the Adam kernels, then 1.36B without recompute with fbmt's Adam
+    CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/gemm_merge.py --out "$out/gemm_merge.json"
+    CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/gpu_kernels.py --numel 680000000 > "$out/gpu_kernels.txt" 2>&1
+    tail -12 "$out/gpu_kernels.txt"
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run s10a1.36_none 230 benchmarks/gpu_train.py $n136 --steps 30 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-adam,fsdp2-compile --out "$out/s10a1.36_none.json" ;;
+  s10b)  # session 10: merged products (NOTE: [Merged products]): GPU checks, then the 1.36B rows with and without
+    gpu_checks s10b
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run s10b1.36_none 200 benchmarks/gpu_train.py $n136 --steps 30 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-nomerge,fsdp2-compile --out "$out/s10b1.36_none.json"
+    run s10b1.36_block 150 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 24 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-graph,fsdp2-compile --out "$out/s10b1.36_block.json" ;;
+  s10c)  # session 10: 6.7B (merged against the peer) and 13B (sequential) on the final code
+    run s10c6.7_block 330 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 10 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/s10c6.7_block.json"
+    run s10c13_block 250 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fsdp2-compile --out "$out/s10c13_block.json" ;;
+  s10d)  # session 10: where the merged products lose at 1.36B without recompute (profiles), and 6.7B with and without
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run s10d1.36_profile 200 benchmarks/gpu_train.py $n136 --steps 3 --profile --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-nomerge --out "$out/s10d1.36_profile.json"
+    run s10d6.7_block 300 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fbmt-inductor-nomerge --out "$out/s10d6.7_block.json" ;;
+  s10e)  # session 10: the merged products with their gradients' cat as a ConcatKernel (NOTE: [Cats of shared reads])
+    gpu_checks s10e
+    n136="--config 1.36b --batch 8 --seq 2048 --remat none --warmup 2 --loss-in-model"
+    run s10e1.36_none 200 benchmarks/gpu_train.py $n136 --steps 30 --interleave --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-nomerge,fsdp2-compile --out "$out/s10e1.36_none.json"
+    run s10e1.36_profile 120 benchmarks/gpu_train.py $n136 --steps 2 --profile --methods fbmt-inductor-mincut-zero2 --out "$out/s10e1.36_profile.json" ;;
+  s10f)  # session 10: the block-recompute rows with the merged products (q, k, v merged whole), against the peer
+    run s10f6.7_block 300 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block --steps 8 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor,fsdp2-compile --out "$out/s10f6.7_block.json"
+    run s10f1.36_block 130 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat block --steps 20 --warmup 3 --loss-in-model --interleave --methods fbmt-inductor-graph,fsdp2-compile --out "$out/s10f1.36_block.json" ;;
+  s10g)  # session 10: 13B with the merged products (sequential: two 13B states do not fit)
+    run s10g13_block 330 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 --loss-in-model --methods fbmt-inductor,fsdp2-compile --out "$out/s10g13_block.json" ;;
   best)  # fbmt's best 6.7B setting at larger batches (batch 12 is the largest that fits)
     for b in 12 10; do
       run l6.7_best_b$b 125 benchmarks/gpu_train.py --config 6.7b --batch $b --seq 2048 --remat selective --steps 4 --warmup 2 --loss-in-model --methods fbmt-inductor --out "$out/l6.7_best_b$b.json"

@@ -65,7 +65,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
                backend: str = "eager", remat: str | None = None, direct: bool = False,
                zero: int | None = None, graph: bool = False,
-               schedule: str = "prefetch") -> tuple[nn.Module, Any]:
+               schedule: str = "prefetch", adam: str = "torch", disable: tuple[str, ...] = ()) -> tuple[nn.Module, Any]:
     import fbmt
 
     with torch.device("meta"):
@@ -81,8 +81,10 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
     model = fbmt.compile(model, zero=zero or args.zero, remat=remat or args.remat, param_dtype=torch.bfloat16,
                          reduce_dtype=torch.float32,
                          backend=backend, schedule=schedule, prefetch=args.prefetch, direct_grads=direct,
-                         cuda_graph=graph,
+                         cuda_graph=graph, disable=disable,
                          init_fn=init, device=device)
+    if adam == "fbmt":  # fbmt's fused numba Adam(W): the same update as torch's AdamW, one kernel per shard
+        return model, fbmt.optim.AdamOptimizer(model.parameters(), lr=args.lr, weight_decay=0.1)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
 
@@ -125,6 +127,13 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
     "fbmt-inductor-tail": {"backend": "inductor", "schedule": "prefetch-tail"},
     "fbmt-inductor-mincut-zero2-tail": {"backend": "inductor", "remat": "mincut", "zero": 2,
                                         "schedule": "prefetch-tail"},
+    # without the merged products (NOTE: [Merged products]): session 10's A/B
+    "fbmt-inductor-nomerge": {"backend": "inductor", "disable": ("merge",)},
+    "fbmt-inductor-mincut-zero2-nomerge": {"backend": "inductor", "remat": "mincut", "zero": 2,
+                                           "disable": ("merge",)},
+    # fbmt's own fused Adam (fbmt.optim.AdamOptimizer) instead of torch.optim.AdamW(fused=True)
+    "fbmt-inductor-adam": {"backend": "inductor", "adam": "fbmt"},
+    "fbmt-inductor-mincut-zero2-adam": {"backend": "inductor", "remat": "mincut", "zero": 2, "adam": "fbmt"},
 }
 # variants that differ only in a tuning knob fbmt reads from the environment when it launches a kernel
 # (NOTE: [Bounded copies]): that environment is set around each of the method's steps, so that
@@ -168,7 +177,7 @@ def knobs(method: str):
         apply(saved)
 
 
-PASSES_SHOWN = ("remat", "shard", "schedule")  # what these passes decided about the model's ends
+PASSES_SHOWN = ("remat", "merge", "shard", "schedule")  # what these passes decided about the model's ends
 
 
 def train_step(model: nn.Module, opt: Any, args: argparse.Namespace, cfg: LlamaConfig, device: torch.device,
@@ -224,7 +233,7 @@ def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
                            "before_first_kernel": dict(ms=round(first_kernel - began, 3), host_ops=[
                                dict(at_ms=round(a, 3), ms=round(d, 3), op=n[:60]) for a, d, n in before[:40]]),
                            "compute_kernels": [dict(name=n, ms=round(sum(v), 2), count=len(v)) for n, v in
-                                               sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]],
+                                               sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:60]],
                            "edges": edges(kernels)}
     for sid, kinds in streams.items():
         busy, end = 0.0, float("-inf")
