@@ -22,19 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from copy_sweep import timed  # noqa: E402
 from llama import CONFIGS  # noqa: E402
 
 TOKENS = {"1.36b": 8 * 2048, "6.7b": 4 * 2048, "13b": 16 * 512}  # per GPU, as gpu_train.py's rows
-
-
-def events_ms(fn, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def group(tokens: int, d_in: int, outs: list[int], reps: int, rounds: int) -> dict[str, float]:
@@ -66,7 +57,7 @@ def group(tokens: int, d_in: int, outs: list[int], reps: int, rounds: int) -> di
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(rounds):
         for k, fn in cases.items():
-            times[k].append(events_ms(fn, reps))
+            times[k].append(timed(fn, reps))
     out = {k: statistics.median(v) for k, v in times.items()}
     flops = 2 * tokens * d_in * sum(outs)
     out["tflops_fwd_separate"] = flops / out["fwd_separate"] / 1e9

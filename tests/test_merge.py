@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fbmt
 from fbmt.program import FWD
@@ -13,7 +12,7 @@ from fbmt.runtime import collectives
 from fbmt.sim import peak_memory
 from tests.dist import run_ranks
 from tests.models.reference import Llama, batch
-from tests.workers import compare, eager_reference, train_compiled
+from tests.workers import compare, eager_reference, lm_step_matches, train_compiled
 
 aten = torch.ops.aten
 
@@ -97,14 +96,7 @@ def test_merged_llama_matches_eager_with_inductor_regions():
     model = fbmt.compile(Llama(), backend="inductor", remat="mincut", checks=True)
     model.load_state_dict(ref.state_dict())
     (idx,), _, tgt = batch("llama", 0)
-    loss = F.cross_entropy(model(idx).flatten(0, 1), tgt.flatten())
-    ref_loss = F.cross_entropy(ref(idx).flatten(0, 1), tgt.flatten())
-    loss.backward()
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    grads = model.full_gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    lm_step_matches(model, ref, idx, tgt)
     assert "gradients merged for 4" in model.program.summary("merge")  # q/k and gate/up of both layers
 
 

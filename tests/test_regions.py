@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fbmt
 from fbmt.runtime import collectives
 from fbmt.runtime import regions
 from fbmt.runtime.regions import Region
 from tests.models.reference import gpt
+from tests.workers import lm_step_matches
 
 
 @pytest.mark.parametrize("direct,schedule", [(False, "prefetch"), (True, "prefetch"), (False, "prefetch-tail")])
@@ -26,14 +26,7 @@ def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile(dir
     for step in range(2):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        grads = model.full_gradients()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        lm_step_matches(model, ref, x, y)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     exe = next(iter(model._executables.values()))
     regions = [m for gm in (exe.forward, exe.backward) for m in gm.modules() if isinstance(m, Region)]

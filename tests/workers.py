@@ -74,6 +74,21 @@ def compare(got: dict, want: dict, what: str, buffers: bool, rtol: float = 1e-5,
                                        msg=lambda m: f"{what}: {kind[:-1]} {n} differs\n{m}")
 
 
+def lm_step_matches(model, ref, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One forward and backward of a compiled language model (one process) against its eager twin:
+    the loss, and every gathered gradient."""
+    import torch.nn.functional as F
+
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def equivalence(rank: int, world: int, name: str) -> list[str]:
     want = eager_reference(name)
     done = []
