@@ -183,7 +183,7 @@ def _erase_dead(g: fx.Graph, candidates: list[fx.Node]) -> None:
     todo = list(candidates)
     while todo:
         n = todo.pop()
-        if n.graph is not g or n.op != "call_function" or n.users or getattr(n, "_erased", False):
+        if n.op != "call_function" or n.users or getattr(n, "_erased", False):  # listed twice, or still read
             continue
         inputs = list(n.all_input_nodes)
         g.erase_node(n)
@@ -273,31 +273,23 @@ def _sum_tree(dxs: list[fx.Node]) -> tuple[fx.Node, list[fx.Node], list[fx.Node]
     if any(tuple(t.meta["val"].shape) != shape for t in tops):
         return None
 
-    def leaves(n: fx.Node, root: fx.Node) -> tuple[set, list, list] | None:
+    def leaves(n: fx.Node, root: fx.Node) -> tuple[set, list, list]:
+        """(the tops under `n`, the other values its adds add, its adds) through adds read once."""
         if n in tops:
             return {n}, [], []
         if (n.target is aten.add.Tensor and not n.kwargs and len(n.args) == 2
                 and all(isinstance(a, fx.Node) for a in n.args) and (n is root or len(n.users) == 1)
                 and tuple(n.meta["val"].shape) == shape):
-            found, others, nodes = set(), [], [n]
-            for a in n.args:
-                sub = leaves(a, root)
-                if sub is None:
-                    return None
-                found |= sub[0]
-                others += sub[1]
-                nodes += sub[2]
-            return found, others, nodes
+            (found_a, others_a, adds_a), (found_b, others_b, adds_b) = (leaves(a, root) for a in n.args)
+            return found_a | found_b, others_a + others_b, [n] + adds_a + adds_b
         return set(), [n], []
 
     node = next(iter(tops))
-    while len(node.users) == 1:
+    while len(node.users) == 1:  # up from the first top, through adds, to the first that covers all
         node = next(iter(node.users))
         if node.target is not aten.add.Tensor:
             return None
-        sub = leaves(node, node)
-        if sub is not None and sub[0] == set(tops):
-            if any(o in tops or o in inner for o in sub[1]):
-                return None
-            return node, sub[1], inner + sub[2][1:]
+        found, others, adds = leaves(node, node)
+        if found == set(tops):
+            return node, others, inner + adds[1:]
     return None
