@@ -102,7 +102,7 @@ def _runs(key: tuple, members: list, slots: dict) -> list[list[tuple[fx.Node, fx
             lp, lw = runs[-1][-1]
             (group, slot), (lgroup, lslot) = slots[w], slots[lw]
             if (group is lgroup and slot.offset == lslot.offset + lslot.numel and slot.shape[1] == lslot.shape[1]
-                    and saved[p] == saved[lp] and w.meta["val"].dtype == lw.meta["val"].dtype):
+                    and saved[p] == saved[lp]):  # one flat group: one dtype
                 runs[-1].append((p, w))
                 continue
         runs.append([(p, w)])

@@ -200,7 +200,7 @@ def _join_adjacent(g: fx.Graph, buffer: fx.Node, group: FlatGroup, views: list[f
     """A `cat` along rows of parameters that lie back to back in the buffer (the merge pass's, NOTE:
     [Merged products]) becomes one view of the buffer: no copy."""
     index = {v: i for i, v in enumerate(views)}
-    cats = {u for v in views for u in v.users if u.target is aten.cat.default}
+    cats = list(dict.fromkeys(u for v in views for u in v.users if u.target is aten.cat.default))  # in order
     for cat in cats:
         parts, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
         at = [index.get(p) for p in parts]
