@@ -2,23 +2,40 @@
 
 Two ways in: `fbmt.compile(model)` for a plain single-device module, and BMTrain's names
 (`import fbmt as bmt`: DistributedParameter, Block, TransformerBlockList, OptimManager, ...), which
-lower onto the same compiler (fbmt/modules, NOTE: [Lowering]).
+lower onto the same compiler (`fbmt/bmt`, NOTE: [Lowering]).
+
+The tree is the pipeline (docs/ARCHITECTURE.md): `trace` -> `program` (with `layout` and the
+vocabulary of `ops`) -> `passes` -> `runtime`, joined by `pipeline` and `compiled`, behind `api`.
 """
 
-from fbmt import checkpoint, distributed, global_var, inspect, loss, lr_scheduler, nn, optim, sim, utils
-from fbmt.api import CompileOptions, compile
-from fbmt.checkpoint import load, save
-from fbmt.distributed import (gather_result, init_distributed, print_rank, rank, sum_loss, synchronize,
-                              world_size)
-from fbmt.global_var import config
-from fbmt.modules.block import BMTrainModelWrapper, Block, CheckpointBlock, TransformerBlockList
-from fbmt.modules.module import DistributedModule, init_parameters
-from fbmt.modules.parameter import DistributedParameter, ParameterInitializer
+import sys as _sys
+
+from fbmt import bmt, checkpoint, distributed, ops, optim, sim
+from fbmt.api import CompiledModule, CompileOptions, compile
+from fbmt.bmt import global_var, inspect, loss, lr_scheduler, nn, utils
+from fbmt.bmt.block import BMTrainModelWrapper, Block, CheckpointBlock, TransformerBlockList
+from fbmt.bmt.module import DistributedModule, init_parameters
+from fbmt.bmt.parameter import DistributedParameter, ParameterInitializer
+from fbmt.bmt.store import load, save
+from fbmt.distributed import (
+    config,
+    gather_result,
+    init_distributed,
+    print_rank,
+    rank,
+    sum_loss,
+    synchronize,
+    world_size,
+)
+from fbmt.bmt.utils import see_memory
 from fbmt.program import Program
-from fbmt.runtime.module import CompiledModule
 from fbmt.sim import simulate
 from fbmt.trace import TraceError
-from fbmt.utils import see_memory
+
+# BMTrain's module paths: `import bmtrain.lr_scheduler` (and the other five) has to work as
+# `import fbmt.lr_scheduler` too, so each of these names of fbmt/bmt is also registered under fbmt.
+for _module in (global_var, inspect, loss, lr_scheduler, nn, utils):
+    _sys.modules[f"fbmt.{_module.__name__.rsplit('.', 1)[1]}"] = _module
 
 __all__ = [
     # fbmt.compile
@@ -28,6 +45,7 @@ __all__ = [
     "see_memory", "DistributedParameter", "ParameterInitializer", "DistributedModule", "init_parameters", "Block",
     "CheckpointBlock", "TransformerBlockList", "BMTrainModelWrapper", "save", "load",
     # submodules
-    "checkpoint", "distributed", "global_var", "inspect", "loss", "lr_scheduler", "nn", "optim", "sim", "utils",
+    "bmt", "checkpoint", "distributed", "global_var", "inspect", "loss", "lr_scheduler", "nn", "ops", "optim", "sim",
+    "utils",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -1,20 +1,34 @@
-"""Process-group setup (torchrun's environment in, gloo on CPU / NCCL on CUDA, identical seeds) and
-BMTrain's differentiable collectives over the default group (`all_reduce`, `all_gather`,
-`reduce_scatter`, `broadcast`, `sum_loss`, `gather_result`, `synchronize`, `print_rank`)."""
+"""Process-group setup (torchrun's environment in, gloo on CPU / NCCL on CUDA, identical seeds), the
+job's shape (`rank`, `world_size`, `local_device`), and BMTrain's differentiable collectives over the
+default group (`all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `sum_loss`,
+`gather_result`, `synchronize`, `print_rank`).
+
+This module sits below the compiler: everything in fbmt may import it, and it imports no other part
+of fbmt but `flags`.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
 import random
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fbmt.global_var import config
-from fbmt.runtime.collectives import all_gather_into, reduce_scatter_into
+from fbmt import flags
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# What the job looks like, as BMTrain's `bmtrain.global_var.config` has it; filled by init_distributed.
+# Tensor and pipeline parallelism are not supported, so `tp_size` and `pipe_size` are 1 and every
+# parameter is sharded over all ranks (`zero_size == world_size`).
+config: dict[str, Any] = dict(rank=0, local_rank=0, world_size=1, local_size=1, zero_size=1, zero_rank=0,
+                              tp_size=1, tp_rank=0, tp_zero_size=1, tp_zero_rank=0, pipe_size=1, pipe_rank=0,
+                              device="cpu", initialized=False)
+
+# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def init_distributed(init_method: str = "env://", seed: int = 0, pipe_size: int = -1,
@@ -46,7 +60,7 @@ def init_distributed(init_method: str = "env://", seed: int = 0, pipe_size: int 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    wait = float(timeout if timeout is not None else env.get("FBMT_INIT_TIMEOUT", 300))
+    wait = float(timeout if timeout is not None else flags.INIT_TIMEOUT.get())
     try:
         if launched:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in env]
@@ -100,6 +114,30 @@ def local_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def compute_device(device: torch.device | str | None = None) -> torch.device:
+    """The given device, else this rank's; "cuda" means the current CUDA device (cuda:N)."""
+    device = torch.device(device) if device is not None else local_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def ranks_per_node(world: int | None = None) -> int:
+    """How many ranks of the job share this rank's machine: torchrun's LOCAL_WORLD_SIZE, else the
+    whole job (`world`, default the process group's size)."""
+    world = world or world_size()
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def gather_flat(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `t` (all of one size), concatenated in rank order (a blocking collective)."""
+    if world_size() == 1:
+        return t
+    out = torch.empty(t.numel() * world_size(), dtype=t.dtype, device=t.device)
+    all_gather_into(out, t.contiguous())
+    return out
 
 
 # ---- collectives over the default group, differentiable (BMTrain's `bmt.distributed`) ----

@@ -9,25 +9,28 @@ holds:
   `meta["fbmt_block"]`.
 - `inputs` / `outputs`: the role of each placeholder and each output slot (a parameter, a buffer,
   a user input, a tangent, a shard, a shard gradient, ...), so the runtime knows what to feed.
-- `layout`: how parameters are grouped into flat, sharded buffers (decided at compile time, since
-  `model.parameters()` must exist before the first call).
+- `layout`: how parameters are grouped into flat, sharded buffers (`fbmt.layout`, decided at
+  compile time, since `model.parameters()` must exist before the first call).
 - `history`: one record per pass: its name, time, a summary, and the program text after it, so a
   notebook can show each pass's diff.
+
+Its nodes are aten ops and the ops of `fbmt.ops` (collectives, recording).
 
 See NOTE: [Phases] below for how forward and backward are told apart.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
-import time
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from fbmt import ops
+from fbmt.layout import Layout
 
 # NOTE: [Phases]
 # The joint graph is traced as "forward, then autograd.grad", so every forward node precedes every
@@ -35,85 +38,6 @@ import torch.fx as fx
 # The partitioner splits by phase, never by re-deriving dependencies, and `verify` checks that the
 # phases are contiguous (all "fwd" before all "bwd") and that no forward node reads a tangent.
 FWD, BWD = "fwd", "bwd"
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """One parameter inside a flat group: where its elements live in the flat buffer."""
-
-    name: str  # canonical fully-qualified name (first name of a tied parameter)
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class FlatGroup:
-    """Parameters of one block with one dtype and one requires_grad, stored as one flat buffer.
-
-    Rank r owns elements [r * shard_numel, (r + 1) * shard_numel) of the zero-padded flat buffer.
-    """
-
-    index: int
-    block: str
-    dtype: torch.dtype  # how the shard is stored (and the optimizer sees it)
-    requires_grad: bool
-    slots: tuple[ParamSlot, ...]
-    world_size: int
-    compute_dtype: torch.dtype | None = None  # how it is gathered and computed with (None: as stored)
-
-    @property
-    def compute(self) -> torch.dtype:
-        return self.compute_dtype or self.dtype
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slots)
-
-    @property
-    def shard_numel(self) -> int:
-        return -(-self.numel // self.world_size)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.shard_numel * self.world_size
-
-    @property
-    def name(self) -> str:
-        dt = str(self.dtype).removeprefix("torch.")
-        return f"{self.block or '<root>'}/{dt}{'' if self.requires_grad else '/frozen'}"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a model's parameters are blocked and sharded. Shared by every Program of one model."""
-
-    blocks: tuple[str, ...]  # module paths, in module order; "" is the root's own parameters
-    groups: tuple[FlatGroup, ...]
-    aliases: dict[str, str]  # every parameter name (tied ones too) -> canonical name
-    world_size: int
-
-    def group_of(self, param_name: str) -> tuple[FlatGroup, ParamSlot]:
-        canonical = self.aliases[param_name]
-        for g in self.groups:
-            for s in g.slots:
-                if s.name == canonical:
-                    return g, s
-        raise KeyError(param_name)
-
-    def block_of_module(self, module_path: str | None) -> str | None:
-        """The block a module path belongs to: the longest block path that prefixes it."""
-        if module_path is None:
-            return None
-        best = None
-        for b in self.blocks:
-            if b == "" or module_path == b or module_path.startswith(b + "."):
-                if best is None or len(b) > len(best):
-                    best = b
-        return best
 
 
 @dataclass(frozen=True)
@@ -129,6 +53,8 @@ class Role:
 
 @dataclass(frozen=True)
 class PassRecord:
+    """What one pass did: its name, how long it took, its own summary, and the program after it."""
+
     name: str
     seconds: float
     summary: str
@@ -175,8 +101,9 @@ class Program:
         return dataclasses.replace(self, graph=graph, inputs=list(self.inputs), outputs=list(self.outputs),
                                    history=list(self.history))
 
-    def record(self, name: str, started: float, summary: str) -> None:
-        self.history.append(PassRecord(name, time.perf_counter() - started, summary, format_graph(self)))
+    def record(self, name: str, seconds: float, summary: str) -> None:
+        """Append a pass's record (the runner does this after every pass)."""
+        self.history.append(PassRecord(name, seconds, summary, format_graph(self)))
 
     def summary(self, name: str) -> str:
         """What pass `name` said it did (its last record), e.g. `program.summary("remat")`."""
@@ -186,9 +113,25 @@ class Program:
         raise KeyError(f"no pass named {name!r} ran; passes: {[r.name for r in self.history]}")
 
     def collectives(self) -> list[fx.Node]:
-        from fbmt.runtime import collectives
+        """The start node of every collective, in program order."""
+        return [n for n in self.graph.nodes if n.op == "call_function" and n.target in ops.STARTS]
 
-        return [n for n in self.graph.nodes if n.op == "call_function" and n.target in collectives.STARTS]
+    def collective_signature(self) -> str:
+        """A digest of the ordered collective sequence (kind, group, phase) and the groups' sizes: the
+        runtime compares it across ranks before a program first runs, so ranks that traced different
+        programs fail with a message instead of hanging in mismatched collectives."""
+        parts = [f"{n.target.__name__}:{n.meta.get('fbmt_group')}:{n.meta.get('fbmt_phase')}"
+                 for n in self.collectives()]
+        sizes = [f"{grp.index}:{grp.padded_numel}:{grp.dtype}" for grp in self.layout.groups]
+        return hashlib.sha1("|".join(parts + sizes).encode()).hexdigest()[:16]
+
+    def fake(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A fake tensor in this program's fake mode, on its parameters' device (None if untraced)."""
+        for n in self.placeholders():
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+                return ops.fake_like(v, shape, dtype)
+        return None
 
     def __str__(self) -> str:
         head = [f"# fbmt Program: world_size={self.layout.world_size}, "
@@ -249,47 +192,3 @@ def format_graph(program: Program) -> str:
         lhs = f"%{n.name}: {_fmt_val(n)}" if _fmt_val(n) else f"%{n.name}"
         lines.append(f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {' '.join(note)}")
     return "\n".join(lines)
-
-
-def tensor_meta(node: fx.Node) -> torch.Tensor | None:
-    v = node.meta.get("val")
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def clone_meta(node: fx.Node, **updates: Any) -> dict[str, Any]:
-    meta = copy.copy(node.meta)
-    meta.update(updates)
-    return meta
-
-
-def nbytes(value: Any) -> int:
-    """Bytes of a node's value (`meta["val"]`): a tensor, or a list/tuple of them; else 0."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(nbytes(x) for x in value)
-    return 0
-
-
-def is_view(node: fx.Node) -> bool:
-    """True if the node's output aliases its first input (view, slice, t, transpose, expand, ...)."""
-    t = node.target
-    if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
-        return False
-    returns = t._schema.returns
-    return len(returns) == 1 and returns[0].alias_info is not None
-
-
-def buffer_readers(buffer: fx.Node) -> tuple[list[fx.Node], bool]:
-    """Nodes that read `buffer` directly or through views of it; and whether the output returns it."""
-    readers, todo, returned = [], [buffer], False
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u.op == "output":
-                returned = True
-                continue
-            readers.append(u)
-            if is_view(u) and u.args[0] is n:
-                todo.append(u)
-    return readers, returned

@@ -10,9 +10,10 @@ runs it) on two streams. The compute stream runs every op for `max(flops / matmu
 memory bandwidth)` plus a launch overhead (a roofline: matrix products and attention are priced by
 their FLOPs, everything else by the bytes it reads and writes; views cost nothing). A collective's
 start occupies the communication stream, in issue order, for its copies (the cast before an
-all-gather, the copy of the gradients into the reduce-scatter buffer: they run on the runtime's copy
-stream, NOTE: [Copy stream]) plus `latency + (N - 1) / N * bytes / bus bandwidth` (ring
-all-gather / reduce-scatter); on one rank the copies run on the compute stream. A
+all-gather, the copy of the gradients into the reduction's buffer: they run on the runtime's copy
+stream, NOTE: [Copy stream] in runtime/collectives.py) plus `latency + (N - 1) / N * bytes / bus
+bandwidth` (ring all-gather / reduce-scatter; an all-to-all moves as many bytes); on one rank the
+copies run on the compute stream. A
 `wait` stalls the compute stream until its collective is done: that stall is *exposed
 communication*. Peak memory replays the same order with each value alive from its definition to its
 last use (views keep their base alive; a reduce-scatter's input lives until its wait), which is how
@@ -31,13 +32,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fbmt.program import Program, nbytes
-from fbmt.runtime import collectives
-
-_FREE = {"view", "_unsafe_view", "reshape", "slice", "t", "transpose", "permute", "expand", "alias", "unsqueeze",
-         "squeeze", "select", "as_strided", "split", "split_with_sizes", "unbind", "detach", "lift_fresh_copy"}
-_ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-              "_scaled_dot_product_cudnn_attention", "_flash_attention", "_efficient_attention")
+from fbmt import ops
+from fbmt.ops import flops, nbytes
+from fbmt.program import Program
 
 
 @dataclass(frozen=True)
@@ -51,11 +48,10 @@ class Machine:
     latency: float = 20e-6  # seconds per collective
     launch: float = 4e-6  # seconds per kernel
     fp32_matmul_flops: float | None = None  # for fp32 matrix products (default: a 16th of matmul_flops)
-    gpus_per_node: int | None = None  # ranks that share the fast link (default: all of them, one machine)
 
 
-# Measured on the H200 host of BENCHMARKS.md: ~700 TFLOP/s bf16 matmul (71% of the 989 peak), 4.19 TB/s
-# copy bandwidth; NVLink all-gather/reduce-scatter bus bandwidth ~360 GB/s for 2 GPUs.
+# The rates measured on the H200 host of BENCHMARKS.md (matrix products, copy bandwidth, NVLink bus
+# bandwidth of an all-gather or reduce-scatter between 2 GPUs).
 H200 = Machine("H200 (NVLink)", matmul_flops=700e12, memory_bandwidth=4.19e12, bus_bandwidth=360e9,
                fp32_matmul_flops=50e12)
 
@@ -81,42 +77,14 @@ class Simulation:
                 f"{self.peak_activation_bytes / 2**30:.2f} GiB")
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else n
 
 
-def _name(n: fx.Node) -> str:
-    t = n.target
-    return t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
-
-
-def flops(n: fx.Node) -> float:
-    """FLOPs of a matrix product or attention node (0 for everything else)."""
-    name = _name(n)
-    args = [_val(a) for a in n.args]
-    if name in ("mm", "addmm", "bmm", "baddbmm", "mm_into"):
-        a, b = (args[0], args[1]) if name in ("mm", "bmm", "mm_into") else (args[1], args[2])
-        return 2.0 * a.numel() * b.shape[-1]
-    if name.startswith(_ATTENTION):
-        q, k = args[0], args[1]
-        work = 4.0 * q.numel() * k.shape[-2]  # QK^T and PV: 2 * b*h*s*t*d each
-        if any(a is True for a in n.args[3:]) or n.kwargs.get("is_causal"):
-            work /= 2
-        return work * (2.5 if name.endswith("backward") else 1.0)
-    if name == "convolution":
-        out, w = _val(n), args[1]
-        return 2.0 * out.numel() * w[0].numel() if out is not None else 0.0
-    return 0.0
-
-
 def compute_time(n: fx.Node, machine: Machine) -> float:
     """Roofline time of one compute node on the machine (0 for views and bookkeeping)."""
-    if n.op != "call_function" or n.target in (operator.getitem, collectives.grad_buffer) or _name(n) in _FREE:
-        return 0.0  # views, and allocations
+    if n.op != "call_function" or ops.costs_nothing(n):
+        return 0.0
     out = _val(n)
     moved = nbytes(out) + sum(nbytes(_val(a)) for a in n.all_input_nodes)
     work = flops(n)
@@ -130,21 +98,18 @@ def compute_time(n: fx.Node, machine: Machine) -> float:
 def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
     """(copy time, communication time, bytes in flight) of a collective's start node: the casts and
     copy-ins around it, and the transfer itself."""
-    if n.target is collectives.all_gather:
-        shard, world = _val(n.args[0]), n.args[1]
-        dtype = n.args[2] if len(n.args) > 2 else shard.dtype
-        size = shard.numel() * _itemsize(dtype)
-        host = machine.launch + 3 * size / machine.memory_bandwidth if dtype != shard.dtype else 0.0
+    if n.target in ops.GATHERS:
+        shard, world, dtype = ops.gather_args(n)
+        value = _val(shard)
+        dtype = dtype or value.dtype
+        size = value.numel() * dtype.itemsize
+        host = machine.launch + 3 * size / machine.memory_bandwidth if dtype != value.dtype else 0.0
         total = size * world
-    else:  # reduce_scatter(pieces, world, padded_numel, average, wire_dtype, out_dtype[, buffer])
-        pieces, world, padded = n.args[0], n.args[1], n.args[2]
-        first = _val(pieces[0])
-        reduce = n.args[4] if len(n.args) > 4 else first.dtype
-        wire = collectives.on_wire(first.dtype, reduce, world, machine.gpus_per_node or world) \
-            if len(n.args) <= 6 else reduce
-        total = padded * _itemsize(wire)
-        copied = [p for p in pieces if p.target is not collectives.mm_into]  # the rest are in place already
-        moved = sum(nbytes(_val(p)) + _val(p).numel() * _itemsize(wire) for p in copied)
+    else:
+        r = ops.reduction_args(n)
+        world = r.world_size
+        total = r.padded_numel * r.wire_dtype.itemsize
+        moved = sum(nbytes(_val(p)) + _val(p).numel() * r.wire_dtype.itemsize for p in r.pieces)
         host = machine.launch + moved / machine.memory_bandwidth
     if world == 1:
         return host, 0.0, 0
@@ -160,9 +125,9 @@ def simulate(program: Program, machine: Machine = H200) -> Simulation:
     timeline = []
     for n in g.nodes:
         phase = n.meta.get("fbmt_phase", "")
-        if n.op != "call_function" or n.target is collectives.release:
+        if n.op != "call_function" or n.target is ops.release:
             continue
-        if n.target in collectives.STARTS:
+        if n.target in ops.STARTS:
             host, comm, _ = _collective(n, machine)
             if comm:  # the copies run on the copy stream, right before the collective (NOTE: [Copy stream])
                 host, comm = 0.0, host + comm
@@ -173,7 +138,7 @@ def simulate(program: Program, machine: Machine = H200) -> Simulation:
             busy_comm += comm
             done[n] = t_comm
             timeline.append((n.name, "comm", phase, begin, t_comm))
-        elif n.target is collectives.wait:
+        elif n.target is ops.wait:
             end = done.get(n.args[0], 0.0)
             if end > t_compute:
                 exposed[phase or "fwd"] = exposed.get(phase or "fwd", 0.0) + end - t_compute
@@ -186,20 +151,19 @@ def simulate(program: Program, machine: Machine = H200) -> Simulation:
             compute += cost
     return Simulation(machine=machine, world_size=program.layout.world_size, step_s=max(t_compute, t_comm),
                       compute_s=compute, comm_s=busy_comm, exposed_comm_s=sum(exposed.values()),
-                      exposed_by_phase=exposed, peak_activation_bytes=peak_memory(program, machine.gpus_per_node),
-                      timeline=timeline)
+                      exposed_by_phase=exposed, peak_activation_bytes=peak_memory(program), timeline=timeline)
 
 
-def peak_memory(program: Program, gpus_per_node: int | None = None) -> int:
-    """Peak bytes of values alive at once when the program runs in its order (NOTE: [Simulator]);
-    `gpus_per_node` as `Machine` has it."""
+def peak_memory(program: Program) -> int:
+    """Peak bytes of values alive at once when the program runs in its order (NOTE: [Simulator])."""
     g = program.graph
-    order = {n: i for i, n in enumerate(g.nodes)}
+    order = ops.node_order(g)
     base: dict[fx.Node, fx.Node] = {}
-    for n in g.nodes:  # views and waits alias what they come from, mm_into the buffer it writes
+    for n in g.nodes:  # views and waits alias what they come from
         if n.op == "call_function" and (n.target is operator.getitem and nbytes(_val(n.args[0])) == 0
-                                        or _name(n) in _FREE or n.target in (collectives.wait, collectives.mm_into)):
-            src = n.args[2] if n.target is collectives.mm_into else n.args[0]
+                                        or n.target is not operator.getitem and ops.costs_nothing(n)
+                                        or n.target is ops.wait):
+            src = n.args[0]
             if isinstance(src, fx.Node):
                 base[n] = base.get(src, src)
     owner = {n: base.get(n, n) for n in g.nodes}
@@ -212,23 +176,16 @@ def peak_memory(program: Program, gpus_per_node: int | None = None) -> int:
     events: list[tuple[float, int]] = []
     for n in g.nodes:
         if n.op == "call_function" and owner[n] is n:
-            if n.target is collectives.all_gather:
-                shard = _val(n.args[0])
-                dtype = n.args[2] if len(n.args) > 2 else shard.dtype
-                size[n] = shard.numel() * n.args[1] * _itemsize(dtype)
-            elif n.target is collectives.reduce_scatter:  # the flat input lives until the wait, the shard after
-                pieces, world, padded = n.args[0], n.args[1], n.args[2]
-                piece = _val(pieces[0]).dtype
-                wire = n.args[4] if len(n.args) > 4 else piece
-                out = n.args[5] if len(n.args) > 5 else wire
-                waited = min((order[u] for u in n.users if u.target is collectives.wait), default=order[n])
-                if len(n.args) > 6:  # the flat input is the group's grad_buffer: it lives until the wait
-                    last[n.args[6]] = max(last.get(n.args[6], 0), waited)
-                else:  # the flat input, and what an exchange receives (NOTE: [Narrow wire]), until the wait
-                    narrow = collectives.on_wire(piece, wire, world, gpus_per_node or world)
-                    held = padded * _itemsize(narrow) * (2 if narrow != wire else 1)
-                    events += [(order[n], held), (waited + 0.5, -held)]
-                size[n] = padded // world * _itemsize(out)
+            if n.target in ops.GATHERS:
+                shard, world, dtype = ops.gather_args(n)
+                size[n] = _val(shard).numel() * world * (dtype or _val(shard).dtype).itemsize
+            elif n.target in ops.REDUCTIONS:  # the flat input lives until the wait, the shard after
+                r = ops.reduction_args(n)
+                waited = min((order[u] for u in n.users if u.target is ops.wait), default=order[n])
+                # the flat input, and what an all-to-all receives (NOTE: [Narrow wire]), until the wait
+                held = r.padded_numel * r.wire_dtype.itemsize * (2 if n.target is ops.all_to_all_reduce else 1)
+                events += [(order[n], held), (waited + 0.5, -held)]
+                size[n] = r.padded_numel // r.world_size * r.out_dtype.itemsize
             else:
                 size[n] = nbytes(_val(n))
     for n, b in size.items():

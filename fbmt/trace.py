@@ -30,7 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-from fbmt.program import BWD, FWD, Layout, Program, Role
+from fbmt.layout import Layout
+from fbmt.program import BWD, FWD, Program, Role
 
 aten = torch.ops.aten
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import fbmt
 from fbmt.checkpoint import save_atomic
 from fbmt.models import GPT, GPTConfig, init_weights
-from fbmt.passes.remat import POLICIES
+from fbmt.passes import POLICIES, STRATEGIES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remat", default="block", choices=POLICIES)
     p.add_argument("--backend", default="eager", choices=["eager", "inductor"],
                    help="inductor: compile the compute between collectives (see README)")
-    p.add_argument("--schedule", default="prefetch", choices=["prefetch", "none"])
+    p.add_argument("--schedule", default="prefetch", choices=sorted(STRATEGIES))
     p.add_argument("--cuda-graph", action="store_true",
                    help="GPU only: replay each step's forward and backward as CUDA graphs after 2 warm-up steps")
     p.add_argument("--corpus-mb", type=float, default=16.0, help="how much of the stdlib to read")

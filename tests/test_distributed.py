@@ -1,10 +1,17 @@
-"""init_distributed: alone it is rank 0 of 1; an unreachable rendezvous is an error, not a hang."""
+"""fbmt.distributed: init_distributed alone is rank 0 of 1, an unreachable rendezvous is an error, not a
+hang; BMTrain's differentiable collectives on 2 and 4 gloo ranks."""
 
 import os
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.workers import collectives
 
 
 def _free_port() -> int:
@@ -41,3 +48,15 @@ def test_unreachable_rendezvous_fails_with_a_clear_message_in_time():
 def test_missing_master_address_is_named():
     r = _run("import fbmt; fbmt.init_distributed()", dict(RANK="0", WORLD_SIZE="2"))
     assert r.returncode != 0 and "MASTER_ADDR" in r.stderr and "torchrun" in r.stderr
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_forward_and_backward(world):
+    run_ranks(world, collectives)
+
+
+def test_bad_op_is_named():
+    import fbmt.distributed as D
+
+    with pytest.raises(ValueError, match="op='mean'"):
+        D.all_reduce(torch.ones(2), "mean")

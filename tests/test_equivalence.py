@@ -2,8 +2,8 @@
 
 Every combination of zero={3,2}, remat={block,none}, schedule={prefetch,none} on 1, 2 and 4 gloo
 ranks, for an MLP, a GPT (ModuleList blocks, tied embeddings) and a model with buffers, kwargs and
-dict/tuple outputs; plus gradient accumulation, remat="selective" and "mincut", schedule="prefetch-tail",
-direct_grads, and (on 2 ranks) backend="inductor" on the GPT.
+dict/tuple outputs; plus, on the GPT, gradient accumulation, remat="selective" and "mincut", gathers
+two blocks ahead (prefetch=2), and (on 2 ranks) backend="inductor".
 """
 
 import pytest

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.runtime import collectives
+from fbmt import ops
 from fbmt.sim import H200, Machine, _collective, compute_time, flops, simulate
 from tests.models.reference import gpt
 
@@ -76,25 +76,24 @@ def test_collective_copies_run_on_the_communication_stream_when_there_is_one():
     for world in (1, 2):
         program = _program(world=world, **mixed)
         sim = simulate(program, copies_only)
-        starts = [n for n in program.graph.nodes if n.target in collectives.STARTS]
+        starts = [n for n in program.graph.nodes if n.target in ops.STARTS]
         copies = sum(_collective(n, copies_only)[0] for n in starts)
-        ops = sum(compute_time(n, copies_only) for n in program.graph.nodes
-                  if n.op == "call_function" and n.target not in collectives.EFFECTFUL)
+        work = sum(compute_time(n, copies_only) for n in program.graph.nodes
+                   if n.op == "call_function" and n.target not in ops.COLLECTIVES)
         assert len(starts) > 0 and copies > 0
         if world == 2:
-            assert sim.compute_s == pytest.approx(ops) and sim.comm_s == pytest.approx(copies)
+            assert sim.compute_s == pytest.approx(work) and sim.comm_s == pytest.approx(copies)
         else:
-            assert sim.comm_s == 0 and sim.compute_s == pytest.approx(ops + copies)
+            assert sim.comm_s == 0 and sim.compute_s == pytest.approx(work + copies)
 
 
-def test_gradients_travel_narrow_within_a_node_and_in_fp32_across_nodes(monkeypatch):
-    """NOTE: [Narrow wire]: what the simulator charges follows the machine it is given, not the
-    environment of the process that runs it."""
-    monkeypatch.delenv("FBMT_NARROW_WIRE", raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # as in a one-GPU notebook on a multi-node job's host
-    program = _program(world=4, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    rs = [n for n in program.graph.nodes if n.target is collectives.reduce_scatter]
-    one_node = sum(_collective(n, H200)[2] for n in rs)
-    two_nodes = sum(_collective(n, dataclasses.replace(H200, gpus_per_node=2))[2] for n in rs)
-    assert two_nodes == 2 * one_node  # fp32 on the wire, not bf16
-    assert simulate(program, H200).comm_s < simulate(program, dataclasses.replace(H200, gpus_per_node=2)).comm_s
+def test_the_simulator_charges_the_wire_the_program_chose():
+    """NOTE: [Narrow wire]: the shard pass decides the dtype on the wire; the simulator charges it."""
+    mixed = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    narrow, ring = _program(narrow_wire=True, **mixed), _program(narrow_wire=False, **mixed)
+
+    def wire_bytes(program):
+        return sum(_collective(n, H200)[2] for n in program.graph.nodes if n.target in ops.REDUCTIONS)
+
+    assert wire_bytes(ring) == 2 * wire_bytes(narrow)  # fp32 on the wire, not bf16
+    assert simulate(narrow, H200).comm_s < simulate(ring, H200).comm_s

@@ -240,9 +240,8 @@ int affinity_threads() {
 }
 
 // NOTE: [A persistent thread pool]
-// Spawning threads per call costs ~50 us each: with 32 threads that is 1-2 ms per call, which the
-// offload pipeline pays once per chunk (measured: 4M-element chunks made a 200M-parameter step 2.5x
-// slower than one chunk). Workers are started once, wait on a condition variable for a generation
+// Spawning threads per call costs tens of microseconds each, paid by the offload pipeline once per
+// chunk: with many threads and small chunks that outweighs the update (BENCHMARKS.md). Workers are started once, wait on a condition variable for a generation
 // number to change, run their share and report back. The pool is leaked on purpose (its detached
 // threads die with the process: no join at exit) and rebuilt if a forked child calls in.
 class Pool {

@@ -5,13 +5,7 @@ stream, so they queue behind torch's work without a host synchronization; result
 numba-cuda is imported on first use: `import fbmt` does not need it.
 """
 
-import numpy as _np
-
-if not hasattr(_np, "row_stack"):
-    # numba-cuda (0.30 and older) registers an overload for np.row_stack when it compiles its first
-    # kernel; NumPy 2.5 removed that alias of np.vstack, which breaks every kernel compile. Restore it.
-    _np.row_stack = _np.vstack
-
+from fbmt.kernels import _numba  # noqa: F401  (numba and NumPy adjusted before any kernel is defined)
 from fbmt.kernels.kernels import cast_, fused_adam_, multi_tensor_nonfinite, multi_tensor_sum_of_squares
 
 __all__ = ["fused_adam_", "multi_tensor_nonfinite", "multi_tensor_sum_of_squares", "cast_"]

@@ -14,19 +14,10 @@ import ctypes
 
 import numpy as np
 import torch
-from numba import config, cuda, types
+
+from fbmt.kernels._numba import config, cuda, types
 
 SIM = bool(config.ENABLE_CUDASIM)
-# a small tensor (a norm's 1024-element shard) gets a small grid on purpose: numba would warn at every
-# such launch that the GPU is under-used, once per optimizer step per small parameter (numba-cuda's
-# dispatcher reads its own config module where it has one, numba's otherwise)
-config.CUDA_LOW_OCCUPANCY_WARNINGS = False
-try:
-    from numba.cuda.core import config as _cuda_config
-
-    _cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
-except ImportError:
-    pass
 KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import torch
-from numba import cuda
+from fbmt.kernels._numba import cuda
 
 from fbmt.kernels._device import (KIND, SIM, array, bf16_to_f32, f16_bits_to_f32, f32_of_bits, f32_to_bf16,
                                   launch_size, load_f16, load_u16, load_u32, load_v4, stream)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fbmt import distributed
-from fbmt.modules.parameter import gather_parts, is_distributed
+from fbmt.bmt.parameter import gather_parts, is_distributed
 from fbmt.optim._adam_base import AdamBase
 
 

@@ -28,8 +28,8 @@ class AdamOffloadOptimizer(AdamBase):
         decoupled_weight_decay: False gives torch.optim.Adam's L2 penalty instead.
         skip_nonfinite: if any gradient is inf/nan, skip the whole step (nothing changes) and set
             `last_step_skipped`; otherwise such a step is applied, as torch's AdamW would.
-        chunk_numel: elements per pipeline chunk on CUDA (16M measured best on an H200 host: 12% faster
-            than no pipelining for 200M bf16 parameters; 4M chunks were slower than none).
+        chunk_numel: elements per pipeline chunk on CUDA (large enough that each chunk's copies and
+            update outweigh their fixed costs, small enough to overlap them; BENCHMARKS.md times sizes).
         threads: CPU threads for the update (0: every CPU this process may run on).
 
     `step(closure=None, scale=1.0)`: gradients are divided by `scale` (a loss scale) inside the update.

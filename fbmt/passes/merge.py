@@ -15,9 +15,9 @@ its gate and up projections):
 Values are unchanged up to the order of summation.
 
 NOTE: [Merged products]
-Why: on an H200 (benchmarks/gemm_merge.py) a 1.36B Llama's merged products take 4.5 ms less per
-step than the separate ones, before the adds of the input gradient, which the merged product does
-inside its accumulation; the launches and the `Memset`s cuBLAS issues before each product go too.
+Why: one product of the summed width runs faster than the separate ones (benchmarks/gemm_merge.py
+times them; BENCHMARKS.md), and the merged input gradient does the adds of the separate ones inside
+its accumulation; the launches and the `Memset`s cuBLAS issues before each product go too.
 Which runs: products of a forward run are split by whether the backward reads them (saves them). A
 column slice that is saved keeps the whole merged output alive, so merging q, k (not saved: the
 rotary embedding makes new tensors) with v (saved for attention's backward) would hold three times
@@ -29,26 +29,26 @@ as it was: each slice's views are re-derived on fake tensors first.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from fbmt.program import BWD, FWD, FlatGroup, ParamSlot, Program, is_view
-from fbmt.passes.shard import emit
+from fbmt import ops
+from fbmt.layout import FlatGroup, ParamSlot
+from fbmt.ops import emit
+from fbmt.ops.tables import RESHAPES
+from fbmt.program import BWD, FWD, Program
 
 aten = torch.ops.aten
-_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _CARRIED = ("fbmt_block", "fbmt_module", "fbmt_recompute")  # meta a merged node takes from what it replaces
 
 
-def merge_products(program: Program) -> Program:
-    started = time.perf_counter()
+def merge_products(program: Program) -> tuple[Program, str]:
     program = program.copy()
     g = program.graph
-    order = {n: i for i, n in enumerate(g.nodes)}
+    order = ops.node_order(g)
     slots = _param_slots(program)
     runs = [run for key, members in _products(g, slots).items() for run in _runs(key, members, slots)]
     merged, weight_sets = [], []
@@ -60,8 +60,7 @@ def merge_products(program: Program) -> Program:
     grads = sum(_merge_gradients(program, ws, slots) for ws in weight_sets)
     g.lint()
     sizes = "/".join(map(str, sorted(set(merged)))) or "0"
-    program.record("merge", started, f"{len(merged)} runs of {sizes} products merged, gradients merged for {grads}")
-    return program
+    return program, f"{len(merged)} runs of {sizes} products merged, gradients merged for {grads}"
 
 
 def _param_slots(program: Program) -> dict[fx.Node, tuple[FlatGroup, ParamSlot]]:
@@ -84,7 +83,7 @@ def _products(g: fx.Graph, slots: dict) -> dict[tuple, list[tuple[fx.Node, fx.No
         x, tw = n.args
         if not (isinstance(tw, fx.Node) and tw.target is aten.t.default and tw.args[0] in slots):
             continue
-        base = x.args[0] if x.target in _RESHAPES else x
+        base = x.args[0] if x.target in RESHAPES else x
         shape = tuple(x.meta["val"].shape)
         found[(n.meta.get("fbmt_phase"), n.meta.get("fbmt_recompute"), base, shape)].append((n, tw.args[0]))
     return found
@@ -109,11 +108,6 @@ def _runs(key: tuple, members: list, slots: dict) -> list[list[tuple[fx.Node, fx
     return [r for r in runs if len(r) >= 2]
 
 
-def _aliases(u: fx.Node, n: fx.Node) -> bool:
-    """`u` is a view of `n` (`_unsafe_view` too: its schema claims a new tensor, but it shares memory)."""
-    return (is_view(u) or u.target is aten._unsafe_view.default) and u.args[0] is n
-
-
 def _outlives_forward(node: fx.Node) -> bool:
     """The backward reads the node or a view of it (so the partitioner saves it), or the program
     returns one: either way it outlives the forward."""
@@ -123,7 +117,7 @@ def _outlives_forward(node: fx.Node) -> bool:
         for u in n.users:
             if u.meta.get("fbmt_phase") == BWD or u.op == "output":
                 return True
-            if _aliases(u, n):
+            if ops.aliases(u) and u.args[0] is n:
                 todo.append(u)
     return False
 
@@ -132,7 +126,7 @@ def _merge_run(g: fx.Graph, run: list[tuple[fx.Node, fx.Node]], order: dict) -> 
     products = [p for p, _ in run]
     first = min(products, key=order.__getitem__)
     x = first.args[0]
-    y_val = _fake_like(first.meta["val"], (first.meta["val"].shape[0], sum(w.meta["val"].shape[0] for _, w in run)))
+    y_val = ops.fake_like(first.meta["val"], (first.meta["val"].shape[0], sum(w.meta["val"].shape[0] for _, w in run)))
     bounds, start = [], 0
     for _, w in run:
         bounds.append((start, start + w.meta["val"].shape[0]))
@@ -155,16 +149,11 @@ def _merge_run(g: fx.Graph, run: list[tuple[fx.Node, fx.Node]], order: dict) -> 
     return True
 
 
-def _fake_like(val: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    with val.fake_mode:
-        return torch.empty(shape, dtype=val.dtype, device=val.device)
-
-
 def _views_follow(node: fx.Node, val: torch.Tensor, updates: dict) -> bool:
     """Re-derive the values of `node`'s views (transitively) with `node` taking `val`; False if
     one of them cannot take it (a view that needs the old layout)."""
     for u in node.users:
-        if not _aliases(u, node):
+        if not (ops.aliases(u) and u.args[0] is node):
             continue
         args = [val] + [a.meta.get("val") if isinstance(a, fx.Node) else a for a in u.args[1:]]
         try:
@@ -199,7 +188,7 @@ def _merge_gradients(program: Program, weights: list[fx.Node], slots: dict) -> i
     if any(f is None for f in found):
         return 0
     dxs, gs, dws, xs, chains = zip(*found)
-    if len({(x.args[0] if x.target in _RESHAPES else x, tuple(x.meta["val"].shape)) for x in xs}) != 1:
+    if len({(x.args[0] if x.target in RESHAPES else x, tuple(x.meta["val"].shape)) for x in xs}) != 1:
         return 0
     tree = _sum_tree(list(dxs))
     if tree is None:
@@ -265,7 +254,7 @@ def _sum_tree(dxs: list[fx.Node]) -> tuple[fx.Node, list[fx.Node], list[fx.Node]
     tops, inner = {}, []
     for dx in dxs:  # each product up through its reshapes, each read once
         n = dx
-        while len(n.users) == 1 and (u := next(iter(n.users))).target in _RESHAPES and u.args[0] is n:
+        while len(n.users) == 1 and (u := next(iter(n.users))).target in RESHAPES and u.args[0] is n:
             inner.append(u)
             n = u
         tops[n] = dx

@@ -20,83 +20,64 @@ from __future__ import annotations
 
 import functools
 import operator
-import time
 from collections.abc import Callable
+from typing import NamedTuple
 
-import torch
 import torch.fx as fx
 
-from fbmt.program import BWD, FWD, Program, is_view, nbytes
-from fbmt.runtime import collectives
+from fbmt import ops
+from fbmt.ops import expensive, is_view, nbytes
+from fbmt.program import BWD, FWD, Program
 
 POLICIES = ("block", "selective", "mincut", "none")
-# What "selective" saves instead of recomputing: matrix products and attention (NOTE: [Selective]).
-EXPENSIVE = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward"}
-
-
-def expensive(n: fx.Node) -> bool:
-    """A matrix product or attention (or an output of one): worth saving rather than recomputing."""
-    t = n.target
-    if t is operator.getitem:
-        return isinstance(n.args[0], fx.Node) and expensive(n.args[0])
-    return isinstance(t, torch._ops.OpOverload) and t.overloadpacket.__name__ in EXPENSIVE
 
 
 def recomputable(n: fx.Node) -> bool:
-    """A pure, deterministic forward aten op: running it twice gives the same value."""
-    if n.op != "call_function" or n.meta.get("fbmt_phase") != FWD:
-        return False
-    t = n.target
-    if t in collectives.EFFECTFUL:
-        return False
-    if isinstance(t, torch._ops.OpOverload):
-        return not (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
-    return t.__module__ == "_operator"  # getitem on multi-output ops
+    """A pure forward op: running it again in the backward gives the same value."""
+    return n.meta.get("fbmt_phase") == FWD and ops.pure(n)
 
 
-def recompute_blocks(program: Program, *, policy: str = "block", per_block: dict[str, str] | None = None) -> Program:
+class Plan(NamedTuple):
+    """What the backward recomputes of one block."""
+
+    block: str
+    needed: list[fx.Node]  # the forward values the backward reads
+    closure: set[fx.Node]  # what recomputes them
+
+
+def recompute_blocks(program: Program, *, policy: str = "block",
+                     per_block: dict[str, str] | None = None) -> tuple[Program, str]:
     """`per_block` overrides `policy` for the named blocks (BMTrain's `Block(use_checkpoint=...)`)."""
-    started = time.perf_counter()
     per_block = per_block or {}
-    for p in (policy, *per_block.values()):
-        if p not in POLICIES:
-            raise ValueError(f"fbmt.compile(remat={p!r}): expected one of {POLICIES}")
     program = program.copy()
     chosen = [b for b in program.layout.blocks if per_block.get(b, policy) != "none"]
     if not chosen or not program.needs_grad:
         why = "forward-only program" if not program.needs_grad else "no block recomputes (remat='none')"
-        program.record("remat", started, f"declined: {why}; activations are saved")
-        return program
+        return program, f"declined: {why}; activations are saved"
 
     g = program.graph
-    order = {n: i for i, n in enumerate(g.nodes)}
+    order = ops.node_order(g)
     plans = [plan for block in chosen if (plan := _plan(g, block, per_block.get(block, policy)))]
+
     def forward_order(plan: Plan) -> int:
-        return min(map(order.__getitem__, plan[2]))
+        return min(map(order.__getitem__, plan.closure))
 
     plans.sort(key=forward_order)
     lighter = functools.cache(lambda block: _plan(g, block, "mincut"))  # what a saved trailing block recomputes
     saved_blocks, note = _trailing(g, plans, lighter, per_block, _grad_bytes(program))
-    plans = [plan for plan in plans if plan[0] not in saved_blocks] + \
+    plans = [plan for plan in plans if plan.block not in saved_blocks] + \
         [plan for block in saved_blocks if (plan := lighter(block))]
     stats = []
     for block, needed, closure in sorted(plans, key=forward_order):
         late = 0
         if per_block.get(block, policy) == "block" and block not in saved_blocks and (inner := lighter(block)):
-            late = _recompute(g, *inner[1:])  # NOTE: [Late recompute]: the cheap values from what mincut
-            _, needed, closure = _plan(g, block, "block") or (block, [], set())  # saves, and that from the inputs
-        copies = _recompute(g, needed, closure) + late
+            late = _recompute(g, inner.needed, inner.closure)  # NOTE: [Late recompute]: the cheap values from
+            _, needed, closure = _plan(g, block, "block") or Plan(block, [], set())  # what mincut saves, and that
+        copies = _recompute(g, needed, closure) + late  # from the block's inputs
         read = {a for n in closure for a in n.all_input_nodes if a not in closure and a.op != "placeholder"}
         stats.append(f"{block or '<root>'}: {copies} recomputed{f' ({late} late)' if late else ''}, "
                      f"{len(read)} saved")
-    program.record("remat", started, "; ".join(stats + [note] if note else stats)
-                   or "no block activations reach the backward")
-    return program
-
-
-Plan = tuple[str, list[fx.Node], set[fx.Node]]  # a block, the forward values the backward reads, what recomputes them
+    return program, "; ".join(stats + [note] if note else stats) or "no block activations reach the backward"
 
 
 def _plan(g: fx.Graph, block: str, policy: str) -> Plan | None:
@@ -117,7 +98,7 @@ def _plan(g: fx.Graph, block: str, policy: str) -> Plan | None:
             continue
         closure.add(n)
         todo += [a for a in n.all_input_nodes if a in inside]
-    return block, needed, closure
+    return Plan(block, needed, closure)
 
 
 def _trailing(g: fx.Graph, plans: list[Plan], lighter: Callable[[str], Plan | None], per_block: dict[str, str],
@@ -136,10 +117,8 @@ def _trailing(g: fx.Graph, plans: list[Plan], lighter: Callable[[str], Plan | No
     the gradient shards (both estimated from the traced shapes). The first to save is the last
     block whose recompute involves a matrix product or attention (as an op, or as a saved input with
     "selective"), together with the blocks after it (a final norm, the output layer); then the
-    blocks before it, one at a time. On the GPU benchmark's models (block recompute, BENCHMARKS.md)
-    the last 7 of 32 layers save theirs at 6.7B and the last 14 of 40 at 13B (5 and 9 when they
-    saved as `"none"` would); at 1.36B with 16k tokens per rank what the backward reads with every
-    block recomputed already outweighs the gradients, and every block recomputes. A block whose
+    blocks before it, one at a time. Where what the backward reads with every block recomputed
+    already outweighs the gradients (many tokens per rank), every block recomputes. A block whose
     policy is set by name (`blocks={path: {"remat": ...}}`, BMTrain's `Block`) keeps it, and so do
     the blocks before it.
     """
@@ -158,7 +137,7 @@ def _trailing(g: fx.Graph, plans: list[Plan], lighter: Callable[[str], Plan | No
     @functools.cache  # the search and the summary ask for the same k again
     def saved_with(k: int) -> tuple[set[str], int]:
         keep = {b for u in units[:k] for b in u}
-        return keep, _saved_bytes(g, [p for p in plans if p[0] not in keep] + [p for b in keep if (p := lighter(b))])
+        return keep, saved_bytes(g, [p for p in plans if p.block not in keep] + [p for b in keep if (p := lighter(b))])
 
     lo, hi = 0, len(units)  # the most units that fit: the saved bytes grow with every unit
     while lo < hi:
@@ -172,7 +151,7 @@ def _trailing(g: fx.Graph, plans: list[Plan], lighter: Callable[[str], Plan | No
         return set(), (f"{names}: recomputed although the backward begins with them "
                        f"({_size(saved_with(1)[1])} saved for the backward > {_size(budget)} of gradients)")
     keep, saved = saved_with(lo)
-    names = [b or "<root>" for b, _, _ in plans if b in keep]
+    names = [p.block or "<root>" for p in plans if p.block in keep]
     listed = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} blocks)"
     return keep, (f"{listed}: saved, the backward begins with them "
                   f"({_size(saved)} saved for the backward <= {_size(budget)} of gradients)")
@@ -202,9 +181,8 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
     - the operands of products and attention in both passes (a norm's output, SwiGLU's product,
       attention's reshaped output), NOTE: [Operands]: the forward writes them to memory for its
       product anyway, and a backward product must read them from memory, so recomputing one saves
-      its bytes only by writing them a second time, reading its own inputs to do so. On the GPU
-      benchmark's 1.36B model (BENCHMARKS.md) saving them took the step's Inductor kernels from
-      34.3 to 31.3 ms, at 37.0 instead of 28.5 GiB per GPU (`"none"`: 47.3).
+      its bytes only by writing them a second time, reading its own inputs to do so: under a compiled
+      backward saving them is faster, for more memory than recomputing them (BENCHMARKS.md).
     Of the minimum cuts the one that recomputes least is taken.
     """
     nodes = [n for n in g.nodes if n.meta.get("fbmt_block") == block and n.meta.get("fbmt_phase") == FWD
@@ -220,14 +198,11 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
         return 4 * nbytes(n.meta.get("val")) < sum(nbytes(a.meta.get("val")) for a in n.all_input_nodes)
 
     for n in members:
-        if n in cheap and not shrinks(n) and not (_operand(n, FWD) and _operand(n, BWD)):
+        if n in cheap and not shrinks(n) and not (operand(n, FWD) and operand(n, BWD)):
             price = _INF if is_view(n) else nbytes(n.meta.get("val"))
         else:
             edge("source", (n, "in"), _INF)
-            base = n
-            while is_view(base) and isinstance(base.args[0], fx.Node):
-                base = base.args[0]
-            price = 0 if base.op == "placeholder" else nbytes(n.meta.get("val"))
+            price = 0 if ops.view_base(n).op == "placeholder" else nbytes(n.meta.get("val"))
         edge((n, "in"), (n, "out"), price)
         if any(u.meta.get("fbmt_phase") == BWD for u in n.users):
             edge((n, "out"), "sink", _INF)
@@ -245,17 +220,13 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
     return {n for n in cheap if (n, "in") in reaches_sink}  # never a reduction: those hang from the source
 
 
-# Reshapes that copy nothing (`_unsafe_view` declares no alias, but is the reshape of a fresh value).
-_RESHAPES = {torch.ops.aten._unsafe_view.default}
-
-
-def _operand(n: fx.Node, phase: str) -> bool:
+def operand(n: fx.Node, phase: str) -> bool:
     """Whether a matrix product or attention of `phase` reads `n`, directly or through views
     (NOTE: [Min-cut])."""
     for u in n.users:
         if u.meta.get("fbmt_phase") != phase:
             continue
-        if expensive(u) or ((is_view(u) or u.target in _RESHAPES) and _operand(u, phase)):
+        if expensive(u) or (ops.aliases(u) and operand(u, phase)):
             return True
     return False
 
@@ -297,13 +268,12 @@ def _recompute(g: fx.Graph, needed: list[fx.Node], closure: set[fx.Node]) -> int
     of its backward, the values that `remat="mincut"` would save (NOTE: [Min-cut]) are recomputed from
     the block's inputs, and from them, where the backward reads them, the cheap values that
     `remat="mincut"` would recompute (SwiGLU's activation, a norm's fp32 copy of its input). Under a
-    compiled backward the late copies fuse into the kernels that read them. On the GPU benchmark's
-    models (BENCHMARKS.md) the step's peak, at the end of the backward, went from 52.92 to 52.54 GiB
-    per GPU at 6.7B (the peer: 52.90) and from 100.81 to 100.34 at 13B (fbmt.simulate: 0.44 and 0.55
-    GiB less), at the same speed. A multi-output op's outputs stay right after it: a compiled region
-    (NOTE: [Regions]) returns tensors, and would otherwise have to return the op's tuple.
+    compiled backward the late copies fuse into the kernels that read them. The step's peak, at the
+    end of the backward, falls by what the late copies no longer hold (BENCHMARKS.md). A
+    multi-output op's outputs stay right after it: a compiled region (NOTE: [Regions]) returns
+    tensors, and would otherwise have to return the op's tuple.
     """
-    order = {n: i for i, n in enumerate(g.nodes)}
+    order = ops.node_order(g)
     anchor: dict[fx.Node, fx.Node] = {}  # the backward node each copy goes right before
     for n in sorted(closure, key=order.__getitem__, reverse=True):  # readers before what they read
         readers = [u for u in n.users if u.meta.get("fbmt_phase") == BWD]
@@ -325,7 +295,7 @@ def _recompute(g: fx.Graph, needed: list[fx.Node], closure: set[fx.Node]) -> int
     return len(env)
 
 
-def _saved_bytes(g: fx.Graph, recomputed: list[tuple[str, list[fx.Node], set[fx.Node]]]) -> int:
+def saved_bytes(g: fx.Graph, recomputed: list[Plan]) -> int:
     """Bytes of the forward values the backward reads once the `recomputed` plans are recomputed (a
     view counts as its base, once; inputs and parameters are held anyway)."""
     read = {n for n in g.nodes if n.op != "placeholder" and n.meta.get("fbmt_phase") == FWD
@@ -333,12 +303,7 @@ def _saved_bytes(g: fx.Graph, recomputed: list[tuple[str, list[fx.Node], set[fx.
     for _, needed, closure in recomputed:  # the backward reads the closure's inputs, not `needed`
         read.difference_update(needed)
         read.update(a for n in closure for a in n.all_input_nodes if a not in closure)
-    bases = set()
-    for n in read:
-        while is_view(n) and isinstance(n.args[0], fx.Node):
-            n = n.args[0]
-        if n.op != "placeholder":
-            bases.add(n)
+    bases = {base for base in map(ops.view_base, read) if base.op != "placeholder"}
     return sum(nbytes(n.meta.get("val")) for n in bases)
 
 

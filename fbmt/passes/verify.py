@@ -7,36 +7,40 @@ its views; nothing reads a buffer after its release. A failure names the pass th
 program and the node, and prints the program around it.
 
 That every rank issues the same collectives in the same order is a property of the program (the
-graph is the same on every rank, traced from the same shapes); `collective_signature` is what the
-runtime compares across ranks before a program first runs, so ranks that traced different programs
-fail with a message instead of hanging.
+graph is the same on every rank, traced from the same shapes); `Program.collective_signature` is
+what the runtime compares across ranks before a program first runs, so ranks that traced different
+programs fail with a message instead of hanging.
 """
 
 from __future__ import annotations
-
-import hashlib
-import time
 
 import dataclasses
 
 import torch.fx as fx
 
-from fbmt.program import BWD, FWD, Program, buffer_readers, format_graph
-from fbmt.runtime import collectives
+from fbmt import ops
+from fbmt.program import BWD, FWD, Program, format_graph
 
 
 class VerifyError(AssertionError):
     pass
 
 
-def verify(program: Program, *, after: str = "verify") -> Program:
-    started = time.perf_counter()
+def verify_program(program: Program) -> tuple[Program, str]:
+    """The pipeline's last pass: `check` the program; it comes back unchanged (a new Program object,
+    so the record the runner adds does not touch the input's history)."""
+    check(program, after="verify")
+    return dataclasses.replace(program, history=list(program.history)), "ok"
+
+
+def check(program: Program, *, after: str) -> None:
+    """Raise a VerifyError naming pass `after` and the node at the first broken invariant."""
     g = program.graph
     try:
         g.lint()
     except Exception as e:
         raise VerifyError(f"after pass '{after}': fx lint failed: {e}") from e
-    order = {n: i for i, n in enumerate(g.nodes)}
+    order = ops.node_order(g)
     tangents = {n for n, r in zip(program.placeholders(), program.inputs) if r.kind == "tangent"}
     seen_bwd = None
     for n in g.nodes:
@@ -51,37 +55,25 @@ def verify(program: Program, *, after: str = "verify") -> Program:
             _fail(program, after, n, f"is a forward node after the backward began at %{seen_bwd.name}")
         if phase == FWD and any(a in tangents for a in n.all_input_nodes):
             _fail(program, after, n, "is a forward node that reads a tangent")
-        if n.target in collectives.STARTS:
+        if n.target in ops.STARTS:
             waits = list(n.users)
-            if len(waits) != 1 or waits[0].target is not collectives.wait:
+            if len(waits) != 1 or waits[0].target is not ops.wait:
                 _fail(program, after, n, f"must be read by exactly one wait, not {waits}")
-        if n.target is collectives.wait and n.args[0].target is collectives.all_gather:
+        if n.target is ops.wait and n.args[0].target in ops.GATHERS:
             _check_release(program, after, n, order)
-    if after == "verify":  # as a pipeline pass: leave a record in a new Program, never mutate the input
-        program = dataclasses.replace(program, history=list(program.history))
-        program.record("verify", started, "ok")
-    return program
 
 
 def _check_release(program: Program, after: str, buffer: fx.Node, order: dict[fx.Node, int]) -> None:
-    found, returned = buffer_readers(buffer)
+    found, returned = ops.buffer_readers(buffer)
     if returned:
         return
-    releases = [r for r in found if r.target is collectives.release]
-    readers = [r for r in found if r.target is not collectives.release]
+    releases = [r for r in found if r.target is ops.release]
+    readers = [r for r in found if r.target is not ops.release]
     if len(releases) != 1:
         _fail(program, after, buffer, f"is a gathered buffer released {len(releases)} times (expected once)")
     late = [r for r in readers if order[r] > order[releases[0]]]
     if late:
         _fail(program, after, late[0], f"reads gathered buffer %{buffer.name} after its release")
-
-
-def collective_signature(program: Program) -> str:
-    """A digest of the ordered collective sequence (kind, group, phase) of a program."""
-    parts = [f"{n.target.__name__}:{n.meta.get('fbmt_group')}:{n.meta.get('fbmt_phase')}"
-             for n in program.collectives()]
-    sizes = [f"{grp.index}:{grp.padded_numel}:{grp.dtype}" for grp in program.layout.groups]
-    return hashlib.sha1("|".join(parts + sizes).encode()).hexdigest()[:16]
 
 
 def _fail(program: Program, after: str, node: fx.Node, what: str) -> None:

@@ -1,19 +1,18 @@
-"""Communication as ordinary graph nodes.
+"""How the collectives of a program run: the implementations of `fbmt.ops.collectives` on
+`torch.distributed`.
 
-Every collective of a compiled program is a visible node: a *start* that issues the operation
-asynchronously and returns a `Pending` handle, and a `wait` that returns the result. The schedule
-pass overlaps communication with compute simply by moving starts earlier and waits later.
-
-On NCCL, `async_op=True` runs the collective on ProcessGroupNCCL's own stream, and `wait()` only
-makes the current (compute) stream wait on an event: no host synchronization inside a step. On gloo
-the collective runs on gloo's worker thread and `wait()` blocks the host.
+Each start issues its operation asynchronously and returns a `Pending` handle; `wait` returns the
+result. On NCCL, `async_op=True` runs the collective on ProcessGroupNCCL's own stream, and `wait()`
+only makes the current (compute) stream wait on an event: no host synchronization inside a step. On
+gloo the collective runs on gloo's worker thread and `wait()` blocks the host. The partitioner puts
+these functions in the graphs it builds (`IMPLEMENTATIONS`); `release` markers are dropped there,
+since the generated code frees every value after its last use.
 
 NOTE: [Copy stream]
 On CUDA the copies around a collective run on a side stream per device, not on the compute stream:
 the cast of a shard to the compute dtype before its gather, and the copy of a group's gradients into
-the flat reduce-scatter buffer. They are memory-bound and small (a 6.7B step has 64 casts and 32
-copy-ins of 0.2-0.4 ms each, 3% of the step), so they overlap the block that computes meanwhile
-instead of delaying it. Ordering, with no host synchronization:
+the flat buffer of its reduction. They are memory-bound and small, so they overlap the block that
+computes meanwhile instead of delaying it. Ordering, with no host synchronization:
 - the side stream first waits for the compute stream at the start (so it sees the optimizer's last
   write of the shard, and the gradients just computed); the collective, issued from the side stream,
   waits for the side stream; the compute stream's `wait` waits for the collective;
@@ -27,41 +26,25 @@ The copies themselves use a bounded share of the SMs (NOTE: [Bounded copies] in 
 The mean over ranks is NCCL's `ReduceOp.AVG` (no separate divide over the shard); gloo has no AVG
 for reduce-scatter, so there the shard is divided after the wait.
 
-NOTE: [Narrow wire]
-With mixed precision the gradients are bf16 (fp16) values and are summed in fp32. Cast to fp32
-before the reduce-scatter, as FSDP2 does, half of every byte on the wire is zeros: the cast is
-exact. So the pieces travel in their own dtype, through an all-to-all (rank r receives every rank's
-r-th chunk), and the receiver sums the chunks in fp32: the same sum, with the same precision, for
-half the bytes on the wire and in the copy-in. Two ranks exchange through an all-gather instead,
-each sending the chunk its partner reduces: NCCL runs an all-to-all as point-to-point sends on few
-channels, and an all-gather on as many as its reduce-scatter (a 1.36B step on 2x H200,
-BENCHMARKS.md: NCCL's kernels took 35.5 ms with the fp32 reduce-scatter, 42.0 with the all-to-all,
-18.6 with the all-gather). On CUDA the sum runs on a third stream, the reduce stream, once the
-exchange is done (the compute stream only waits for it at `wait`), on a bounded grid (NOTE:
-[Bounded copies] in copies.py): on the copy stream it would hold up the next casts behind the
-exchange. `on_wire` says when: the reduce dtype is wider than the pieces', and all ranks are on one
-node (torchrun's LOCAL_WORLD_SIZE, where set, is the world size): across nodes a ring reduce-scatter
-scales better than an all-to-all. `FBMT_NARROW_WIRE=0` turns it off, `=1` on everywhere.
-
-`release(buffer)` marks the end of a gathered buffer's life. The generated code drops every value
-after its last use, so once `release` has run nothing references the buffer and its memory returns
-to the allocator. `verify` checks that no node reads a buffer after its release.
+`all_to_all_reduce` (NOTE: [Narrow wire] in passes/shard.py) exchanges the pieces in their own dtype
+and sums what arrives in the reduce dtype. Two ranks exchange through an all-gather, each sending
+the chunk its partner reduces: NCCL runs an all-to-all as point-to-point sends on few channels, and
+an all-gather on as many as its reduce-scatter (BENCHMARKS.md). On CUDA the sum runs on a third
+stream, the reduce stream, once the exchange is done (the compute stream only waits for it at
+`wait`), on a bounded grid: on the copy stream it would hold up the next casts behind the exchange.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from fbmt import ops
+from fbmt.distributed import all_gather_into, reduce_scatter_into
 from fbmt.runtime import copies
-
-# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Pending:
@@ -88,7 +71,7 @@ class _Recorded:
         torch.cuda.current_stream().wait_event(self.event)
 
 
-_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+_streams: dict[tuple[str, int], torch.cuda.Stream] = {}  # (kind, device index) -> the side stream, made once
 
 
 def _side_stream(kind: str, device: torch.device) -> torch.cuda.Stream:
@@ -111,22 +94,8 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 def _reduce_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's reduce stream (NOTE: [Narrow wire]); the caller orders it after what it must see."""
+    """The device's reduce stream (all_to_all_reduce); the caller orders it after what it must see."""
     return _side_stream("reduce", device)
-
-
-def on_wire(piece_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int,
-            local_world_size: int | None = None) -> torch.dtype:
-    """The dtype a group's gradients travel in to be reduced in `reduce_dtype` (NOTE: [Narrow wire]).
-    `local_world_size`: the ranks on one node (default: torchrun's LOCAL_WORLD_SIZE, else all)."""
-    if reduce_dtype.itemsize <= piece_dtype.itemsize or world_size == 1:
-        return reduce_dtype
-    setting = os.environ.get("FBMT_NARROW_WIRE", "")
-    if setting in ("0", "1"):
-        return piece_dtype if setting == "1" else reduce_dtype
-    if local_world_size is None:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return piece_dtype if local_world_size >= world_size else reduce_dtype
 
 
 def _on(stream: torch.cuda.Stream | None) -> Any:
@@ -152,29 +121,23 @@ def all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None =
 
 
 def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool = True,
-                   wire_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
-                   buffer: torch.Tensor | None = None) -> Pending:
+                   wire_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> Pending:
     """Start reducing a group's gradients over ranks; this rank receives the mean (or sum) of its shard.
 
     `pieces` (1-D, in layout order) are copied into one zero-padded flat buffer of `padded_numel`
     elements, cast to `wire_dtype` in the same copy (mixed precision: no intermediate flat in the
     compute dtype); the result is returned as `out_dtype` (both default to the pieces' dtype).
-    `buffer`: that flat buffer, made earlier by `grad_buffer`; pieces already written in their place
-    in it (by `mm_into`) are not copied (NOTE: [Direct gradients]).
     """
     dtype, device = wire_dtype or pieces[0].dtype, pieces[0].device
     if world_size == 1:  # nothing to overlap with: fill the buffer on the compute stream
-        flat = buffer if buffer is not None else torch.empty(padded_numel, dtype=dtype, device=device)
+        flat = torch.empty(padded_numel, dtype=dtype, device=device)
         _fill(flat, pieces, torch.Tensor.copy_)
         return Pending(flat, None, out_dtype=out_dtype)
     out = torch.empty(padded_numel // world_size, dtype=dtype, device=device)
-    narrow = on_wire(pieces[0].dtype, dtype, world_size)
-    if buffer is None and narrow != dtype and all(p.dtype == narrow for p in pieces):
-        return _exchange(pieces, world_size, padded_numel, average, out, out_dtype)
     avg = average and _nccl(out)
     side = _copy_stream(device)
     with _on(side):
-        flat = buffer if buffer is not None else torch.empty(padded_numel, dtype=dtype, device=device)
+        flat = torch.empty(padded_numel, dtype=dtype, device=device)
         _fill(flat, pieces, copies.copy_)
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
         work = reduce_scatter_into(out, flat, op=op, async_op=True)
@@ -182,10 +145,11 @@ def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: in
     return Pending(out, work, divisor=world_size if average and not avg else 1, out_dtype=out_dtype, keep=keep)
 
 
-def _exchange(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool, out: torch.Tensor,
-              out_dtype: torch.dtype | None) -> Pending:
-    """`reduce_scatter` with the pieces' own dtype on the wire, summed in `out`'s (NOTE: [Narrow wire])."""
-    device = out.device
+def all_to_all_reduce(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool,
+                      reduce_dtype: torch.dtype, out_dtype: torch.dtype) -> Pending:
+    """`reduce_scatter` with the pieces' own dtype on the wire, summed in `reduce_dtype` (see above)."""
+    device = pieces[0].device
+    out = torch.empty(padded_numel // world_size, dtype=reduce_dtype, device=device)
     side = _copy_stream(device)
     with _on(side):
         flat = torch.empty(padded_numel, dtype=pieces[0].dtype, device=device)
@@ -234,44 +198,13 @@ def _guard(pieces: list[torch.Tensor], side: torch.cuda.Stream | None) -> list[t
 
 
 def _fill(flat: torch.Tensor, pieces: list[torch.Tensor], copy: Any) -> None:
-    """Copy the pieces into their places in `flat` (those already there stay) and zero the padding."""
+    """Copy the pieces into their places in `flat` and zero the padding."""
     offset = 0
     for p in pieces:
-        slot = flat[offset:offset + p.numel()]
-        if p.numel() and p.data_ptr() != slot.data_ptr():  # written in place by mm_into: skip
-            copy(slot, p)
+        if p.numel():
+            copy(flat[offset:offset + p.numel()], p)
         offset += p.numel()
     flat[offset:].zero_()
-
-
-def grad_buffer(like: torch.Tensor, padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The flat reduce-scatter buffer of one group, made before its gradients so that their matrix
-    products can write into it (NOTE: [Direct gradients]); on the compute stream, `like`'s device."""
-    return torch.empty(padded_numel, dtype=dtype, device=like.device)
-
-
-_mm_dtype_out = getattr(torch.ops.aten.mm, "dtype_out", None)
-
-
-def mm_into(a: torch.Tensor, b: torch.Tensor, buffer: torch.Tensor, offset: int) -> torch.Tensor:
-    """`a @ b` written into `buffer[offset:]` in the buffer's dtype; returns that 1-D slice.
-
-    NOTE: [Direct gradients]
-    With `compile(direct_grads=True)` the shard pass makes each weight gradient that is a plain
-    matrix product (up to transposes that cancel and reshapes) write straight into its place in the
-    group's reduce-scatter buffer, so the copy-in before the reduce-scatter skips it. With mixed
-    precision the product of bf16 operands is written as fp32 by the GEMM itself (`mm.dtype_out`,
-    CUDA): no bf16 gradient is made, and the gradient is not rounded to bf16 on its way. Elsewhere a
-    different dtype falls back to a product and a copy.
-    """
-    out = buffer[offset:offset + a.shape[0] * b.shape[1]]
-    if a.dtype == buffer.dtype:
-        torch.mm(a, b, out=out.view(a.shape[0], b.shape[1]))
-    elif a.is_cuda and _mm_dtype_out is not None:
-        _mm_dtype_out(a, b, buffer.dtype, out=out.view(a.shape[0], b.shape[1]))
-    else:
-        out.copy_(torch.mm(a, b).view(-1))
-    return out
 
 
 def wait(pending: Pending) -> torch.Tensor:
@@ -287,12 +220,7 @@ def wait(pending: Pending) -> torch.Tensor:
     return pending.tensor
 
 
-def release(buffer: torch.Tensor) -> None:
-    """End of a gathered buffer's life; see the module docstring."""
-    return None
-
-
-STARTS = (all_gather, reduce_scatter)
-# Node targets with effects: never dropped when unused, never recomputed. Others register here too
-# (fbmt.inspect's recording ops).
-EFFECTFUL = {all_gather, reduce_scatter, wait, release, grad_buffer, mm_into}
+# The implementation of each IR op; `release` has none: the partitioner drops it.
+IMPLEMENTATIONS: dict[Callable, Callable] = {
+    ops.all_gather: all_gather, ops.reduce_scatter: reduce_scatter, ops.all_to_all_reduce: all_to_all_reduce,
+    ops.wait: wait}

@@ -5,18 +5,17 @@ The copies around a collective run on the copy stream (NOTE: [Copy stream] in co
 that they overlap compute. torch's own copy kernels do not overlap well: a 200M-element copy launches
 ~10^5 thread blocks, which take every SM as the compute kernel beside it retires its blocks, so the
 next compute kernel waits for the copy to finish. `copy_` instead launches a grid-stride kernel on a
-bounded number of thread blocks (`programs`, default a quarter of the SMs; the environment variable
-FBMT_COPY_PROGRAMS overrides it, 0 uses torch's copy), so the copy takes longer but only part of the
-GPU, as NCCL's kernels do. It casts while it copies (fp32 shard to a bf16 wire buffer, bf16
-gradient into an fp32 reduce-scatter buffer).
+bounded number of thread blocks (`programs`, default a quarter of the SMs; $FBMT_COPY_PROGRAMS
+overrides it, 0 uses torch's copy), so the copy takes longer but only part of the GPU, as NCCL's
+kernels do. It casts while it copies (fp32 shard to a bf16 wire buffer, bf16 gradient into an fp32
+reduce-scatter buffer).
 
-Each program copies BLOCK elements per iteration with WARPS warps, 64 elements per thread: enough
-loads in flight for one SM to draw 65 GB/s. On an H200 (benchmarks/copy_sweep.py: a 6.7B block's
-cast and copy-in) a quarter of the SMs copy at 2.1 TB/s, against 2.6 TB/s for torch's copy on every
-SM; the first tile tried (8192 elements, 8 warps) reached 1.2 TB/s, so it held its SMs 1.7 times as
-long. Measured in a 6.7B step (BENCHMARKS.md): torch's copies left the compute stream idle for 29.5
-of their 37 ms; the first tile cut that idle to 8 ms but ran 212 ms beside the matrix products and
-slowed them by about as much; this tile runs 64 ms.
+Each program copies a tile of elements per iteration: with 64 elements per thread there are enough
+loads in flight for a quarter of the SMs to copy nearly as fast as torch's copy on all of them, so
+the copy holds its SMs briefly; a smaller tile holds them far longer and slows the matrix products
+beside it (benchmarks/copy_sweep.py times tiles alone and beside products; BENCHMARKS.md). The sum
+kernel, which loads two values and stores a wider one per element, has its own tile, with 32
+elements per thread (benchmarks/sum_sweep.py).
 
 Written in Triton, which torch's CUDA builds ship for Inductor; where Triton is missing, or off
 CUDA, `copy_` is `Tensor.copy_`.
@@ -25,16 +24,11 @@ CUDA, `copy_` is `Tensor.copy_`.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
-BLOCK, WARPS = 65536, 32  # elements per thread block and iteration, and its warps: 64 per thread
-# the sum kernel's: it loads two values and stores a wider one per element, and with 64 elements per
-# thread it drew 1.2 TB/s on a quarter of an H200's SMs; 32 per thread draw 1.5 TB/s, and slow the
-# products beside it less (benchmarks/sum_sweep.py, BENCHMARKS.md)
-SUM_BLOCK, SUM_WARPS = 32768, 16
+from fbmt import flags
 
 
 @functools.cache
@@ -66,33 +60,24 @@ def _kernels() -> Any:
 
 @functools.cache
 def tiling() -> tuple[int, int]:
-    """(elements per program and iteration, warps per program) of the copy kernel: BLOCK and WARPS,
-    or the environment's FBMT_COPY_BLOCK and FBMT_COPY_WARPS (powers of two), for tuning on a new
-    GPU (benchmarks/copy_sweep.py)."""
-    return _tile("COPY", BLOCK, WARPS)
+    """(elements per program and iteration, warps per program) of the copy kernel: $FBMT_COPY_BLOCK
+    and $FBMT_COPY_WARPS (powers of two; see fbmt/flags.py for the defaults), for tuning on a new GPU
+    (benchmarks/copy_sweep.py)."""
+    return flags.COPY_BLOCK.get(), flags.COPY_WARPS.get()
 
 
 @functools.cache
 def sum_tiling() -> tuple[int, int]:
-    """`tiling()` of the sum kernel: SUM_BLOCK and SUM_WARPS, or FBMT_SUM_BLOCK and FBMT_SUM_WARPS
-    (benchmarks/sum_sweep.py)."""
-    return _tile("SUM", SUM_BLOCK, SUM_WARPS)
-
-
-def _tile(kernel: str, block: int, warps: int) -> tuple[int, int]:
-    tile = (int(os.environ.get(f"FBMT_{kernel}_BLOCK", block)), int(os.environ.get(f"FBMT_{kernel}_WARPS", warps)))
-    for what, v in zip(("BLOCK", "WARPS"), tile):
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"FBMT_{kernel}_{what}={v}: expected a power of two")
-    return tile
+    """`tiling()` of the sum kernel: $FBMT_SUM_BLOCK and $FBMT_SUM_WARPS (benchmarks/sum_sweep.py)."""
+    return flags.SUM_BLOCK.get(), flags.SUM_WARPS.get()
 
 
 @functools.cache
 def programs(device_index: int) -> int:
     """Thread blocks a copy may use on this device (NOTE: [Bounded copies])."""
-    env = os.environ.get("FBMT_COPY_PROGRAMS")
-    if env is not None:
-        return max(0, int(env))
+    count = flags.COPY_PROGRAMS.get()
+    if count is not None:
+        return count
     return max(1, torch.cuda.get_device_properties(device_index).multi_processor_count // 4)
 
 
@@ -127,7 +112,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def sum_(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """`dst = (a + b) * scale`, computed in fp32 (exact for bf16 a and b into fp32, and for a scale
-    of 1/2), on CUDA with a bounded grid: the reduce stream's half of NOTE: [Narrow wire]."""
+    of 1/2), on CUDA with a bounded grid: the reduce stream's half of `all_to_all_reduce`."""
     if not _launch(1, dst, a, b, extra=(scale,)):
         torch.add(a.to(torch.float32), b.to(torch.float32), out=dst)
         if scale != 1.0:

@@ -6,8 +6,8 @@ usual (the first compiles: Inductor's kernels, NCCL's communicators, the copy ke
 stream the capture will use, so cuBLAS has its workspace there. The next call captures the forward
 and the backward, collectives and the copy and reduce streams included, as two CUDA graphs that
 share one memory pool, and from then on every call replays them: two launches a step instead of
-well over a thousand, so the GPU no longer waits for launches between kernels (2x H200, BENCHMARKS.md:
-1.36B with block recompute 1-2% faster; 6.7B, whose kernels are long, no faster).
+well over a thousand, so the GPU no longer waits for launches between kernels. That pays where a
+step is many short kernels, and not where its kernels are long (BENCHMARKS.md).
 
 Programs traced under an active inspector (`fbmt.inspect`) run without graphs: their recording ops
 report from the host, which a replay does not run.
@@ -30,7 +30,7 @@ input signature drops the previous graphs and warms up again, so graphs pay off 
 During capture the allocator cannot honour `record_stream`, and would keep every recorded block
 until the capture ends; the gradient pieces a reduce-scatter copies on the side stream are instead
 held by its `Pending` until the compute stream waits for it (`_guard` in collectives.py): one
-block's compute-dtype gradients longer than eagerly (6.7B: a peak of 52.92 instead of 52.54 GiB).
+block's compute-dtype gradients are held longer than eagerly, which raises the peak a little.
 
 NCCL's communicators wait for every graph that captured their collectives before they are destroyed,
 so `dist.destroy_process_group()` hangs while graphs are alive: `CompiledModule.release_graphs()`.

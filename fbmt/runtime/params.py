@@ -13,31 +13,16 @@ nor `reset_parameters()` is an error: its values would be uninitialized memory.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fbmt.program import FlatGroup, Layout, ParamSlot
+from fbmt.layout import FlatGroup, Layout, copy_into_shard
 from fbmt.runtime import collectives
 
 InitFn = Callable[[nn.Module], None]
-
-
-def copy_into_shard(shard: torch.Tensor, group: FlatGroup, rank: int, values: Mapping[str, torch.Tensor]) -> None:
-    """Copy this rank's slice of each parameter of `group` found in `values` (by name) into `shard`."""
-    lo, hi = rank * group.shard_numel, (rank + 1) * group.shard_numel
-    for s in group.slots:
-        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-        if a < b and s.name in values:
-            src = values[s.name].detach().reshape(-1)[a - s.offset:b - s.offset]
-            shard[a - lo:b - lo].copy_(src)
-
-
-def local_range(group: FlatGroup, slot: ParamSlot, rank: int) -> tuple[int, int]:
-    """The part of the flat buffer, [lo, hi), that holds `slot`'s elements on `rank` (lo >= hi: none)."""
-    return max(rank * group.shard_numel, slot.offset), min((rank + 1) * group.shard_numel, slot.offset + slot.numel)
 
 
 def build_shards(module: nn.Module, layout: Layout, rank: int, device: torch.device,

@@ -7,6 +7,14 @@ gradient slots (shard gradients, input gradients) in the Program's output order.
 what is saved is exactly what remat and shard chose: block boundaries, random masks and (ZeRO-2)
 gathered buffers. Dead pure nodes are dropped; effectful ones (collectives, random ops, buffer
 updates) are kept.
+
+NOTE: [Lowering the IR]
+A Program's collective nodes call the functions of `fbmt.ops`, which say what a node means and do
+not run. The graphs built here call their implementations instead (`runtime.collectives`), and
+leave out the `release` markers: the generated code drops every value after its last use, so once
+a buffer's last reader ran nothing references it and the caching allocator gets it back (`verify`
+proved no view of it is read later). So the IR is the same for the simulator, the passes and the
+runtime, and only this module knows how it runs.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fbmt.passes.verify import collective_signature
+from fbmt import ops
+from fbmt.ops import record
 from fbmt.program import BWD, FWD, Program, Role
-from fbmt.runtime import collectives
+from fbmt.runtime.collectives import IMPLEMENTATIONS
 
 aten = torch.ops.aten
 
@@ -35,7 +44,7 @@ class Executable:
     grad_roles: list[Role]  # what each backward result is
     grad_slots: list[tuple[int, int]]  # (forward argument index, backward result index) of each gradient
     signature: str  # digest of the collective sequence, compared across ranks before the first run
-    saved_names: list[str]
+    records: bool  # its graphs report to a recorder from the host (NOTE in fbmt/ops/record.py)
 
     def run_forward(self, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
         """The user's outputs, and the values saved for the backward."""
@@ -78,7 +87,7 @@ def partition(program: Program) -> Executable:
             env[n] = fg.node_copy(n, env.__getitem__)
     fg.output(tuple([env[v] if isinstance(v, fx.Node) else v for _, v in user_out]
                     + [saved_values.get(n) or env[n] for n in saved]))
-    _eliminate_dead_code(fg)
+    _lower(fg)
 
     # ---- backward ----
     backward = None
@@ -94,7 +103,7 @@ def partition(program: Program) -> Executable:
         for n in bwd_nodes:
             benv[n] = bg.node_copy(n, benv.__getitem__)
         bg.output(tuple(benv[v] if isinstance(v, fx.Node) else v for _, v in grad_out))
-        _eliminate_dead_code(bg)
+        _lower(bg)
         backward = fx.GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
 
     diff_keys = [roles[t].key for t in tangents]
@@ -112,8 +121,8 @@ def partition(program: Program) -> Executable:
         diff_outputs=[output_keys.index(k) for k in diff_keys],
         grad_roles=[r for r, _ in grad_out],
         grad_slots=grad_slots,
-        signature=collective_signature(program),
-        saved_names=[n.name for n in saved],
+        signature=program.collective_signature(),
+        records=record.holds_records(g),
     )
 
 
@@ -128,17 +137,13 @@ def take(box: list, i: int) -> Any:
     return value
 
 
-def _effectful(n: fx.Node) -> bool:
-    t = n.target
-    if t in collectives.EFFECTFUL:
-        return True
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags
-    return False
-
-
-def _eliminate_dead_code(g: fx.Graph) -> None:
+def _lower(g: fx.Graph) -> None:
+    """Drop dead pure nodes and the `release` markers; collective nodes call their implementations
+    (NOTE: [Lowering the IR])."""
     for n in reversed(list(g.nodes)):
-        if n.op == "call_function" and not n.users and not _effectful(n):
+        if n.op == "call_function" and (n.target is ops.release or not n.users and not ops.effectful(n.target)):
             g.erase_node(n)
+    for n in g.nodes:
+        if n.op == "call_function" and n.target in IMPLEMENTATIONS:
+            n.target = IMPLEMENTATIONS[n.target]
     g.lint()

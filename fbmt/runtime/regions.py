@@ -2,11 +2,9 @@
 
 NOTE: [Regions]
 After partitioning, a forward or backward GraphModule is a sequence of pure aten compute with
-collective nodes (starts, waits), effectful ops (random draws, buffer writes, recording) and
-`release` markers in between. `split_regions` cuts it at every node that is not pure aten compute
-(dropping the `release` markers, which only matter to `verify`: memory is freed by reference
-counting either way) and replaces each maximal run of pure nodes that does real work (not only views)
-by one call of a `Region` module. A region compiles itself on its first call, from the real inputs,
+collective nodes (starts, waits) and effectful ops (random draws, buffer writes, recording) in
+between. `split_regions` cuts it at every node that is not pure aten compute and replaces each
+maximal run of pure nodes that does real work (not only views) by one call of a `Region` module. A region compiles itself on its first call, from the real inputs,
 with `torch._inductor.compile_fx.compile_fx`, and keeps the result in a cache shared by the whole
 model, keyed by the region's structure (ops and how they connect, constants included) and its
 inputs' shapes, strides and dtypes. The regions of identical blocks have the same key, so a
@@ -20,19 +18,18 @@ exactly as it overlapped the eager one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import operator
 import time
+import warnings
 from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fbmt.runtime import collectives
-
-_VIEWS = {"view", "_unsafe_view", "reshape", "slice", "t", "transpose", "permute", "expand", "alias",
-          "unsqueeze", "squeeze", "select", "as_strided", "split", "split_with_sizes", "unbind", "detach"}
+from fbmt import ops
 
 
 class RegionCache:
@@ -80,6 +77,20 @@ class Region(nn.Module):
         self.fn = fn
 
 
+# The torch releases (major, minor), first and last, whose Inductor the cat guard below was written
+# and tested against: it replaces an entry of Inductor's private lowering table and reads its IR
+# classes, which change between releases. Outside the range it does nothing, and says so once.
+CAT_GUARD_TORCH = ((2, 11), (2, 14))
+
+
+@functools.cache
+def _decline(why: str) -> None:
+    """Warn, once per reason, that the cat guard leaves cats to Inductor's own lowering."""
+    warnings.warn(f"fbmt: backend='inductor' compiles without its cat guard (NOTE: [Cats of shared reads] in "
+                  f"fbmt/runtime/regions.py): {why}. The results are the same; the merged products' gradients "
+                  "may run slower (disable=('merge',) avoids those cats)", stacklevel=3)
+
+
 @contextlib.contextmanager
 def _cats_of_shared_reads() -> Iterator[None]:
     """While Inductor compiles a region: a `cat` that is materialized anyway (no pointwise reader)
@@ -90,17 +101,26 @@ def _cats_of_shared_reads() -> Iterator[None]:
     SwiGLU's gate and up gradients, both computed from one upstream gradient and the saved gate/up
     values. Inductor (2.11) lowers a cat of unrealized pointwise inputs on CUDA as one "pointwise
     cat" kernel that computes every element of the output from its own input's expression, so the
-    reads the two expressions share are made twice, under masks: measured at 1.36B (s10d), that
-    kernel took 10.5 ms per step where the two-output kernel before the merge took 5.2. As a
-    ConcatKernel, each input is computed straight into its slice of the output and the scheduler
-    fuses the two into one kernel with two stores. A cat that a pointwise op reads (a rotary
-    embedding's) keeps Inductor's choice: inlined into its reader, it is never written at all.
-    Inductor's own lowering is called for every other cat, and whenever this check cannot tell."""
+    reads the two expressions share are made twice, under masks: that kernel took twice as long as
+    the two-output kernel before the merge (BENCHMARKS.md). As a ConcatKernel, each input is
+    computed straight into its slice of the output and the scheduler fuses the two into one kernel
+    with two stores. A cat that a pointwise op reads (a rotary embedding's) keeps Inductor's
+    choice: inlined into its reader, it is never written at all. Inductor's own lowering is called
+    for every other cat, and whenever this check cannot tell (with a warning, once)."""
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    first, last = CAT_GUARD_TORCH
+    if not first <= version <= last:
+        _decline(f"it was tested on torch {first[0]}.{first[1]} to {last[0]}.{last[1]}, and this is torch "
+                 f"{torch.__version__}")
+        yield
+        return
     try:
         from torch._inductor import ir, lowering
         from torch._inductor.virtualized import V
+
         original = lowering.lowerings[torch.ops.aten.cat.default]
-    except (ImportError, AttributeError, KeyError):
+    except (ImportError, AttributeError, KeyError) as e:
+        _decline(f"Inductor's lowering table is not where it looks ({type(e).__name__}: {e})")
         yield
         return
 
@@ -123,8 +143,8 @@ def _cats_of_shared_reads() -> Iterator[None]:
                 sets = [reads(x) for x in inputs]
                 if all(r is not None for r in sets) and any(a & b for i, a in enumerate(sets) for b in sets[i + 1:]):
                     return ir.TensorBox(ir.ConcatKernel.create(inputs, dim))
-        except (AttributeError, TypeError, NotImplementedError):
-            pass
+        except (AttributeError, TypeError, NotImplementedError) as e:
+            _decline(f"it could not read a cat's inputs ({type(e).__name__}: {e})")
         return original(inputs, dim)
 
     lowering.lowerings[torch.ops.aten.cat.default] = cat
@@ -135,19 +155,9 @@ def _cats_of_shared_reads() -> Iterator[None]:
 
 
 def _pure(n: fx.Node, current: set[fx.Node]) -> bool:
-    if n.op != "call_function" or n.target in collectives.EFFECTFUL:
-        return False
-    t = n.target
-    if t is operator.getitem:
+    if n.target is operator.getitem:
         return n.args[0] in current  # unpacking a multi-output op of the same region
-    if isinstance(t, torch._ops.OpOverload):
-        return not (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
-    return False
-
-
-def _is_view(n: fx.Node) -> bool:
-    t = n.target
-    return t is operator.getitem or (isinstance(t, torch._ops.OpOverload) and t.overloadpacket.__name__ in _VIEWS)
+    return ops.pure(n) and isinstance(n.target, torch._ops.OpOverload)
 
 
 def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
@@ -157,8 +167,6 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
     current: list[fx.Node] = []
     members: set[fx.Node] = set()
     for n in g.nodes:
-        if n.op == "call_function" and n.target is collectives.release:
-            continue  # a marker; does not end a region
         if _pure(n, members):
             current.append(n)
             members.add(n)
@@ -167,7 +175,7 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             current, members = [], set()
     if current:
         runs.append(current)
-    runs = [r for r in runs if not all(_is_view(n) for n in r)]  # views alone cost nothing eagerly
+    runs = [r for r in runs if not all(map(ops.costs_nothing, r))]  # views alone cost nothing eagerly
 
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -184,7 +192,7 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             for k, o in enumerate(outs):
                 env[o] = out.call_function(operator.getitem, (call, k))
                 env[o].meta = dict(o.meta)
-        elif n in inside or n.op == "call_function" and n.target is collectives.release:
+        elif n in inside:
             continue
         else:
             env[n] = out.node_copy(n, env.__getitem__)

@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node=2 tests/gpu/gpt_on_gpu.py
 
-For every zero/remat/schedule combination (eager, and some with backend="inductor", one of them with
-direct_grads, four with cuda_graph=True): 5 SGD steps of a compiled GPT (each rank one sequence of the
+For every zero/remat/schedule combination (eager, and some with backend="inductor", four with
+cuda_graph=True): 5 SGD steps of a compiled GPT (each rank one sequence of the
 global batch: so few tokens that its last two blocks save their activations under remat="block",
 NOTE: [Trailing blocks]) against eager PyTorch on the whole batch on one GPU. After the first step
 (which compiles), steps run under `torch.cuda.set_sync_debug_mode("error")`: any host sync inside
@@ -110,12 +110,12 @@ def check(build, combos: list[tuple], rank: int, world: int, device: torch.devic
     want = run(ref, 5, 0, 1, device, guard=99, batch=world)
     want_params = {n: p.detach() for n, p in ref.named_parameters()}
     worst = 0.0
-    for zero, remat, schedule, backend, direct, graph in combos:
+    for zero, remat, schedule, backend, graph in combos:
         torch.manual_seed(0)
         model = build()
         model.load_state_dict(init)
         model = fbmt.compile(model, zero=zero, remat=remat, schedule=schedule, backend=backend, checks=True,
-                             direct_grads=direct, cuda_graph=graph)
+                             cuda_graph=graph)
         t0 = time.perf_counter()
         losses = run(model, 5, rank, world, device, guard=WARMUP + 1 if graph else 1, batch=world)
         torch.cuda.synchronize()
@@ -127,7 +127,7 @@ def check(build, combos: list[tuple], rank: int, world: int, device: torch.devic
         worst = max(worst, err, lerr)
         if rank == 0:
             print(f"{type(ref).__name__} zero={zero} remat={remat:<9} schedule={schedule:<8} {backend:<8}"
-                  f"{' direct_grads' if direct else ''}{' cuda_graph' if graph else ''}: loss rel err {lerr:.1e}, "
+                  f"{' cuda_graph' if graph else ''}: loss rel err {lerr:.1e}, "
                   f"param max rel err after 5 steps {err:.1e}, 5 steps {time.perf_counter() - t0:.2f}s "
                   f"(no host sync after step 1); remat: {model.program.summary('remat')[-60:]}; "
                   f"merge: {model.program.summary('merge')}", flush=True)
@@ -142,18 +142,16 @@ def main() -> None:
     rank, world = fbmt.rank(), fbmt.world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     torch.backends.cuda.matmul.allow_tf32 = False
-    combos = [(z, r, s, "eager", False, False) for z, r, s in itertools.product(
+    combos = [(z, r, s, "eager", False) for z, r, s in itertools.product(
         (3, 2), ("block", "selective", "none"), ("prefetch", "none"))]
-    combos += [(3, "block", "prefetch", "inductor", False, False),
-               (3, "selective", "prefetch", "inductor", False, False),
-               (3, "mincut", "prefetch", "inductor", False, False), (2, "mincut", "prefetch", "inductor", False, False),
-               (3, "block", "prefetch", "inductor", True, False),
-               (3, "block", "prefetch", "eager", False, True), (3, "block", "prefetch", "inductor", False, True),
-               (3, "mincut", "prefetch", "inductor", False, True), (2, "mincut", "prefetch", "inductor", False, True)]
+    combos += [(3, "block", "prefetch", "inductor", False), (3, "selective", "prefetch", "inductor", False),
+               (3, "mincut", "prefetch", "inductor", False), (2, "mincut", "prefetch", "inductor", False),
+               (3, "block", "prefetch", "eager", True), (3, "block", "prefetch", "inductor", True),
+               (3, "mincut", "prefetch", "inductor", True), (2, "mincut", "prefetch", "inductor", True)]
     worst = check(lambda: GPT(CFG), combos, rank, world, device)
-    llama = [(3, "block", "prefetch", "eager", False, False), (2, "none", "prefetch", "eager", False, False),
-             (2, "mincut", "prefetch", "inductor", False, False), (3, "block", "prefetch", "inductor", False, False),
-             (2, "mincut", "prefetch", "inductor", False, True)]
+    llama = [(3, "block", "prefetch", "eager", False), (2, "none", "prefetch", "eager", False),
+             (2, "mincut", "prefetch", "inductor", False), (3, "block", "prefetch", "inductor", False),
+             (2, "mincut", "prefetch", "inductor", True)]
     worst = max(worst, check(lambda: Llama(vocab=256, d=256, heads=4, ff=512, n_layer=3, seq=CFG.seq_len), llama,
                              rank, world, device))
     if rank == 0:

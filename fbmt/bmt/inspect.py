@@ -5,9 +5,9 @@
 - `with inspect_tensor() as it: ... record_tensor(x, "name") ...; it.get_summary()`: statistics of
   recorded values and of their gradients, over all ranks. `record_tensor` works in eager code and
   inside compiled models (Blocks included): while a model is traced it inserts the ops
-  `fbmt::record` and `fbmt::record_grad` into the program, which report to the inspector that is
-  active when they run. Programs traced inside and outside an inspector are cached separately, so
-  outside one a compiled model carries no recording ops.
+  `fbmt::record` and `fbmt::record_grad` (`fbmt/ops/record.py`) into the program, which report to
+  the inspector that is active when they run. Programs traced inside and outside an inspector are
+  cached separately, so outside one a compiled model carries no recording ops.
 - `format_summary(rows)`: a text table of either summary.
 """
 
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fbmt.runtime import collectives
-
-_STAT_KEYS = ("sum", "sumsq", "count", "min", "max")
+from fbmt.bmt.module import full_grad, gathering
+from fbmt.bmt.parameter import full_tensor
+from fbmt.ops import record
 
 
 def _stats(t: torch.Tensor) -> torch.Tensor:
@@ -60,9 +60,6 @@ def _global(stats: list[torch.Tensor]) -> list[torch.Tensor]:
 def inspect_model(model: nn.Module, param_name: str = "*") -> list[dict[str, Any]]:
     """Statistics of each parameter whose name matches the glob `param_name` (name, shape, mean,
     std, min, max of the full tensor; grad_mean and grad_std of its full gradient, or None)."""
-    from fbmt.modules.module import full_grad, gathering
-    from fbmt.modules.parameter import full_tensor
-
     rows = []
     with gathering():
         for name, p in model.named_parameters():
@@ -103,11 +100,11 @@ class InspectTensor:
         self.records: list[dict[str, Any]] = []
         self._pending_grads: dict[str, list[int]] = {}
 
-    def _value(self, name: str, x: torch.Tensor) -> None:
+    def on_value(self, name: str, x: torch.Tensor) -> None:
         self._pending_grads.setdefault(name, []).append(len(self.records))
         self.records.append(dict(name=name, shape=tuple(x.shape), stats=_stats(x), grad=None))
 
-    def _grad(self, name: str, g: torch.Tensor) -> None:
+    def on_grad(self, name: str, g: torch.Tensor) -> None:
         waiting = self._pending_grads.get(name)
         if waiting:  # gradients arrive in reverse order of the values
             self.records[waiting.pop()]["grad"] = _stats(g)
@@ -127,53 +124,13 @@ class InspectTensor:
         return rows
 
 
-_active: list[InspectTensor] = []
-
-
-def active() -> bool:
-    """Is an inspector collecting (part of a compiled model's program cache key)."""
-    return bool(_active)
-
-
 @contextmanager
 def inspect_tensor() -> Iterator[InspectTensor]:
-    it = InspectTensor()
-    _active.append(it)
-    try:
+    """Collect what `record_tensor` reports inside the block; read it with `get_summary()`."""
+    with record.recording(InspectTensor()) as it:
         yield it
-    finally:
-        _active.remove(it)
-
-
-@torch.library.custom_op("fbmt::record", mutates_args=())
-def _record(x: torch.Tensor, name: str) -> None:
-    if _active:
-        _active[-1]._value(name, x)
-
-
-@_record.register_fake
-def _(x: torch.Tensor, name: str) -> None:
-    return None
-
-
-@torch.library.custom_op("fbmt::record_grad", mutates_args=())
-def _record_grad(g: torch.Tensor, name: str) -> None:
-    if _active:
-        _active[-1]._grad(name, g)
-
-
-@_record_grad.register_fake
-def _(g: torch.Tensor, name: str) -> None:
-    return None
-
-
-collectives.EFFECTFUL.update({torch.ops.fbmt.record.default, torch.ops.fbmt.record_grad.default})
 
 
 def record_tensor(x: torch.Tensor, name: str, group: Any = None) -> None:
     """Record `x` (and, once computed, its gradient) under `name` in the active inspector."""
-    if not _active or not isinstance(x, torch.Tensor):
-        return
-    torch.ops.fbmt.record(x, name)
-    if x.requires_grad:
-        x.register_hook(lambda g: torch.ops.fbmt.record_grad(g, name))
+    record.record(x, name)

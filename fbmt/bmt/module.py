@@ -31,13 +31,10 @@ import torch
 import torch.nn as nn
 
 from fbmt import distributed
-from fbmt.api import make_options, resolve_device
-from fbmt.modules.parameter import _mark, full_tensor, is_distributed, write_full
-from fbmt.passes.blocks import plan_layout
-from fbmt.program import FlatGroup, ParamSlot
-from fbmt.runtime import collectives
-from fbmt.runtime.module import CompiledModule
-from fbmt.runtime.params import copy_into_shard, gather_group, local_range
+from fbmt.api import CompiledModule, CompileOptions
+from fbmt.bmt.parameter import DistributedParameter, _gather_construction, _mark, full_tensor, is_distributed, \
+    write_full
+from fbmt.layout import FlatGroup, Layout, ParamSlot, copy_into_shard, local_range, plan_layout
 from fbmt.trace import tracing
 
 
@@ -124,8 +121,6 @@ def distributed_class(cls: type) -> type:
 def make_distributed(module: nn.Module) -> nn.Module:
     """In place: every module of the tree a DistributedModule, every plain parameter a
     DistributedParameter holding only this rank's part (tied parameters stay tied)."""
-    from fbmt.modules.parameter import DistributedParameter
-
     converted: dict[int, nn.Parameter] = {}
     for m in module.modules():
         if not isinstance(m, DistributedModule):
@@ -155,7 +150,7 @@ def lower(module: nn.Module) -> CompiledModule:
                                "its own (by init_parameters, load or calling it); call init_parameters/load on the "
                                "whole model first")
     make_distributed(module)
-    world, rank, device = distributed.world_size(), distributed.rank(), resolve_device(None)
+    world, rank, device = distributed.world_size(), distributed.rank(), distributed.compute_device()
     by_name = dict(module.named_parameters())
     for name, p in by_name.items():
         if getattr(p, "_fbmt_view", None) is not None:
@@ -175,9 +170,9 @@ def lower(module: nn.Module) -> CompiledModule:
             for k, b in m._buffers.items():
                 if b is not None and b.device != device:
                     m._buffers[k] = b.to(device)
-    options = make_options(zero=3, remat="none", blocks={path: dict(zero=z, remat="block" if ckpt else "none")
-                                                           for path, (ckpt, z) in policies.items()},
-                           grad_reduce="sum")
+    options = CompileOptions(zero=3, remat="none", grad_reduce="sum",
+                             blocks={path: dict(zero=z, remat="block" if ckpt else "none")
+                                     for path, (ckpt, z) in policies.items()})
     compiled = CompiledModule(module, layout, shards, options=options, device=device, rank=rank, views=views)
     module.__dict__["_fbmt_compiled"] = compiled
     for sub in module.modules():
@@ -196,17 +191,17 @@ def is_lowered(module: nn.Module) -> bool:
 
 
 def block_policies(module: nn.Module) -> dict[str, tuple[bool, int]]:
-    """Path -> (use_checkpoint, zero_level) of every outermost Block in the tree."""
-    from fbmt.modules.block import Block
-
+    """Path -> (use_checkpoint, zero_level) of every outermost Block in the tree (a Block says what
+    it is by its `block_policy`)."""
     out: dict[str, tuple[bool, int]] = {}
     for path, m in module.named_modules():
-        if isinstance(m, Block) and not any(path.startswith(b + ".") for b in out):
-            out[path] = (m.use_checkpoint, m.zero_level)
+        policy = getattr(m, "block_policy", None) if isinstance(m, DistributedModule) else None
+        if policy is not None and not any(path.startswith(b + ".") for b in out):
+            out[path] = policy
     return out
 
 
-def _plan_on_stand_ins(module: nn.Module, world: int, blocks: list[str]) -> Any:
+def _plan_on_stand_ins(module: nn.Module, world: int, blocks: list[str]) -> Layout:
     """Plan the layout with each parameter replaced, for the call, by a meta tensor of its full shape."""
     owners: list[tuple[nn.Module, str, nn.Parameter]] = []
     stand_in: dict[int, nn.Parameter] = {}
@@ -263,8 +258,6 @@ def full_grad(p: torch.Tensor) -> torch.Tensor | None:
     if view is not None:
         return view.full_grad(p)
     if is_distributed(p):
-        from fbmt.modules.parameter import _gather_construction
-
         has = torch.tensor([float(p.grad is not None)], device=p.device)
         if distributed.world_size() > 1:
             torch.distributed.all_reduce(has)
@@ -287,7 +280,7 @@ class _GatherContext:
         key = (id(compiled), g.index)
         if self.last_params is not None and self.last_params[0] == key:
             return self.last_params[1]
-        flat = gather_group(compiled.flat_params[g.index].detach(), g)
+        flat = compiled.gather(g.index)
         if self.depth:
             self.last_params = (key, flat)
         return flat
@@ -304,7 +297,7 @@ class _GatherContext:
                 lo = s.offset + v._start_partition - base
                 local[lo:lo + v.numel()] = v.grad.detach().reshape(-1).float()
                 local[g.shard_numel + i] = 1.0
-        rows = collectives.wait(collectives.all_gather(local, g.world_size)).view(g.world_size, -1)
+        rows = distributed.gather_flat(local).view(g.world_size, -1)
         has = (rows[:, g.shard_numel:].sum(0) > 0).tolist()
         flat = rows[:, :g.shard_numel].reshape(-1).to(g.dtype)
         result = (flat, has) if any(has) else None

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from fbmt.modules.module import DistributedModule, make_distributed
+from fbmt.bmt.module import DistributedModule, make_distributed
 
 
 class Block(DistributedModule):
@@ -45,6 +45,11 @@ class Block(DistributedModule):
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         self.use_checkpoint, self.zero_level = bool(use_checkpoint), zero_level
         self.training = module.training
+
+    @property
+    def block_policy(self) -> tuple[bool, int]:
+        """(use_checkpoint, zero_level): what lowering makes of this block (NOTE: [Lowering])."""
+        return self.use_checkpoint, self.zero_level
 
     @property
     def inner_module(self) -> nn.Module:

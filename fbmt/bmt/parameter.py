@@ -6,7 +6,7 @@ A parameter's local part has two shapes over its life:
 - *Construction* (BMTrain's own partition): built from the full `data`, it keeps elements
   [r * ceil(n/N), (r + 1) * ceil(n/N)) of the flattened tensor and lets the rest go, so a model
   built from these never holds more than its construction temporaries.
-- *Lowered*: when the model is lowered onto fbmt.compile's machinery (`fbmt.modules.lowering`), its
+- *Lowered*: when the model is lowered onto fbmt.compile's machinery (`fbmt/bmt/module.py`), its
   parameters are laid out in flat per-block groups and each parameter's `.data` becomes a view of
   the part of its group's shard that this rank owns: `[_start_partition, _end_partition)` of the
   flattened parameter, possibly empty. The object stays the same, so an optimizer built on it
@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 
 from fbmt import distributed
-from fbmt.runtime.collectives import all_gather_into
+from fbmt.distributed import all_gather_into
+from fbmt.layout import local_range
 
 
 class ParameterInitializer:
@@ -129,8 +130,6 @@ def part_ranges(p: torch.Tensor) -> list[tuple[int, int]]:
     """[lo, hi) of the flattened parameter that each rank holds, for every rank (either partition)."""
     view = getattr(p, "_fbmt_view", None)
     if view is not None:
-        from fbmt.runtime.params import local_range
-
         g, s = view.group, view.slot
         return [(lo - s.offset, max(lo, hi) - s.offset)
                 for lo, hi in (local_range(g, s, r) for r in range(g.world_size))]

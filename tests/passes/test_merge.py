@@ -7,11 +7,13 @@ import torch
 import torch.nn as nn
 
 import fbmt
+from fbmt import ops
+from fbmt.passes import merge_products
 from fbmt.program import FWD
-from fbmt.runtime import collectives
 from fbmt.sim import peak_memory
 from tests.dist import run_ranks
 from tests.models.reference import Llama, batch
+from tests.passes.helpers import apply, assert_same_results, run, tangents_for, through, traced
 from tests.workers import compare, eager_reference, lm_step_matches, train_compiled
 
 aten = torch.ops.aten
@@ -24,7 +26,7 @@ def _trace(model: nn.Module, *inputs: torch.Tensor, **cfg):
 
 def _products(program, phase: str) -> list[tuple[int, ...]]:
     """Shapes of the weights of the matrix products of a phase that read a gathered buffer."""
-    gathered = {n for n in program.graph.nodes if n.target is collectives.wait and n.meta.get("fbmt_group") is not None}
+    gathered = {n for n in program.graph.nodes if n.target is ops.wait and n.meta.get("fbmt_group") is not None}
     shapes = []
     for n in program.graph.nodes:
         if n.target is aten.mm.default and n.meta["fbmt_phase"] == phase and n.args[1].target is aten.t.default:
@@ -33,6 +35,18 @@ def _products(program, phase: str) -> list[tuple[int, ...]]:
             if view is not None and view.args[0].target is aten.slice.Tensor and view.args[0].args[0] in gathered:
                 shapes.append(tuple(w.meta["val"].shape))
     return shapes
+
+
+@pytest.mark.parametrize("remat", ["none", "mincut", "block"])
+def test_merging_gives_the_same_outputs_and_gradients_up_to_the_order_of_sums(remat):
+    torch.manual_seed(0)
+    model = Llama()
+    (idx,), _, _ = batch("llama", 0)
+    before = through(traced(model, idx), "merge", remat=remat)
+    after, summary = apply(merge_products, before)
+    assert "runs of 2" in summary and not summary.startswith("0 runs"), summary
+    tangents = tangents_for(before)
+    assert_same_results(run(before, model, [idx], tangents), run(after, model, [idx], tangents), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("remat", ["mincut", "block"])
@@ -52,7 +66,7 @@ def test_products_that_read_one_input_become_one_without_a_copy_or_more_memory(r
     # the weights of a merged product are one view of the gathered buffer: no parameter is copied
     cats = [n for n in program.graph.nodes if n.target is aten.cat.default and any(
         a.target is aten.view.default and a.args[0].target is aten.slice.Tensor
-        and a.args[0].args[0].target is collectives.wait for a in n.args[0])]
+        and a.args[0].args[0].target is ops.wait for a in n.args[0])]
     assert not cats, cats
     # the merged gradients: each weight's gradient is a row slice of one product
     assert "gradients merged for 4" in program.summary("merge"), program.summary("merge")

@@ -1,9 +1,9 @@
 """The module `fbmt.compile` returns: shards as parameters, a program per input signature.
 
-`CompiledModule.forward` looks up (or traces, runs the passes on and partitions) the program for
-the call's input shapes, dtypes, training flags and grad mode, then runs it. With gradients, the
-forward and backward graphs run inside one `autograd.Function`, so the training loop stays plain
-PyTorch and autograd accumulates each shard's gradient into `shard.grad`.
+`CompiledModule.forward` looks up (or builds, with `fbmt.pipeline.build`) the program for the call's
+input shapes, dtypes, training flags and grad mode, then runs it. With gradients, the forward and
+backward graphs run inside one `autograd.Function` (`fbmt.runtime.autograd`), so the training loop
+stays plain PyTorch and autograd accumulates each shard's gradient into `shard.grad`.
 """
 
 from __future__ import annotations
@@ -18,57 +18,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fbmt import inspect
-from fbmt.passes import run_pipeline
-from fbmt.program import Layout, Program
+from fbmt import pipeline
+from fbmt.layout import Layout, copy_into_shard, local_range
+from fbmt.ops import record
+from fbmt.options import CompileOptions
+from fbmt.program import Program
+from fbmt.runtime.autograd import Routes, RunProgram
 from fbmt.runtime.graphs import Graphed
-from fbmt.runtime.params import copy_into_shard, gather_group, local_range
-from fbmt.runtime.partition import Executable, partition
-from fbmt.runtime.regions import RegionCache, split_regions
-from fbmt.trace import trace
+from fbmt.runtime.params import gather_group
+from fbmt.runtime.partition import Executable
+from fbmt.runtime.regions import RegionCache
 
 log = logging.getLogger("fbmt")
-
-
-Routes = dict[int, list[tuple[int, int, int]]]  # group -> (view index, lo, hi in the shard) of each view
-
-
-class _RunProgram(torch.autograd.Function):
-    """Runs an Executable's forward, and its backward when autograd asks, through `runner`: the
-    Executable itself, or its CUDA graphs (`Graphed`).
-
-    `args` are the forward graph's inputs, then (view mode) the per-parameter views: `routes` says
-    which slice of each shard gradient is the gradient of which view argument.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, exe: Executable, runner: Executable | Graphed, routes: Routes | None,
-                *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs, saved = runner.run_forward(*args[:len(exe.fwd_inputs)])
-        ctx.exe, ctx.runner, ctx.routes, ctx.saved, ctx.n_args = exe, runner, routes, saved, len(args)
-        diff = set(exe.diff_outputs)
-        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        exe = ctx.exe
-        if ctx.saved is None:
-            raise RuntimeError("fbmt: backward through the same compiled call twice is not supported "
-                               "(its saved values were freed); run the forward again")
-        tangents = [grads[i].contiguous() for i in exe.diff_outputs]
-        saved, ctx.saved = ctx.saved, None  # the graph empties the list: each value dies at its last use
-        results = ctx.runner.run_backward(saved, *tangents)
-        out: list[torch.Tensor | None] = [None] * ctx.n_args
-        for arg, result in exe.grad_slots:
-            grad, role = results[result], exe.fwd_inputs[arg]
-            if ctx.routes is not None and role.kind == "shard":
-                if grad is not None:
-                    for view, lo, hi in ctx.routes[role.key]:
-                        out[len(exe.fwd_inputs) + view] = grad[lo:hi]
-            else:
-                out[arg] = grad
-        return (None, None, None, *out)
 
 
 class CompiledModule(nn.Module):
@@ -81,7 +42,8 @@ class CompiledModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, layout: Layout, shards: list[nn.Parameter], *,
-                 options: Any, device: torch.device, rank: int, views: list[list[nn.Parameter]] | None = None):
+                 options: CompileOptions, device: torch.device, rank: int,
+                 views: list[list[nn.Parameter]] | None = None):
         super().__init__()
         self.__dict__["_orig"] = module  # not a submodule: its parameters are meta placeholders
         self.flat_params = nn.ParameterList(shards)
@@ -103,7 +65,8 @@ class CompiledModule(nn.Module):
         self.program: Program | None = None
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
         self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
-        # what every call reads, found once: walking the module tree cost a 24-layer model ~0.5 ms a call
+        # what every call reads, found once: walking the module tree on every call costs host time before the
+        # step's first kernel
         self._submodules = list(module.modules())
         self._buffer_owners: dict[str, tuple[nn.Module, str]] = {}  # buffer name -> (module, attribute)
         self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
@@ -133,13 +96,13 @@ class CompiledModule(nn.Module):
             with torch.no_grad():
                 outs = exe.run_forward(*feed)[0]
         else:
-            # an inspector's recording ops report from the host, which a replayed graph does not run
-            graphed = self.options.cuda_graph and not inspect.active()
+            # recording ops report from the host, which a replayed graph does not run
+            graphed = self.options.cuda_graph and not exe.records
             runner = self._graphs(key, exe) if graphed else exe
             if self.views is None:
-                outs = _RunProgram.apply(exe, runner, None, *feed)
+                outs = RunProgram.apply(exe, runner, None, *feed)
             else:
-                outs = _RunProgram.apply(exe, runner, self._routes, *feed, *(v for vs in self.views for v in vs))
+                outs = RunProgram.apply(exe, runner, self._routes, *feed, *(v for vs in self.views for v in vs))
         program = self.programs[key]
         flat: list[Any] = [None] * (len(program.out_constants) + exe.n_outputs)
         for k, v in program.out_constants.items():
@@ -171,26 +134,17 @@ class CompiledModule(nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         sig = tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
                     for x in leaves)
-        return (spec, sig, tuple(m.training for m in self._submodules), needs_grad, trainable, inspect.active())
+        return (spec, sig, tuple(m.training for m in self._submodules), needs_grad, trainable, record.active())
 
     def _build(self, key: tuple, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...],
                device: torch.device | str | None = None) -> Executable:
-        o = self.options
         started = time.perf_counter()
-        buffers = OrderedDict(self._orig.named_buffers())
-        program = trace(self._orig, self.layout, buffers, args, kwargs,
-                        param_device=torch.device(device) if device is not None else self.device,
-                        needs_grad=needs_grad, trainable=trainable)
-        traced = time.perf_counter()
-        program = run_pipeline(program, o.pipeline(), disable=o.disable, checks=o.checks, dump_dir=o.dump_dir)
-        exe = partition(program)
-        if o.backend == "inductor":  # NOTE: [Regions]
-            exe.forward = split_regions(exe.forward, self.regions)
-            if exe.backward is not None:
-                exe.backward = split_regions(exe.backward, self.regions)
         if self.programs:
             log.info("fbmt: compiling a new program for a new input signature (%d cached)", len(self.programs))
-        log.info("fbmt: traced in %.2fs, passes+partition in %.2fs", traced - started, time.perf_counter() - traced)
+        program, exe = pipeline.build(self._orig, self.layout, self.options, args, kwargs, needs_grad=needs_grad,
+                                      trainable=trainable, regions=self.regions,
+                                      device=torch.device(device) if device is not None else self.device)
+        log.info("fbmt: traced, passed and partitioned in %.2fs", time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
         return exe
@@ -262,6 +216,10 @@ class CompiledModule(nn.Module):
             if orig is None:
                 raise
             return getattr(orig, name)
+
+    def gather(self, group: int) -> torch.Tensor:
+        """The whole flat buffer of flat group `group` (a collective: call it on every rank)."""
+        return gather_group(self.flat_params[group].detach(), self.layout.groups[group])
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, gathered whole, by canonical name (a collective: call it on every rank)."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fbmt.modules.module import DistributedModule
-from fbmt.modules.parameter import DistributedParameter, ParameterInitializer
+from fbmt.bmt.module import DistributedModule
+from fbmt.bmt.parameter import DistributedParameter, ParameterInitializer
 
 
 class Linear(DistributedModule):

@@ -143,7 +143,7 @@ def test_load_reports_bad_files(tmp_path):
 # ---- forward and backward against plain torch ----
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    from fbmt.modules.module import full_grad
+    from fbmt.bmt.module import full_grad
 
     return {n: full_grad(p) for n, p in model.named_parameters()}
 

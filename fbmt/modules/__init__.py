@@ -1,1 +1,0 @@
-"""BMTrain's model-building classes, lowered onto fbmt.compile (see module.py, NOTE: [Lowering])."""

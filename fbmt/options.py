@@ -1,0 +1,143 @@
+"""`CompileOptions`: every option of `fbmt.compile`, declared once and validated once.
+
+`fbmt.compile(model, **options)` takes exactly these fields as keywords (its signature is made from
+them); `fbmt/pipeline.py` hands each pass the fields it reads. docs/options.md explains them at length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from fbmt import flags
+from fbmt.passes import PASS_NAMES, POLICIES, REQUIRED, STRATEGIES
+
+BACKENDS = ("eager", "inductor")
+Blocks = Sequence[str] | Mapping[str, Mapping[str, Any]] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    zero: int = 3
+    """3: gather parameters again for the backward; 2: keep them gathered from forward to backward."""
+    remat: str = "block"
+    """"block": save only block inputs and recompute each block in the backward; "selective": save
+    matmul and attention outputs, recompute the cheap ops between them; "mincut": recompute only the
+    cheap ops whose recompute saves memory (a minimum cut, as torch.compile's partitioner); "none":
+    save all."""
+    schedule: str = "prefetch"
+    """A registered strategy (`fbmt.passes.register_strategy`): "prefetch" (overlap communication
+    with compute) or "none"."""
+    prefetch: int = 1
+    """How many blocks ahead "prefetch" issues parameter gathers."""
+    blocks: Blocks = None
+    """Module paths to use as blocks instead of the children of repeated ModuleLists; or a dict from
+    path to that block's own policy, e.g. `{"layers.0": {"remat": "none", "zero": 2}, "layers.1": {}}`."""
+    grad_reduce: str = "mean"
+    """How gradients combine over ranks: "mean" (as one big batch) or "sum" (BMTrain's convention)."""
+    param_dtype: torch.dtype | None = None
+    """Mixed precision: gather and compute with floating parameters in this dtype (shards, gradients
+    and the optimizer keep the stored dtype); floating inputs are cast to it."""
+    reduce_dtype: torch.dtype | None = None
+    """Mixed precision: reduce gradients in this dtype (default: the stored dtype, e.g. fp32)."""
+    narrow_wire: bool | None = None
+    """Gradients reduced in a wider dtype than their own (bf16 summed in fp32) travel in their own,
+    through an all-to-all, and are summed by the receiver (NOTE: [Narrow wire]). None: where every
+    rank is on one node ($FBMT_NARROW_WIRE=0/1 sets the default)."""
+    backend: str = "eager"
+    """"eager": run the aten graphs op by op; "inductor": compile each compute region between
+    collectives with Inductor, once per distinct region (identical blocks share it)."""
+    cuda_graph: bool = False
+    """Replay each training step's forward and backward as CUDA graphs after two warm-up calls (CUDA
+    only; NOTE: [CUDA graphs]). Needs fixed input shapes and each backward before the next forward."""
+    disable: tuple[str, ...] = ()
+    """Pass names to skip (to bisect a problem); "shard" cannot be skipped."""
+    checks: bool | None = None
+    """Verify the program after every pass (always on in tests). None: $FBMT_CHECKS."""
+    dump_dir: str | None = None
+    """Write the program after every pass to this folder, for `diff`. None: $FBMT_DUMP_DIR."""
+    world_size: int | None = None
+    """Compile for this many ranks (default: the process group's): one process can build and inspect
+    the program of any world size with `model.trace(*inputs)`; running it needs that many ranks."""
+    device: torch.device | str | None = None
+    """Where the shards live and the program runs (default: this rank's device)."""
+    init_fn: Callable[[nn.Module], None] | None = None
+    """How to initialize a model built on the meta device, module by module (default: each module's
+    `reset_parameters()`)."""
+
+    block_policies: tuple[tuple[str, int, str], ...] = field(init=False, default=())
+    """(block path, zero, remat) of each block whose policy `blocks` sets; derived."""
+
+    def __post_init__(self) -> None:
+        blocks, policies = self.blocks, []
+        if isinstance(blocks, Mapping):
+            for path, policy in blocks.items():
+                unknown = set(policy or {}) - {"zero", "remat"}
+                if unknown:
+                    raise ValueError(f"fbmt.compile(blocks={{{path!r}: ...}}): unknown policy keys {sorted(unknown)}; "
+                                     "a block's policy may set 'zero' and 'remat'")
+                if policy:
+                    policies.append((path, policy.get("zero", self.zero), policy.get("remat", self.remat)))
+        elif isinstance(blocks, str):
+            raise TypeError(f"fbmt.compile(blocks={blocks!r}): expected a list of module paths or a dict")
+        resolved = dict(
+            blocks=tuple(blocks) if blocks is not None else None, block_policies=tuple(policies),
+            disable=tuple(self.disable),
+            checks=flags.CHECKS.get() if self.checks is None else bool(self.checks),
+            dump_dir=self.dump_dir or flags.DUMP_DIR.get() or None,
+            narrow_wire=flags.NARROW_WIRE.get() if self.narrow_wire is None else self.narrow_wire)
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        for path, zero, remat in [("", self.zero, self.remat), *self.block_policies]:
+            where = f" for block '{path}'" if path else ""
+            if zero not in (2, 3):
+                raise ValueError(f"fbmt.compile(zero={zero!r}){where}: expected 3 (re-gather for the backward) "
+                                 "or 2 (keep gathered)")
+            if remat not in POLICIES:
+                raise ValueError(f"fbmt.compile(remat={remat!r}){where}: expected one of {POLICIES}")
+        if self.schedule not in STRATEGIES:
+            raise ValueError(f"fbmt.compile(schedule={self.schedule!r}): known strategies are {sorted(STRATEGIES)}; "
+                             "add one with fbmt.passes.register_strategy")
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ValueError(f"fbmt.compile(prefetch={self.prefetch!r}): must be a whole number, at least 1")
+        if self.grad_reduce not in ("mean", "sum"):
+            raise ValueError(f"fbmt.compile(grad_reduce={self.grad_reduce!r}): expected 'mean' or 'sum'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"fbmt.compile(backend={self.backend!r}): expected one of {BACKENDS}")
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"fbmt.compile({name}={dtype!r}): expected a floating-point torch.dtype")
+        for name in self.disable:
+            if name not in PASS_NAMES:
+                raise ValueError(f"fbmt.compile(disable={self.disable!r}): no pass named {name!r}; "
+                                 f"passes are {list(PASS_NAMES)}")
+            if name in REQUIRED:
+                raise ValueError(f"fbmt.compile(disable=...): pass {name!r} cannot be disabled; the runtime needs it")
+        if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
+            raise ValueError(f"fbmt.compile(world_size={self.world_size!r}): expected a positive number of ranks")
+
+    @property
+    def zero_per_block(self) -> dict[str, int]:
+        return {path: zero for path, zero, _ in self.block_policies}
+
+    @property
+    def remat_per_block(self) -> dict[str, str]:
+        return {path: remat for path, _, remat in self.block_policies}
+
+    @classmethod
+    def from_kwargs(cls, options: Mapping[str, Any]) -> CompileOptions:
+        """`CompileOptions(**options)`, with an unknown name as an error that lists the known ones."""
+        known = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"fbmt.compile: unknown option(s) {unknown}; the options are {known} "
+                            "(fbmt.CompileOptions documents each)")
+        return cls(**options)

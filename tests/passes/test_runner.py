@@ -1,0 +1,64 @@
+"""The pass runner: it records, times, verifies and dumps every pass, and skips the disabled ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fbmt
+from fbmt import ops
+from fbmt.passes import VerifyError, assign_blocks, run_passes
+from tests.models.reference import MLP, batch, gpt
+from tests.passes.helpers import traced
+
+
+def test_each_pass_leaves_a_record_with_its_time_summary_and_program():
+    model = fbmt.compile(MLP(), world_size=2)
+    model.trace(torch.randn(2, 12))
+    history = model.program.history
+    assert [r.name for r in history] == ["blocks", "remat", "merge", "shard", "schedule", "verify"]
+    assert all(r.seconds >= 0 and r.summary and r.text.count("\n") > 10 for r in history)
+    assert model.program.summary("shard").startswith("zero=3")
+    with pytest.raises(KeyError, match="no pass named 'nope' ran"):
+        model.program.summary("nope")
+    text = str(model.program)
+    for r in history:
+        assert f"# pass {r.name}" in text
+    assert "all_gather(%shard" in text and "reduce_scatter(" in text and "release(" in text
+
+
+def test_disabling_a_pass_is_recorded_and_changes_nothing():
+    model = fbmt.compile(MLP(), disable=("schedule",))
+    model(torch.randn(2, 12)).sum().backward()
+    history = {r.name: r for r in model.program.history}
+    assert history["schedule"].summary == "disabled by the user"
+    assert history["schedule"].text == history["shard"].text
+
+
+def test_dump_dir_writes_one_file_per_pass(tmp_path):
+    model = fbmt.compile(gpt(), world_size=4, dump_dir=str(tmp_path))
+    (idx,), _, tgt = batch("gpt", 0)
+    model.trace(idx, tgt)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["00-trace.txt", "01-blocks.txt", "02-remat.txt", "03-merge.txt", "04-shard.txt",
+                     "05-schedule.txt", "06-verify.txt"]
+    assert (tmp_path / "04-shard.txt").read_text().startswith("# fbmt Program")
+
+
+def test_with_checks_a_pass_that_breaks_an_invariant_is_named():
+    def drops_a_release(program):
+        program = program.copy()
+        program.graph.erase_node(next(n for n in program.graph.nodes if n.target is ops.release))
+        return program, "dropped a release"
+
+    sharded = fbmt.compile(MLP(), world_size=2).trace(torch.randn(2, 12))
+    with pytest.raises(VerifyError, match="after pass 'careless': .* released 0 times"):
+        run_passes(sharded, [("careless", drops_a_release)], checks=True)
+    run_passes(sharded, [("careless", drops_a_release)], checks=False)  # without checks it goes through
+
+
+def test_a_pass_returns_a_new_program_and_leaves_its_input_as_it_was():
+    program = traced(MLP(), torch.randn(2, 12))
+    nodes_before = [(n.name, dict(n.meta)) for n in program.graph.nodes]
+    run_passes(program, [("blocks", assign_blocks)], checks=True)
+    assert [(n.name, dict(n.meta)) for n in program.graph.nodes] == nodes_before and not program.history

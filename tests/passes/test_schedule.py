@@ -1,0 +1,152 @@
+"""The schedule pass and its strategies: where gathers are issued and reductions waited; that a
+strategy only reorders; and a strategy registered by a user."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fbmt
+from fbmt import ops
+from fbmt.ops.tables import EFFECTFUL
+from fbmt.passes import STRATEGIES, schedule_overlap
+from fbmt.program import BWD, FWD
+from tests.dist import run_ranks
+from tests.models.reference import batch, gpt
+from tests.passes import strategies  # noqa: F401  (registers "all-at-start")
+from tests.passes.helpers import apply, assert_same_results, nodes, run, tangents_for, through, traced
+
+
+def _program(n_layer: int = 3, world: int = 8, **cfg):
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt(n_layer=n_layer), world_size=world, checks=True, **cfg)
+    (idx,), _, tgt = batch("gpt", 0)
+    return model.trace(idx, tgt)
+
+
+def _first_compute(program, block: str, phase: str) -> int:
+    nodes_ = list(program.graph.nodes)
+    return min(i for i, n in enumerate(nodes_) if n.meta.get("fbmt_block") == block and n.meta["fbmt_phase"] == phase
+               and n.op == "call_function" and n.target not in EFFECTFUL)
+
+
+def _gather_at(program, phase: str) -> dict[int, int]:
+    pos = {n: i for i, n in enumerate(program.graph.nodes)}
+    return {n.meta["fbmt_group"]: pos[n] for n in nodes(program, ops.all_gather, phase)}
+
+
+@pytest.mark.parametrize("strategy", ["prefetch", "none"])
+def test_a_strategy_only_reorders_the_program(strategy):
+    torch.manual_seed(0)
+    model = gpt(n_layer=3)
+    idx = torch.randint(0, 64, (2, 16))
+    before = through(traced(model, idx), "schedule")
+    after, summary = apply(schedule_overlap, before, strategy=strategy, prefetch=1)
+    assert summary.startswith(f"{strategy}: ")
+    assert sorted(n.name for n in after.graph.nodes) == sorted(n.name for n in before.graph.nodes)
+    tangents = tangents_for(before)
+    assert_same_results(run(before, model, [idx], tangents), run(after, model, [idx], tangents), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_prefetch_issues_each_gather_that_many_blocks_ahead(prefetch):
+    program = _program(n_layer=4, schedule="prefetch", prefetch=prefetch)
+    groups = {g.block: g.index for g in program.layout.groups}
+    start = _gather_at(program, FWD)
+    for i in range(4 - prefetch):
+        ahead, before = groups[f"h.{i + prefetch}"], _first_compute(program, f"h.{i}", FWD)
+        assert start[ahead] < before, f"h.{i + prefetch} is not gathered before h.{i} computes"
+        if i + prefetch + 1 < 4:  # and no further ahead
+            assert start[groups[f"h.{i + prefetch + 1}"]] > before, f"h.{i + prefetch + 1} gathered too early"
+    assert f"issued {prefetch} block(s) ahead" in program.summary("schedule")
+
+
+def test_reductions_overlap_the_backward_of_earlier_blocks():
+    program = _program(schedule="prefetch")
+    nodes_ = list(program.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes_)}
+    rs = nodes(program, ops.REDUCTIONS, BWD)
+    later = [n for n in nodes_[pos[rs[0]] + 1:] if n.meta.get("fbmt_phase") == BWD
+             and n.target not in EFFECTFUL and n.op == "call_function"]
+    assert later, "the first reduce-scatter should overlap later backward compute"
+    waits = [next(iter(r.users)) for r in rs]
+    for r, w in zip(rs[:-1], waits[:-1]):  # each waited right before a later one is issued, the last at the end
+        assert w.next in rs and pos[w.next] > pos[r], w
+    assert waits[-1].next.op == "output"
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+class _Decoder(torch.nn.Module):
+    """Linear blocks, a final norm and an untied output layer, as Llama ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(2)])
+        self.norm, self.output = _Norm(), torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.output(self.norm(x)).sum()
+
+
+def test_a_small_groups_reduction_does_not_wait_for_the_one_before():
+    # NOTE: [Small groups]: the final norm's gradient is reduced right after the output layer's; were it
+    # counted, the backward would wait there for the output layer's reduce-scatter to finish
+    torch.manual_seed(0)
+    program = fbmt.compile(_Decoder(), world_size=2, checks=True).trace(torch.randn(4, 8, 32))
+    pos = {n: i for i, n in enumerate(program.graph.nodes)}
+    groups = {g.block: g.index for g in program.layout.groups}
+    starts = {n.meta["fbmt_group"]: n for n in nodes(program, ops.REDUCTIONS, BWD)}
+    waits = {g: next(u for u in n.users if u.target is ops.wait) for g, n in starts.items()}
+    assert pos[starts[groups["output"]]] < pos[starts[groups["norm"]]]
+    assert pos[waits[groups["output"]]] > pos[starts[groups["norm"]]]
+    assert pos[waits[groups["output"]]] < pos[starts[groups["layers.1"]]]  # still one large one in flight
+
+
+def test_backward_gathers_its_first_block_when_the_backward_begins():
+    # ln_f's weights are too few to hide a gather behind: h.2's gather must not wait for them
+    program = _program(schedule="prefetch")
+    nodes_ = list(program.graph.nodes)
+    groups = {g.block: g.index for g in program.layout.groups}
+    first_bwd = next(i for i, n in enumerate(nodes_) if n.op == "call_function" and n.meta["fbmt_phase"] == BWD
+                     and n.target not in EFFECTFUL)
+    start = _gather_at(program, BWD)
+    assert start[groups["ln_f"]] < first_bwd and start[groups["h.2"]] < first_bwd
+    assert start[groups["h.1"]] > first_bwd  # one block ahead, not all of them
+
+
+def test_no_overlap_waits_right_after_each_start():
+    program = _program(schedule="none")
+    for n in program.collectives():
+        assert n.next.target is ops.wait and n.next.args[0] is n
+
+
+def _trains_with_the_registered_strategy(rank: int, world: int) -> None:
+    from tests.workers import compare, eager_reference, train_compiled
+
+    compare(train_compiled("gpt", rank, world, dict(schedule="all-at-start")), eager_reference("gpt"),
+            f"gpt on {world} ranks with a registered strategy", buffers=False)
+
+
+def test_a_registered_strategy_is_used_by_name_and_trains_as_eager():
+    assert "all-at-start" in STRATEGIES  # registered by importing tests.passes.strategies
+    program = _program(schedule="all-at-start")
+    assert program.summary("schedule").startswith("all-at-start: ") and "when their phase begins" in \
+        program.summary("schedule")
+    first = min(_first_compute(program, g.block, FWD) for g in program.layout.groups)
+    assert all(at < first for at in _gather_at(program, FWD).values())
+    run_ranks(2, _trains_with_the_registered_strategy)
+
+
+def test_an_unknown_strategy_names_the_known_ones():
+    with pytest.raises(ValueError, match="schedule='fastest'.*known strategies.*register_strategy"):
+        fbmt.compile(gpt(), schedule="fastest")

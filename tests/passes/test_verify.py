@@ -1,0 +1,77 @@
+"""verify: the invariants every program keeps, each broken by hand once."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+import fbmt
+from fbmt import ops
+from fbmt.passes import VerifyError, check, verify_program
+from fbmt.program import BWD, FWD, Program
+from tests.models.reference import batch, gpt
+
+
+@pytest.fixture(scope="module")
+def program() -> Program:
+    torch.manual_seed(0)
+    (idx,), _, tgt = batch("gpt", 0)
+    return fbmt.compile(gpt(), world_size=4, checks=True).trace(idx, tgt)
+
+
+def _first(program: Program, target) -> torch.fx.Node:
+    return next(n for n in program.graph.nodes if n.target is target)
+
+
+def _drop_a_release(p: Program) -> None:
+    p.graph.erase_node(_first(p, ops.release))
+
+
+def _release_early(p: Program) -> None:
+    release = _first(p, ops.release)
+    release.args[0].append(release)  # right after the wait, before the views are read
+
+
+def _wait_twice(p: Program) -> None:
+    wait = _first(p, ops.wait)
+    with p.graph.inserting_after(wait):
+        twin = p.graph.call_function(ops.wait, wait.args)
+    twin.meta.update(wait.meta)
+
+
+def _no_phase(p: Program) -> None:
+    del next(n for n in p.graph.nodes if n.op == "call_function").meta["fbmt_phase"]
+
+
+@pytest.mark.parametrize("breaks, says", [
+    (_drop_a_release, "released 0 times"),
+    (_release_early, "after its release"),
+    (_wait_twice, "must be read by exactly one wait"),
+    (_no_phase, "has no phase"),
+])
+def test_verify_rejects_a_broken_program_and_names_the_node(program: Program, breaks: Callable, says: str):
+    verify_program(program)  # the program as compiled is fine
+    broken = program.copy()
+    breaks(broken)
+    with pytest.raises(VerifyError, match=f"after pass 'by hand': %.* {says}") as e:
+        check(broken, after="by hand")
+    assert "--- program around it ---" in str(e.value)
+
+
+def test_a_forward_node_that_reads_a_tangent_is_rejected(program: Program):
+    broken = program.copy()
+    tangent = next(n for n, r in zip(broken.placeholders(), broken.inputs) if r.kind == "tangent")
+    first = next(n for n in broken.graph.nodes if n.op == "call_function")
+    with broken.graph.inserting_before(first):
+        reader = broken.graph.call_function(torch.ops.aten.neg.default, (tangent,))
+    reader.meta["fbmt_phase"] = FWD
+    with pytest.raises(VerifyError, match="is a forward node that reads a tangent"):
+        check(broken, after="by hand")
+
+
+def test_verify_as_a_pass_leaves_the_input_untouched(program: Program):
+    before = list(program.history)
+    out, summary = verify_program(program)
+    assert summary == "ok" and out is not program and program.history == before
