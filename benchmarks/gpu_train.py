@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib
 import itertools
 import json
 import os
@@ -63,10 +64,11 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ---- methods: each returns (model, optimizer) ready to train ----
 
 def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
-               backend: str = "eager", remat: str | None = None, direct: bool = False,
-               zero: int | None = None, graph: bool = False,
-               schedule: str = "prefetch", adam: str = "torch", disable: tuple[str, ...] = ()) -> tuple[nn.Module, Any]:
-    import fbmt
+               backend: str = "eager", remat: str | None = None, zero: int | None = None, graph: bool = False,
+               schedule: str = "prefetch", adam: str = "torch", disable: tuple[str, ...] = (),
+               package: str = "fbmt") -> tuple[nn.Module, Any]:
+    """`package`: "fbmt", or "fbmt_base", an earlier commit's fbmt renamed (`--base`), to time against."""
+    fbmt = importlib.import_module(package)
 
     with torch.device("meta"):
         model = (LlamaWithLoss if args.loss_in_model else Llama)(cfg)
@@ -79,10 +81,8 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
                 p.copy_(param_value(full, p.shape, p.device))
 
     model = fbmt.compile(model, zero=zero or args.zero, remat=remat or args.remat, param_dtype=torch.bfloat16,
-                         reduce_dtype=torch.float32,
-                         backend=backend, schedule=schedule, prefetch=args.prefetch, direct_grads=direct,
-                         cuda_graph=graph, disable=disable,
-                         init_fn=init, device=device)
+                         reduce_dtype=torch.float32, backend=backend, schedule=schedule, prefetch=args.prefetch,
+                         cuda_graph=graph, disable=disable, init_fn=init, device=device)
     if adam == "fbmt":  # fbmt's fused numba Adam(W): the same update as torch's AdamW, one kernel per shard
         return model, fbmt.optim.AdamOptimizer(model.parameters(), lr=args.lr, weight_decay=0.1)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
@@ -121,13 +121,7 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
     "fbmt-inductor-selective-zero2": {"backend": "inductor", "remat": "selective", "zero": 2},
     "fbmt-inductor-mincut": {"backend": "inductor", "remat": "mincut"},
     "fbmt-inductor-mincut-zero2": {"backend": "inductor", "remat": "mincut", "zero": 2},
-    "fbmt-inductor-direct": {"backend": "inductor", "direct": True},
-    # the first block's weight products after the embedding's reduce-scatter start (NOTE: [Tail]); session 9
-    # measured these as the default "prefetch" against "-in-order" variants that are today's "prefetch"
-    "fbmt-inductor-tail": {"backend": "inductor", "schedule": "prefetch-tail"},
-    "fbmt-inductor-mincut-zero2-tail": {"backend": "inductor", "remat": "mincut", "zero": 2,
-                                        "schedule": "prefetch-tail"},
-    # without the merged products (NOTE: [Merged products]): session 10's A/B
+    # without the merged products (NOTE: [Merged products])
     "fbmt-inductor-nomerge": {"backend": "inductor", "disable": ("merge",)},
     "fbmt-inductor-mincut-zero2-nomerge": {"backend": "inductor", "remat": "mincut", "zero": 2,
                                            "disable": ("merge",)},
@@ -146,9 +140,11 @@ METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "fsdp2": build_fsdp2,
     "fsdp2-compile": lambda cfg, args, device: build_fsdp2(cfg, args, device, compile_blocks=True),
 }
-for _name, _kw in FBMT_VARIANTS.items():  # each fbmt variant, and with "-graph" its step as CUDA graphs
-    METHODS[_name] = functools.partial(build_fbmt, **_kw)
-    METHODS[f"{_name}-graph"] = functools.partial(build_fbmt, **_kw, graph=True)
+for _name, _kw in FBMT_VARIANTS.items():  # each fbmt variant, with "-graph" its step as CUDA graphs, and with
+    for _graph in (False, True):  # "base-" the same on the earlier commit of --base
+        _suffix = "-graph" if _graph else ""
+        METHODS[_name + _suffix] = functools.partial(build_fbmt, **_kw, graph=_graph)
+        METHODS[f"base-{_name}{_suffix}"] = functools.partial(build_fbmt, **_kw, graph=_graph, package="fbmt_base")
 for _name, (_base, _) in KNOB_VARIANTS.items():
     METHODS[_name] = METHODS[_base]
 
@@ -175,6 +171,10 @@ def knobs(method: str):
         yield
     finally:
         apply(saved)
+
+
+def is_fbmt(method: str) -> bool:
+    return method.startswith(("fbmt", "base-fbmt"))
 
 
 PASSES_SHOWN = ("remat", "merge", "shard", "schedule")  # what these passes decided about the model's ends
@@ -378,7 +378,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     profile = kernel_profile(functools.partial(train_step, model, opt, args, cfg, device)) \
         if cuda and args.profile else None
     sync_ok = None
-    if cuda and method.startswith("fbmt"):  # no host synchronization inside an fbmt step
+    if cuda and is_fbmt(method):  # no host synchronization inside an fbmt step
         x, y = batch(0, args, cfg, device)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -405,7 +405,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     if profile is not None:
         result["profile"] = profile
     result["mfu"] = result["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
-    if method.startswith("fbmt"):
+    if is_fbmt(method):
         result["compile_s"] = model.compile_seconds  # trace + passes + partition of the training program
         result["inductor_s"] = model.regions.seconds  # compiling regions (backend="inductor"), in the first step
         result["capture_s"] = model.capture_seconds  # CUDA graphs (-graph methods)
@@ -503,7 +503,7 @@ def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
                    losses=[float(v) for v in r["losses"][:4]], peak_gib=r["peak_gib"], world=dist.get_world_size(),
                    no_host_sync=None)
         out["mfu"] = out["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
-        if method.startswith("fbmt"):
+        if is_fbmt(method):
             out["compile_s"], out["inductor_s"] = r["model"].compile_seconds, r["model"].regions.seconds
             out["capture_s"] = r["model"].capture_seconds
             r["model"].release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL
@@ -544,7 +544,12 @@ def main() -> None:
                     help="build every method side by side and time their steps in turn (paired ratios; "
                          "no --profile, garbage-collector or allocator counts)")
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
+    ap.add_argument("--base", default=None,
+                    help="a folder holding fbmt_base, an earlier commit's fbmt renamed by benchmarks/base_package.sh: "
+                         "the base-* methods run it")
     args = ap.parse_args()
+    if args.base:
+        sys.path.insert(0, os.path.abspath(args.base))
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -583,7 +588,7 @@ def main() -> None:
         say(f"  {method:14s} {r['tok_s_gpu']:9.0f} tok/s/GPU  {mfu:10s} {peak:9s} setup {r['setup_s']:.1f}s  "
             f"first step {r['first_step_s']:.1f}s  losses {[round(v, 4) for v in r['losses']]}"
             + (f"  compile {r['compile_s']:.1f}s (+{r['inductor_s']:.1f}s inductor)  no host sync: "
-               f"{r['no_host_sync']}" if method.startswith("fbmt") else ""),
+               f"{r['no_host_sync']}" if is_fbmt(method) else ""),
             flush=True)
         say(f"    step times (ms, warmup first): {r['step_ms']}" + ("" if args.interleave else
             f"; Python's garbage collector {r['gc_ms_per_step']:.2f} ms per timed step, collections by "
@@ -617,6 +622,12 @@ def main() -> None:
             say(f"    profiled step {r['profile']['wall_ms']:.1f} ms, stream {sid}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in st.items()), flush=True)
     done = {r["method"]: r for r in results if "error" not in r}
+    for ours in (m for m in METHODS if m.startswith("fbmt") and m in done and f"base-{m}" in done):
+        ratio = done[f"base-{ours}"]["step_s"] / done[ours]["step_s"]  # > 1: this commit's step is faster
+        mem = done[ours]["peak_gib"] / done[f"base-{ours}"]["peak_gib"] if done[ours]["peak_gib"] else float("nan")
+        say(f"  {ours} / base-{ours} (--base {args.base}): {ratio:.3f}x by mean step time"
+            + (f"; {paired(done[ours], done[f'base-{ours}'], args.warmup)}" if args.interleave else "")
+            + f", {mem:.2f}x peak memory", flush=True)
     for ours in (m for m in METHODS if m.startswith("fbmt")):
         if ours not in done:
             continue
