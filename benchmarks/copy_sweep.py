@@ -88,15 +88,29 @@ def main() -> None:
             ms = timed(lambda: copies.copy_(cast, shard)) + timed(lambda: copies.copy_(flat, grads))
             assert torch.equal(cast, shard.to(torch.bfloat16)) and torch.equal(flat, grads.float())
             both = beside(products, lambda: (copies.copy_(cast, shard), copies.copy_(flat, grads)))
-            rows.append(dict(tile=f"{block}x{warps}", block=block, warps=warps, programs=grid, ms=ms,
-                             products_alone_ms=alone, products_beside_ms=both))
+            rows.append(
+                dict(
+                    tile=f"{block}x{warps}",
+                    block=block,
+                    warps=warps,
+                    programs=grid,
+                    ms=ms,
+                    products_alone_ms=alone,
+                    products_beside_ms=both,
+                )
+            )
     for r in rows:
         r["gb_s"] = gbytes / r["ms"] * 1e3
         r["sm_ms"] = r["ms"] * r["programs"] / sms  # SM time, in whole-GPU milliseconds
-        extra = (f", products {r['products_beside_ms']:.3f} ms beside them (alone {r['products_alone_ms']:.3f})"
-                 if "block" in r else "")
-        print(f"{r['tile']:>10} on {r['programs']:3d} programs: {r['ms']:6.2f} ms, {r['gb_s']:6.0f} GB/s, "
-              f"{r['sm_ms']:5.2f} whole-GPU ms{extra}")
+        extra = (
+            f", products {r['products_beside_ms']:.3f} ms beside them (alone {r['products_alone_ms']:.3f})"
+            if "block" in r
+            else ""
+        )
+        print(
+            f"{r['tile']:>10} on {r['programs']:3d} programs: {r['ms']:6.2f} ms, {r['gb_s']:6.0f} GB/s, "
+            f"{r['sm_ms']:5.2f} whole-GPU ms{extra}"
+        )
     best = min((r for r in rows if r.get("programs") == sms // 4 and "block" in r), key=lambda r: r["ms"])
     report(args.out, sms, rows, best, "COPY")
 

@@ -8,8 +8,10 @@
     `AdamOffloadOptimizer` on a bf16 parameter (one fused pass) vs torch's recipe for the same update
     (upcast the gradient into the fp32 master's .grad, fused AdamW on the master, downcast).
 Steps are timed in adjacent fbmt/torch pairs (ABBA order) and the ratio is taken per pair, since a
-shared machine's bandwidth drifts within seconds. Prints the median step times, the median per-pair ratio (torch time / fbmt time: > 1 means fbmt is faster) with its quartiles, and the
-bytes each method must move per step over its time, next to a large-copy bandwidth measured here.
+shared machine's bandwidth drifts within seconds. Prints the median step times, the median per-pair
+ratio (torch time / fbmt time: > 1 means fbmt is faster) with its quartiles, and the bytes each
+method must move per step over its time, next to a large-copy bandwidth measured here.
+
 """
 
 from __future__ import annotations
@@ -57,8 +59,13 @@ def paired(fbmt_fn, torch_fn, steps: int, warmup: int = 2) -> dict[str, float]:
         pairs.append(t)
     ratios = sorted(b / a for a, b in pairs)
     q = statistics.quantiles(ratios, n=4)
-    return dict(fbmt=statistics.median(a for a, _ in pairs), torch=statistics.median(b for _, b in pairs),
-                ratio=statistics.median(ratios), q1=q[0], q3=q[2])
+    return dict(
+        fbmt=statistics.median(a for a, _ in pairs),
+        torch=statistics.median(b for _, b in pairs),
+        ratio=statistics.median(ratios),
+        q1=q[0],
+        q3=q[2],
+    )
 
 
 def copy_bandwidth(numel: int) -> float:
@@ -101,11 +108,16 @@ def main() -> None:
     n = args.numel
     bw = copy_bandwidth(n)
     cpu = platform.processor() or platform.machine()
-    print(f"CPU Adam, {n / 1e6:.0f}M parameters, {native().affinity_threads()} fbmt threads, "
-          f"{torch.get_num_threads()} torch threads, SIMD level {simd_level()}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs ({cpu})")
+    print(
+        f"CPU Adam, {n / 1e6:.0f}M parameters, {native().affinity_threads()} fbmt threads, "
+        f"{torch.get_num_threads()} torch threads, SIMD level {simd_level()}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs ({cpu})"
+    )
     print(f"large-copy bandwidth (read + write): {bw:.1f} GB/s")
-    print(f"{'case':<44} {'fbmt ms':>8} {'torch ms':>9} {'torch/fbmt [quartiles]':>23} {'fbmt GB/s':>10} {'torch GB/s':>10}")
+    print(
+        f"{'case':<44} {'fbmt ms':>8} {'torch ms':>9} {'torch/fbmt [quartiles]':>23} "
+        f"{'fbmt GB/s':>10} {'torch GB/s':>10}"
+    )
     # Bytes per element each method must move: (a) both read g, p, m, v and write p, m, v (28 B).
     # (b) fbmt: read g(2) master m v, write master m v, param(2) = 28 B; torch's recipe adds an upcast
     # (read 2, write 4) and a downcast (read 4, write 2): 40 B.
@@ -114,8 +126,11 @@ def main() -> None:
         ("(b) bf16 grad/param, fp32 master vs recipe", case_bf16, 28, 40),
     ):
         r = fn(n, args.steps)
-        print(f"{name:<44} {r['fbmt'] * 1e3:8.1f} {r['torch'] * 1e3:9.1f} {r['ratio']:7.2f}x [{r['q1']:.2f}, {r['q3']:.2f}]x "
-              f"{fbmt_bytes * n / r['fbmt'] / 1e9:10.1f} {torch_bytes * n / r['torch'] / 1e9:10.1f}")
+        print(
+            f"{name:<44} {r['fbmt'] * 1e3:8.1f} {r['torch'] * 1e3:9.1f} "
+            f"{r['ratio']:7.2f}x [{r['q1']:.2f}, {r['q3']:.2f}]x "
+            f"{fbmt_bytes * n / r['fbmt'] / 1e9:10.1f} {torch_bytes * n / r['torch'] / 1e9:10.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -82,15 +82,21 @@ def main() -> None:
             r = group(tokens, cfg.dim, outs, args.reps, args.rounds)
             per_layer[label] = r
             saved = {p: r[f"{p}_separate"] - r[f"{p}_merged"] for p in ("fwd", "dx", "dw")}
-            print(f"{name} {label}: " + ", ".join(
-                f"{p} {r[f'{p}_separate']:.3f} -> {r[f'{p}_merged']:.3f} ms" for p in ("fwd", "dx", "dw"))
+            print(
+                f"{name} {label}: "
+                + ", ".join(f"{p} {r[f'{p}_separate']:.3f} -> {r[f'{p}_merged']:.3f} ms" for p in ("fwd", "dx", "dw"))
                 + f" (adds {r['dx_adds']:.3f} ms); fwd {r['tflops_fwd_separate']:.0f} -> "
-                f"{r['tflops_fwd_merged']:.0f} TFLOP/s", flush=True)
+                f"{r['tflops_fwd_merged']:.0f} TFLOP/s",
+                flush=True,
+            )
             r["saved_ms"] = sum(saved.values())
         step = sum(r["saved_ms"] for r in per_layer.values()) * cfg.n_layers
         adds = sum(r["dx_adds"] for r in per_layer.values()) * cfg.n_layers
-        print(f"{name}: merged products save {step:.2f} ms per step without recompute "
-              f"(+ up to {adds:.2f} ms of adds), {cfg.n_layers} layers", flush=True)
+        print(
+            f"{name}: merged products save {step:.2f} ms per step without recompute "
+            f"(+ up to {adds:.2f} ms of adds), {cfg.n_layers} layers",
+            flush=True,
+        )
         report[name] = dict(per_layer=per_layer, step_saved_ms=step, adds_ms=adds)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

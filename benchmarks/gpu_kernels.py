@@ -47,12 +47,15 @@ def gpu_time(fn) -> float:
     return cuda_time(fn, warmup=1, busy_gpu=True)
 
 
-def row(name: str, t_fbmt: float, t_peer: float | None, nbytes: float, peer: str, bw: float,
-        t_gpu: float | None = None) -> None:
+def row(
+    name: str, t_fbmt: float, t_peer: float | None, nbytes: float, peer: str, bw: float, t_gpu: float | None = None
+) -> None:
     ratio = f"{t_peer / t_fbmt:5.2f}x vs {peer}" if t_peer else f"      ({peer})"
     gpu = "" if t_gpu is None else f"; GPU time {t_gpu * 1e3:.3f} ms = {nbytes / t_gpu / 1e9 / bw:4.0%} of copy"
-    print(f"{name:<46} {t_fbmt * 1e3:9.3f} ms {'' if t_peer is None else f'{t_peer * 1e3:9.3f} ms':>12} "
-          f"{ratio:<40} {nbytes / t_fbmt / 1e9:7.0f} GB/s = {nbytes / t_fbmt / 1e9 / bw:4.0%} of copy{gpu}")
+    print(
+        f"{name:<46} {t_fbmt * 1e3:9.3f} ms {'' if t_peer is None else f'{t_peer * 1e3:9.3f} ms':>12} "
+        f"{ratio:<40} {nbytes / t_fbmt / 1e9:7.0f} GB/s = {nbytes / t_fbmt / 1e9 / bw:4.0%} of copy{gpu}"
+    )
 
 
 def main() -> None:
@@ -64,7 +67,7 @@ def main() -> None:
     torch.manual_seed(0)
     src, dst = torch.randn(n // 2, device=dev), torch.empty(n // 2, device=dev)
     bw = 2 * src.numel() * 4 / cuda_time(lambda: dst.copy_(src)) / 1e9
-    del src, dst
+    src = dst = None
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; device-to-device copy {bw:.0f} GB/s")
     print(f"{'kernel':<46} {'fbmt':>12} {'peer':>12} {'peer time / fbmt time':<40} achieved bandwidth")
 
@@ -74,14 +77,14 @@ def main() -> None:
     m, v = torch.randn(n, device=dev).abs(), torch.randn(n, device=dev).abs()
     t_f = cuda_time(lambda: K.fused_adam_(p, m, v, g, **hp))
     t_f_gpu = gpu_time(lambda: K.fused_adam_(p, m, v, g, **hp))
-    del m, v
+    m = v = None
     q = torch.nn.Parameter(p)
     q.grad = g
     opt = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.01, fused=True)
     opt.step()
     t_t = cuda_time(opt.step)
     row(f"fused Adam fp32, {n / 1e9:.0f}G elements", t_f, t_t, 28 * n, "AdamW(fused=True)", bw, t_f_gpu)
-    del q, opt, p, g
+    q = opt = p = g = None
     torch.cuda.empty_cache()
 
     # fused Adam, bf16 gradient in, bf16 parameter out, fp32 master and moments: 28 bytes per element
@@ -90,7 +93,7 @@ def main() -> None:
     g16, p16 = torch.randn(n, device=dev).bfloat16(), torch.empty(n, device=dev, dtype=torch.bfloat16)
     t_f = cuda_time(lambda: K.fused_adam_(master, m, v, g16, p16, **hp))
     row("fused Adam bf16 grad/param, fp32 master", t_f, None, 28 * n, "one pass, no peer", bw)
-    del master, m, v, g16, p16
+    master = m = v = g16 = p16 = None
     torch.cuda.empty_cache()
 
     # 300 tensors of mixed sizes, bf16 (gradients of a mid-size model)
@@ -100,8 +103,15 @@ def main() -> None:
     nbytes = 2 * sum(sizes)
     t_f = cuda_time(lambda: K.multi_tensor_nonfinite(ts))
     t_t = cuda_time(lambda: torch.stack([torch.isfinite(t).all() for t in ts]).all())
-    row(f"inf/nan check, 300 tensors, {sum(sizes) / 1e6:.0f}M bf16", t_f, t_t, nbytes, "torch.isfinite(t).all()", bw,
-        gpu_time(lambda: K.multi_tensor_nonfinite(ts)))
+    row(
+        f"inf/nan check, 300 tensors, {sum(sizes) / 1e6:.0f}M bf16",
+        t_f,
+        t_t,
+        nbytes,
+        "torch.isfinite(t).all()",
+        bw,
+        gpu_time(lambda: K.multi_tensor_nonfinite(ts)),
+    )
     found, inv = torch.zeros(1, device=dev), torch.ones(1, device=dev)
     ts32 = [t.float() for t in ts]
     t_amp = cuda_time(lambda: torch._amp_foreach_non_finite_check_and_unscale_(ts32, found, inv))
@@ -109,9 +119,16 @@ def main() -> None:
     row("inf/nan check, same tensors in fp32", t_f32, t_amp, 2 * nbytes, "_amp_foreach_..._unscale_ (r+w)", bw)
     t_f = cuda_time(lambda: K.multi_tensor_sum_of_squares(ts))
     t_t = cuda_time(lambda: torch.stack(torch._foreach_norm(ts)).float().square().sum())
-    row("sum of squares, same 300 bf16 tensors", t_f, t_t, nbytes, "torch._foreach_norm", bw,
-        gpu_time(lambda: K.multi_tensor_sum_of_squares(ts)))
-    del ts, ts32
+    row(
+        "sum of squares, same 300 bf16 tensors",
+        t_f,
+        t_t,
+        nbytes,
+        "torch._foreach_norm",
+        bw,
+        gpu_time(lambda: K.multi_tensor_sum_of_squares(ts)),
+    )
+    ts = ts32 = None
     torch.cuda.empty_cache()
 
     x, y = torch.randn(n, device=dev), torch.empty(n, device=dev, dtype=torch.bfloat16)

@@ -29,7 +29,8 @@ import statistics
 import sys
 import time
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ def param_value(name: str, shape: torch.Size, device: torch.device) -> torch.Ten
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
     g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
-    std = 0.02 if "embed" in name else 0.02 / 2 ** 0.5
+    std = 0.02 if "embed" in name else 0.02 / 2**0.5
     return torch.empty(shape, device=device).normal_(0.0, std, generator=g)
 
 
@@ -63,10 +64,20 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # ---- methods: each returns (model, optimizer) ready to train ----
 
-def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
-               backend: str = "eager", remat: str | None = None, zero: int | None = None, graph: bool = False,
-               schedule: str = "prefetch", adam: str = "torch", disable: tuple[str, ...] = (),
-               package: str = "fbmt") -> tuple[nn.Module, Any]:
+
+def build_fbmt(
+    cfg: LlamaConfig,
+    args: argparse.Namespace,
+    device: torch.device,
+    backend: str = "eager",
+    remat: str | None = None,
+    zero: int | None = None,
+    graph: bool = False,
+    schedule: str = "prefetch",
+    adam: str = "torch",
+    disable: tuple[str, ...] = (),
+    package: str = "fbmt",
+) -> tuple[nn.Module, Any]:
     """`package`: "fbmt", or "fbmt_base", an earlier commit's fbmt renamed (`--base`), to time against."""
     fbmt = importlib.import_module(package)
 
@@ -80,16 +91,28 @@ def build_fbmt(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
             with torch.no_grad():
                 p.copy_(param_value(full, p.shape, p.device))
 
-    model = fbmt.compile(model, zero=zero or args.zero, remat=remat or args.remat, param_dtype=torch.bfloat16,
-                         reduce_dtype=torch.float32, backend=backend, schedule=schedule, prefetch=args.prefetch,
-                         cuda_graph=graph, disable=disable, init_fn=init, device=device)
+    model = fbmt.compile(
+        model,
+        zero=zero or args.zero,
+        remat=remat or args.remat,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        backend=backend,
+        schedule=schedule,
+        prefetch=args.prefetch,
+        cuda_graph=graph,
+        disable=disable,
+        init_fn=init,
+        device=device,
+    )
     if adam == "fbmt":  # fbmt's fused numba Adam(W): the same update as torch's AdamW, one kernel per shard
         return model, fbmt.optim.AdamOptimizer(model.parameters(), lr=args.lr, weight_decay=0.1)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
 
 
-def build_fsdp2(cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
-                compile_blocks: bool = False) -> tuple[nn.Module, Any]:
+def build_fsdp2(
+    cfg: LlamaConfig, args: argparse.Namespace, device: torch.device, compile_blocks: bool = False
+) -> tuple[nn.Module, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
 
@@ -123,8 +146,7 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
     "fbmt-inductor-mincut-zero2": {"backend": "inductor", "remat": "mincut", "zero": 2},
     # without the merged products (NOTE: [Merged products])
     "fbmt-inductor-nomerge": {"backend": "inductor", "disable": ("merge",)},
-    "fbmt-inductor-mincut-zero2-nomerge": {"backend": "inductor", "remat": "mincut", "zero": 2,
-                                           "disable": ("merge",)},
+    "fbmt-inductor-mincut-zero2-nomerge": {"backend": "inductor", "remat": "mincut", "zero": 2, "disable": ("merge",)},
     # fbmt's own fused Adam (fbmt.optim.AdamOptimizer) instead of torch.optim.AdamW(fused=True)
     "fbmt-inductor-adam": {"backend": "inductor", "adam": "fbmt"},
     "fbmt-inductor-mincut-zero2-adam": {"backend": "inductor", "remat": "mincut", "zero": 2, "adam": "fbmt"},
@@ -133,8 +155,10 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
 # (NOTE: [Bounded copies]): that environment is set around each of the method's steps, so that
 # interleaved methods can differ in it
 KNOB_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
-    "fbmt-inductor-mincut-zero2-sum64k": ("fbmt-inductor-mincut-zero2", {"FBMT_SUM_BLOCK": "65536",
-                                                                          "FBMT_SUM_WARPS": "32"}),
+    "fbmt-inductor-mincut-zero2-sum64k": (
+        "fbmt-inductor-mincut-zero2",
+        {"FBMT_SUM_BLOCK": "65536", "FBMT_SUM_WARPS": "32"},
+    ),
 }
 METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "fsdp2": build_fsdp2,
@@ -180,8 +204,15 @@ def is_fbmt(method: str) -> bool:
 PASSES_SHOWN = ("remat", "merge", "shard", "schedule")  # what these passes decided about the model's ends
 
 
-def train_step(model: nn.Module, opt: Any, args: argparse.Namespace, cfg: LlamaConfig, device: torch.device,
-               step: int = 0, inputs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+def train_step(
+    model: nn.Module,
+    opt: Any,
+    args: argparse.Namespace,
+    cfg: LlamaConfig,
+    device: torch.device,
+    step: int = 0,
+    inputs: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
     x, y = inputs or batch(step, args, cfg, device)
     loss = model(x, y) if args.loss_in_model else loss_fn(model(x), y)
     loss.backward()
@@ -190,10 +221,14 @@ def train_step(model: nn.Module, opt: Any, args: argparse.Namespace, cfg: LlamaC
     return loss
 
 
-KERNEL_KINDS = (("nccl", ("nccl",)), ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "cublas")),
-                ("attention", ("flash", "fmha", "cudnn", "attention")), ("triton", ("triton",)),
-                ("copy/cast", ("copy", "cat", "elementwise_kernel", "vectorized", "fill")),
-                ("optimizer", ("adam", "foreach", "multi_tensor")))
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "cublas")),
+    ("attention", ("flash", "fmha", "cudnn", "attention")),
+    ("triton", ("triton",)),
+    ("copy/cast", ("copy", "cat", "elementwise_kernel", "vectorized", "fill")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+)
 
 
 def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
@@ -207,8 +242,7 @@ def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
         host = time.perf_counter() - t0  # the host's time to issue the step
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    cpu = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()),
-                 key=lambda x: -x[1])[:12]
+    cpu = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()), key=lambda x: -x[1])[:12]
     kernels = cuda_kernels(prof)
     streams: dict[int, dict[str, float]] = {}
     for sid, ks in kernels.items():
@@ -219,22 +253,36 @@ def kernel_profile(step: Callable[[], Any]) -> dict[str, Any]:
     compute = busiest(kernels)
     # what the host did before the compute stream's first kernel (the step starts after a synchronization,
     # so the GPU idles meanwhile): CPU ops of 50 us or more, from the first thing the profiler saw
-    first_kernel = min((a for a, _, name in compute if not name.startswith(("Memcpy", "Memset"))),
-                       default=compute[0][0])
+    first_kernel = min(
+        (a for a, _, name in compute if not name.startswith(("Memcpy", "Memset"))), default=compute[0][0]
+    )
     began = min(e.time_range.start for e in prof.events()) / 1e3
-    before = sorted((e.time_range.start / 1e3 - began, (e.time_range.end - e.time_range.start) / 1e3, e.name)
-                    for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
-                    and e.time_range.start / 1e3 < first_kernel and e.time_range.elapsed_us() >= 50)
+    before = sorted(
+        (e.time_range.start / 1e3 - began, (e.time_range.end - e.time_range.start) / 1e3, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CPU
+        and e.time_range.start / 1e3 < first_kernel
+        and e.time_range.elapsed_us() >= 50
+    )
     by_name: dict[str, list[float]] = {}  # the compute stream's kernels by name: which ones take the time
     for a, b, name in compute:
         by_name.setdefault(name[:90], []).append(b - a)
-    out: dict[str, Any] = {"wall_ms": wall * 1e3, "host_ms": host * 1e3, "streams": {}, "gaps": gaps(kernels),
-                           "host_ops": [dict(op=k[:60], self_ms=round(t, 2), count=c) for k, t, c in cpu],
-                           "before_first_kernel": dict(ms=round(first_kernel - began, 3), host_ops=[
-                               dict(at_ms=round(a, 3), ms=round(d, 3), op=n[:60]) for a, d, n in before[:40]]),
-                           "compute_kernels": [dict(name=n, ms=round(sum(v), 2), count=len(v)) for n, v in
-                                               sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:60]],
-                           "edges": edges(kernels)}
+    out: dict[str, Any] = {
+        "wall_ms": wall * 1e3,
+        "host_ms": host * 1e3,
+        "streams": {},
+        "gaps": gaps(kernels),
+        "host_ops": [dict(op=k[:60], self_ms=round(t, 2), count=c) for k, t, c in cpu],
+        "before_first_kernel": dict(
+            ms=round(first_kernel - began, 3),
+            host_ops=[dict(at_ms=round(a, 3), ms=round(d, 3), op=n[:60]) for a, d, n in before[:40]],
+        ),
+        "compute_kernels": [
+            dict(name=n, ms=round(sum(v), 2), count=len(v))
+            for n, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:60]
+        ],
+        "edges": edges(kernels),
+    }
     for sid, kinds in streams.items():
         busy, end = 0.0, float("-inf")
         for a, b, _ in sorted(kernels[sid]):  # union of the kernels' intervals
@@ -252,23 +300,27 @@ def cuda_kernels(prof: Any) -> dict[int, list[tuple[float, float, str]]]:
         # "Optimizer.step#AdamW.step") are not kernels: counted, they would count those kernels twice
         if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             kernels.setdefault(e.device_resource_id, []).append(
-                (e.time_range.start / 1e3, e.time_range.end / 1e3, e.name))
+                (e.time_range.start / 1e3, e.time_range.end / 1e3, e.name)
+            )
     return kernels
 
 
-def edges(kernels: dict[int, list[tuple[float, float, str]]], head_ms: float = 3.0,
-          tail_ms: float = 4.0) -> dict[str, list[list[Any]]]:
+def edges(
+    kernels: dict[int, list[tuple[float, float, str]]], head_ms: float = 3.0, tail_ms: float = 4.0
+) -> dict[str, list[list[Any]]]:
     """Every stream's kernels in the step's first `head_ms` and in the `tail_ms` before the
     optimizer's first kernel, as [stream, start ms, duration ms, name] from the step's first kernel:
     how the step starts (the first gathers) and how its backward ends (the last reduce-scatters)."""
     every = sorted((a, b, name, sid) for sid, ks in kernels.items() for a, b, name in ks)
     first = every[0][0]
-    optimizer = min((a for a, _, name, _ in every if "multi_tensor" in name or "adam" in name.lower()),
-                    default=every[-1][1])
+    optimizer = min(
+        (a for a, _, name, _ in every if "multi_tensor" in name or "adam" in name.lower()), default=every[-1][1]
+    )
 
     def rows(lo: float, hi: float) -> list[list[Any]]:
-        return [[sid, round(a - first, 3), round(b - a, 3), name[:60]] for a, b, name, sid in every
-                if b > lo and a < hi]
+        return [
+            [sid, round(a - first, 3), round(b - a, 3), name[:60]] for a, b, name, sid in every if b > lo and a < hi
+        ]
 
     return {"head": rows(first, first + head_ms), "tail": rows(optimizer - tail_ms, optimizer + 0.05)}
 
@@ -311,18 +363,26 @@ def gaps(kernels: dict[int, list[tuple[float, float, str]]], top: int = 12) -> d
     for g, _, p, n in found:
         if g >= 0.05:
             pairs.setdefault((p[:40], n[:40]), []).append(g)
-    return {"idle_ms": round(sum(g for g, *_ in found), 2), "idle_overlapped_by": overlap,
-            "idle_in_gaps_under_50us_ms": round(small, 2), "span_ms": round(end - first, 2),
-            "by_transition": [dict(ms=round(sum(v), 2), count=len(v), after=p, before=n) for (p, n), v in
-                              sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:8]],
-            "largest": [
-                dict(ms=round(g, 3), at_ms=round(t, 1), after=p, before=n) for g, t, p, n in sorted(found)[::-1][:top]]}
+    return {
+        "idle_ms": round(sum(g for g, *_ in found), 2),
+        "idle_overlapped_by": overlap,
+        "idle_in_gaps_under_50us_ms": round(small, 2),
+        "span_ms": round(end - first, 2),
+        "by_transition": [
+            dict(ms=round(sum(v), 2), count=len(v), after=p, before=n)
+            for (p, n), v in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:8]
+        ],
+        "largest": [
+            dict(ms=round(g, 3), at_ms=round(t, 1), after=p, before=n) for g, t, p, n in sorted(found)[::-1][:top]
+        ],
+    }
 
 
 def allocator_counts() -> dict[str, int]:
     stats = torch.cuda.memory_stats()
-    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
-                                           "num_device_free")}
+    return {
+        k: stats.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+    }
 
 
 class GcTimer:
@@ -375,8 +435,9 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     if cuda:  # what the caching allocator did during the timed steps (cudaMalloc/cudaFree, and the
         # device-wide synchronizations it makes to free cached memory for a retry)
         allocator = {k: v - allocator.get(k, 0) for k, v in allocator_counts().items()}
-    profile = kernel_profile(functools.partial(train_step, model, opt, args, cfg, device)) \
-        if cuda and args.profile else None
+    profile = (
+        kernel_profile(functools.partial(train_step, model, opt, args, cfg, device)) if cuda and args.profile else None
+    )
     sync_ok = None
     if cuda and is_fbmt(method):  # no host synchronization inside an fbmt step
         x, y = batch(0, args, cfg, device)
@@ -389,19 +450,28 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
             sync_ok = str(e).splitlines()[0]
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    timed = sum(step_times[args.warmup:])
+    timed = sum(step_times[args.warmup :])
     world = dist.get_world_size()
     tokens = args.batch * args.seq * args.steps
     # the median step too: one slow step (a full garbage collection, a straggling rank) moves the mean
-    median = statistics.median(step_times[args.warmup:])
-    result = dict(method=method, tok_s_gpu=tokens / timed, tok_s_gpu_median=args.batch * args.seq / median,
-                  setup_s=setup_s, first_step_s=step_times[0],
-                  step_s=timed / args.steps, step_ms=[round(t * 1e3, 2) for t in step_times],
-                  gc_ms_per_step=collections.ms / args.steps, gc_runs=collections.runs, allocator=allocator,
-                  losses=[float(v) for v in losses[:4]],
-                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                  reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None, world=world,
-                  no_host_sync=sync_ok)
+    median = statistics.median(step_times[args.warmup :])
+    result = dict(
+        method=method,
+        tok_s_gpu=tokens / timed,
+        tok_s_gpu_median=args.batch * args.seq / median,
+        setup_s=setup_s,
+        first_step_s=step_times[0],
+        step_s=timed / args.steps,
+        step_ms=[round(t * 1e3, 2) for t in step_times],
+        gc_ms_per_step=collections.ms / args.steps,
+        gc_runs=collections.runs,
+        allocator=allocator,
+        losses=[float(v) for v in losses[:4]],
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+        world=world,
+        no_host_sync=sync_ok,
+    )
     if profile is not None:
         result["profile"] = profile
     result["mfu"] = result["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
@@ -453,8 +523,9 @@ def balanced_orders(methods: list[str]) -> list[list[str]]:
     return [[methods[i] for i in r] for r in rounds]
 
 
-def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
-                device: torch.device) -> list[dict[str, Any]]:
+def interleaved(
+    methods: list[str], cfg: LlamaConfig, args: argparse.Namespace, device: torch.device
+) -> list[dict[str, Any]]:
     """`--interleave`: build every method side by side, warm each up, then time their steps in turn,
     in the orders of `balanced_orders` (two methods: A B A B ...). The GPUs' clocks follow their
     power draw and temperature (BENCHMARKS.md: the 700 W cap), so methods timed one after the other
@@ -472,8 +543,9 @@ def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
         with knobs(method):
             model, opt = METHODS[method](cfg, args, device)
             sync()
-            r = built[method] = dict(method=method, model=model, opt=opt, setup_s=time.perf_counter() - started,
-                                     step_ms=[], losses=[])
+            r = built[method] = dict(
+                method=method, model=model, opt=opt, setup_s=time.perf_counter() - started, step_ms=[], losses=[]
+            )
             for step in range(args.warmup):
                 t0 = time.perf_counter()
                 r["losses"].append(train_step(model, opt, args, cfg, device, step).detach())
@@ -494,14 +566,25 @@ def interleaved(methods: list[str], cfg: LlamaConfig, args: argparse.Namespace,
     results = []
     for method in methods:
         r = built.pop(method)
-        timed = r["step_ms"][args.warmup:]
+        timed = r["step_ms"][args.warmup :]
         tokens = args.batch * args.seq
-        out = dict(method=method, interleaved=True, tok_s_gpu=tokens * len(timed) / (sum(timed) / 1e3),
-                   tok_s_gpu_median=tokens / (statistics.median(timed) / 1e3), setup_s=r["setup_s"],
-                   first_step_s=r["step_ms"][0] / 1e3, step_s=sum(timed) / len(timed) / 1e3,
-                   step_ms=[round(t, 2) for t in r["step_ms"]], gc_ms_per_step=0.0, gc_runs={}, allocator={},
-                   losses=[float(v) for v in r["losses"][:4]], peak_gib=r["peak_gib"], world=dist.get_world_size(),
-                   no_host_sync=None)
+        out = dict(
+            method=method,
+            interleaved=True,
+            tok_s_gpu=tokens * len(timed) / (sum(timed) / 1e3),
+            tok_s_gpu_median=tokens / (statistics.median(timed) / 1e3),
+            setup_s=r["setup_s"],
+            first_step_s=r["step_ms"][0] / 1e3,
+            step_s=sum(timed) / len(timed) / 1e3,
+            step_ms=[round(t, 2) for t in r["step_ms"]],
+            gc_ms_per_step=0.0,
+            gc_runs={},
+            allocator={},
+            losses=[float(v) for v in r["losses"][:4]],
+            peak_gib=r["peak_gib"],
+            world=dist.get_world_size(),
+            no_host_sync=None,
+        )
         out["mfu"] = out["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
         if is_fbmt(method):
             out["compile_s"], out["inductor_s"] = r["model"].compile_seconds, r["model"].regions.seconds
@@ -517,8 +600,7 @@ def paired(ours: dict[str, Any], peer: dict[str, Any], warmup: int) -> str:
     """Round by round, the peer's step time over ours (interleaved runs): median and quartiles."""
     ratios = sorted(p / o for o, p in zip(ours["step_ms"][warmup:], peer["step_ms"][warmup:]))
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    return (f"paired by round: {statistics.median(ratios):.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f}, "
-            f"{len(ratios)} rounds)")
+    return f"paired by round: {statistics.median(ratios):.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f}, {len(ratios)} rounds)"
 
 
 def main() -> None:
@@ -526,27 +608,47 @@ def main() -> None:
     ap.add_argument("--config", choices=sorted(CONFIGS), default="1.36b")
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--remat", choices=["none", "mincut", "selective", "block"], default="none",
-                    help="recompute setting for every method (FSDP2 has no \"selective\" or \"mincut\": "
-                         "use them for fbmt only)")
+    ap.add_argument(
+        "--remat",
+        choices=["none", "mincut", "selective", "block"],
+        default="none",
+        help='recompute setting for every method (FSDP2 has no "selective" or "mincut": use them for fbmt only)',
+    )
     ap.add_argument("--methods", default="fbmt,fbmt-inductor,fsdp2,fsdp2-compile")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--loss-in-model", action="store_true",
-                    help="every method trains a module that returns the loss (logits never leave the model)")
-    ap.add_argument("--profile", action="store_true",
-                    help="after the timed steps, profile one step: busy time per CUDA stream by kernel kind")
+    ap.add_argument(
+        "--loss-in-model",
+        action="store_true",
+        help="every method trains a module that returns the loss (logits never leave the model)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile one step: busy time per CUDA stream by kernel kind",
+    )
     ap.add_argument("--prefetch", type=int, default=1, help="fbmt: blocks gathered ahead")
-    ap.add_argument("--zero", type=int, choices=[2, 3], default=3,
-                    help="fbmt: 3 gathers each block again for its backward, 2 keeps its forward gather")
-    ap.add_argument("--interleave", action="store_true",
-                    help="build every method side by side and time their steps in turn (paired ratios; "
-                         "no --profile, garbage-collector or allocator counts)")
+    ap.add_argument(
+        "--zero",
+        type=int,
+        choices=[2, 3],
+        default=3,
+        help="fbmt: 3 gathers each block again for its backward, 2 keeps its forward gather",
+    )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every method side by side and time their steps in turn (paired ratios; "
+        "no --profile, garbage-collector or allocator counts)",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
-    ap.add_argument("--base", default=None,
-                    help="a folder holding fbmt_base, an earlier commit's fbmt renamed by benchmarks/base_package.sh: "
-                         "the base-* methods run it")
+    ap.add_argument(
+        "--base",
+        default=None,
+        help="a folder holding fbmt_base, an earlier commit's fbmt renamed by benchmarks/base_package.sh: "
+        "the base-* methods run it",
+    )
     args = ap.parse_args()
     if args.base:
         sys.path.insert(0, os.path.abspath(args.base))
@@ -561,11 +663,15 @@ def main() -> None:
     if args.seq > cfg.max_seq:
         cfg = LlamaConfig(**{**cfg.__dict__, "max_seq": args.seq})
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"gpu_train: {args.config} ({cfg.n_params() / 1e9:.2f}B), seq {args.seq}, batch {args.batch}/GPU, remat "
+    say(
+        f"gpu_train: {args.config} ({cfg.n_params() / 1e9:.2f}B), seq {args.seq}, batch {args.batch}/GPU, remat "
         f"{args.remat}, {dist.get_world_size()} x {torch.cuda.get_device_name() if cuda else 'CPU'}, "
-        f"torch {torch.__version__}", flush=True)
+        f"torch {torch.__version__}",
+        flush=True,
+    )
     methods = args.methods.split(",")
     from fbmt.runtime.graphs import WARMUP
+
     if any(m.endswith("-graph") for m in methods) and args.warmup <= WARMUP:
         ap.error(f"--warmup {args.warmup}: a -graph method warms up for {WARMUP} steps and captures in the next")
     results = interleaved(methods, cfg, args, device) if args.interleave else []
@@ -585,49 +691,78 @@ def main() -> None:
             continue
         mfu = f"{100 * r['mfu']:.1f}% MFU" if r["mfu"] is not None else ""
         peak = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else ""
-        say(f"  {method:14s} {r['tok_s_gpu']:9.0f} tok/s/GPU  {mfu:10s} {peak:9s} setup {r['setup_s']:.1f}s  "
+        say(
+            f"  {method:14s} {r['tok_s_gpu']:9.0f} tok/s/GPU  {mfu:10s} {peak:9s} setup {r['setup_s']:.1f}s  "
             f"first step {r['first_step_s']:.1f}s  losses {[round(v, 4) for v in r['losses']]}"
-            + (f"  compile {r['compile_s']:.1f}s (+{r['inductor_s']:.1f}s inductor)  no host sync: "
-               f"{r['no_host_sync']}" if is_fbmt(method) else ""),
-            flush=True)
-        say(f"    step times (ms, warmup first): {r['step_ms']}" + ("" if args.interleave else
-            f"; Python's garbage collector {r['gc_ms_per_step']:.2f} ms per timed step, collections by "
-            f"generation {r['gc_runs']}")
+            + (
+                f"  compile {r['compile_s']:.1f}s (+{r['inductor_s']:.1f}s inductor)  no host sync: {r['no_host_sync']}"
+                if is_fbmt(method)
+                else ""
+            ),
+            flush=True,
+        )
+        say(
+            f"    step times (ms, warmup first): {r['step_ms']}"
+            + (
+                ""
+                if args.interleave
+                else f"; Python's garbage collector {r['gc_ms_per_step']:.2f} ms per timed step, collections by "
+                f"generation {r['gc_runs']}"
+            )
             + (f"; CUDA caching allocator over the timed steps: {r['allocator']}" if r["allocator"] else ""),
-            flush=True)
+            flush=True,
+        )
         for name, summary in r.get("passes", {}).items():
             say(f"    {name}: {summary}", flush=True)
         if "profile" in r:
             gp = r["profile"]["gaps"]
-            say(f"    compute stream idle {gp['idle_ms']:.1f} ms between its kernels over a {gp['span_ms']:.1f} ms "
-                f"span ({gp['idle_in_gaps_under_50us_ms']:.1f} ms in gaps under 50 us); largest gaps:", flush=True)
+            say(
+                f"    compute stream idle {gp['idle_ms']:.1f} ms between its kernels over a {gp['span_ms']:.1f} ms "
+                f"span ({gp['idle_in_gaps_under_50us_ms']:.1f} ms in gaps under 50 us); largest gaps:",
+                flush=True,
+            )
             for x in gp["largest"][:6]:
-                say(f"      {x['ms']:7.3f} ms at {x['at_ms']:7.1f} ms  after {x['after']}  before {x['before']}",
-                    flush=True)
+                say(
+                    f"      {x['ms']:7.3f} ms at {x['at_ms']:7.1f} ms  after {x['after']}  before {x['before']}",
+                    flush=True,
+                )
             say(f"    compute idle time during other streams' kernels (ms): {gp['idle_overlapped_by']}", flush=True)
             say("    gaps over 50 us by transition:", flush=True)
             for x in gp["by_transition"]:
                 say(f"      {x['ms']:7.2f} ms in {x['count']:4d}  after {x['after']}  before {x['before']}", flush=True)
-            say(f"    host issued the step in {r['profile']['host_ms']:.1f} ms; host ops by self time: " + ", ".join(
-                f"{x['op']} {x['self_ms']:.1f} ms/{x['count']}" for x in r["profile"]["host_ops"]), flush=True)
+            say(
+                f"    host issued the step in {r['profile']['host_ms']:.1f} ms; host ops by self time: "
+                + ", ".join(f"{x['op']} {x['self_ms']:.1f} ms/{x['count']}" for x in r["profile"]["host_ops"]),
+                flush=True,
+            )
         if "profile" in r:
             for part in ("head", "tail"):
                 say(f"    the step's {part} (stream, start ms, ms, kernel):", flush=True)
                 for sid, a, d, name in r["profile"]["edges"][part]:
                     say(f"      {sid:>3} {a:8.3f} {d:7.3f}  {name}", flush=True)
-            say("    compute stream's kernels by total time: " + "; ".join(
-                f"{x['name'][:60]} {x['ms']:.1f} ms/{x['count']}" for x in r["profile"]["compute_kernels"][:12]),
-                flush=True)
+            say(
+                "    compute stream's kernels by total time: "
+                + "; ".join(
+                    f"{x['name'][:60]} {x['ms']:.1f} ms/{x['count']}" for x in r["profile"]["compute_kernels"][:12]
+                ),
+                flush=True,
+            )
         for sid, st in r.get("profile", {}).get("streams", {}).items():
-            say(f"    profiled step {r['profile']['wall_ms']:.1f} ms, stream {sid}: " + ", ".join(
-                f"{k} {v:.1f}" for k, v in st.items()), flush=True)
+            say(
+                f"    profiled step {r['profile']['wall_ms']:.1f} ms, stream {sid}: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in st.items()),
+                flush=True,
+            )
     done = {r["method"]: r for r in results if "error" not in r}
     for ours in (m for m in METHODS if m.startswith("fbmt") and m in done and f"base-{m}" in done):
         ratio = done[f"base-{ours}"]["step_s"] / done[ours]["step_s"]  # > 1: this commit's step is faster
         mem = done[ours]["peak_gib"] / done[f"base-{ours}"]["peak_gib"] if done[ours]["peak_gib"] else float("nan")
-        say(f"  {ours} / base-{ours} (--base {args.base}): {ratio:.3f}x by mean step time"
+        say(
+            f"  {ours} / base-{ours} (--base {args.base}): {ratio:.3f}x by mean step time"
             + (f"; {paired(done[ours], done[f'base-{ours}'], args.warmup)}" if args.interleave else "")
-            + f", {mem:.2f}x peak memory", flush=True)
+            + f", {mem:.2f}x peak memory",
+            flush=True,
+        )
     for ours in (m for m in METHODS if m.startswith("fbmt")):
         if ours not in done:
             continue
@@ -636,14 +771,19 @@ def main() -> None:
                 ratio = done[ours]["tok_s_gpu"] / done[peer]["tok_s_gpu"]
                 by_median = done[ours]["tok_s_gpu_median"] / done[peer]["tok_s_gpu_median"]
                 mem = done[ours]["peak_gib"] / done[peer]["peak_gib"] if done[peer]["peak_gib"] else float("nan")
-                say(f"  {ours} / {peer}: {ratio:.3f}x tokens/s ({by_median:.3f}x by median step"
+                say(
+                    f"  {ours} / {peer}: {ratio:.3f}x tokens/s ({by_median:.3f}x by median step"
                     + (f"; {paired(done[ours], done[peer], args.warmup)}" if args.interleave else "")
-                    + f"), {mem:.2f}x peak memory", flush=True)
+                    + f"), {mem:.2f}x peak memory",
+                    flush=True,
+                )
         peer = "fsdp2" if "fsdp2" in done else "fsdp2-compile" if "fsdp2-compile" in done else None
         if peer:
             gap = max(abs(a - b) for a, b in zip(done[ours]["losses"], done[peer]["losses"]))
-            say(f"  {ours}: first losses agree with {peer} to {gap:.2e}" + ("" if gap < 2e-2 else "  <-- MISMATCH"),
-                flush=True)
+            say(
+                f"  {ours}: first losses agree with {peer} to {gap:.2e}" + ("" if gap < 2e-2 else "  <-- MISMATCH"),
+                flush=True,
+            )
     if args.out and rank == 0:
         with open(args.out, "w") as f:
             json.dump(dict(config=args.config, args=vars(args), torch=torch.__version__, results=results), f, indent=1)

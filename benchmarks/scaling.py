@@ -36,10 +36,31 @@ def run(args: argparse.Namespace) -> None:
     s = SETTINGS[args.config]
     for n in (int(g) for g in args.gpus.split(",")):
         out = os.path.join(args.out, f"{args.config}_{n}gpu.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_port",
-               str(29400 + n), os.path.join(HERE, "gpu_train.py"), "--config", args.config, "--batch", str(s["batch"]),
-               "--seq", str(s["seq"]), "--remat", s["remat"], "--methods", args.methods, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={n}",
+            "--master_port",
+            str(29400 + n),
+            os.path.join(HERE, "gpu_train.py"),
+            "--config",
+            args.config,
+            "--batch",
+            str(s["batch"]),
+            "--seq",
+            str(s["seq"]),
+            "--remat",
+            s["remat"],
+            "--methods",
+            args.methods,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--out",
+            out,
+        ]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(n)))
         print(f"scaling: {args.config} on {n} GPU(s)", flush=True)
         code = subprocess.call(cmd, env=env)
@@ -55,8 +76,10 @@ def report(files: list[str]) -> str:
         for r in data["results"]:
             if "error" not in r:
                 rows[(data["config"], r["method"])][r["world"]] = r
-    lines = ["| config | method | GPUs | tok/s/GPU | efficiency vs 2 GPUs | exposed comm / step | peak GiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | method | GPUs | tok/s/GPU | efficiency vs 2 GPUs | exposed comm / step | peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (config, method), by_world in sorted(rows.items()):
         base, one = by_world.get(2), by_world.get(1)
         for world in sorted(by_world):

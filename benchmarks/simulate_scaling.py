@@ -19,9 +19,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fbmt  # noqa: E402
 from llama import CONFIGS, Llama  # noqa: E402
 from scaling import SETTINGS  # noqa: E402
+
+import fbmt  # noqa: E402
 
 
 def main() -> None:
@@ -30,23 +31,34 @@ def main() -> None:
     ap.add_argument("--gpus", default="1,2,4,8")
     args = ap.parse_args()
     s = SETTINGS[args.config]
-    print("| config | GPUs | step (ms) | tok/s/GPU | efficiency vs 2 GPUs | exposed comm (ms) | comm busy (ms) "
-          "| program peak (GiB) |")
+    print(
+        "| config | GPUs | step (ms) | tok/s/GPU | efficiency vs 2 GPUs | exposed comm (ms) | comm busy (ms) "
+        "| program peak (GiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     base = None
     for world in (int(g) for g in args.gpus.split(",")):
         with torch.device("meta"):
             model = Llama(CONFIGS[args.config])
         started = time.perf_counter()
-        model = fbmt.compile(model, world_size=world, device="meta", param_dtype=torch.bfloat16,
-                             reduce_dtype=torch.float32, remat=s["remat"])
+        model = fbmt.compile(
+            model,
+            world_size=world,
+            device="meta",
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            remat=s["remat"],
+        )
         program = model.trace(torch.zeros(s["batch"], s["seq"], dtype=torch.long), device="cpu")
         sim = fbmt.simulate(program, fbmt.sim.H200)
         tok = s["batch"] * s["seq"] / sim.step_s
         base = tok if world == 2 else base
         eff = f"{tok / base:.1%}" if base and world >= 2 else "-"
-        print(f"| {args.config} | {world} | {sim.step_s * 1e3:.1f} | {tok:.0f} | {eff} | {sim.exposed_comm_s * 1e3:.1f} "
-              f"| {sim.comm_s * 1e3:.1f} | {sim.peak_activation_bytes / 2**30:.2f} |", flush=True)
+        print(
+            f"| {args.config} | {world} | {sim.step_s * 1e3:.1f} | {tok:.0f} | {eff} | {sim.exposed_comm_s * 1e3:.1f} "
+            f"| {sim.comm_s * 1e3:.1f} | {sim.peak_activation_bytes / 2**30:.2f} |",
+            flush=True,
+        )
         print(f"  ({time.perf_counter() - started:.1f} s to compile, trace and simulate)", file=sys.stderr)
 
 

@@ -49,13 +49,29 @@ def main() -> None:
             ms = timed(fn)
             assert torch.equal(dst, want)
             with_sum = beside(products, fn)
-            rows.append(dict(n=n, tile=f"{block}x{warps}", block=block, warps=warps, programs=sms // 4, ms=ms,
-                             gb_s=gbytes / ms * 1e3, products_alone_ms=alone, products_beside_ms=with_sum))
+            rows.append(
+                dict(
+                    n=n,
+                    tile=f"{block}x{warps}",
+                    block=block,
+                    warps=warps,
+                    programs=sms // 4,
+                    ms=ms,
+                    gb_s=gbytes / ms * 1e3,
+                    products_alone_ms=alone,
+                    products_beside_ms=with_sum,
+                )
+            )
     for r in rows:
-        extra = (f", products {r['products_beside_ms']:.3f} ms beside it (alone {r['products_alone_ms']:.3f})"
-                 if "block" in r else "")
-        print(f"{r['n'] / 1e6:5.1f}M {r['tile']:>10} on {r['programs']:3d} programs: {r['ms']:6.3f} ms, "
-              f"{r['gb_s']:6.0f} GB/s{extra}")
+        extra = (
+            f", products {r['products_beside_ms']:.3f} ms beside it (alone {r['products_alone_ms']:.3f})"
+            if "block" in r
+            else ""
+        )
+        print(
+            f"{r['n'] / 1e6:5.1f}M {r['tile']:>10} on {r['programs']:3d} programs: {r['ms']:6.3f} ms, "
+            f"{r['gb_s']:6.0f} GB/s{extra}"
+        )
     beside_both: dict[str, float] = {}  # the products' time beside the tile, summed over both sizes
     for r in rows:
         if "block" in r:

@@ -25,8 +25,10 @@ from fbmt.train import batches, load_corpus
 class Embedding(bmt.DistributedModule):
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype):
         super().__init__()
-        self.weight = bmt.DistributedParameter(torch.empty(vocab_size, dim, dtype=dtype),
-                                               init_method=bmt.ParameterInitializer(torch.nn.init.normal_, std=0.02))
+        self.weight = bmt.DistributedParameter(
+            torch.empty(vocab_size, dim, dtype=dtype),
+            init_method=bmt.ParameterInitializer(torch.nn.init.normal_, std=0.02),
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -57,8 +59,10 @@ class Attention(bmt.DistributedModule):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, self.num_heads, self.dim_head).transpose(1, 2)
-                   for p in (self.project_q, self.project_k, self.project_v))
+        q, k, v = (
+            p(x).view(b, t, self.num_heads, self.dim_head).transpose(1, 2)
+            for p in (self.project_q, self.project_k, self.project_v)
+        )
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.project_out(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -87,14 +91,27 @@ class TransformerEncoder(bmt.DistributedModule):
 
 
 class GPT(bmt.DistributedModule):
-    def __init__(self, num_layers: int, vocab_size: int, dim_model: int, dim_head: int, num_heads: int, dim_ff: int,
-                 max_distance: int, bias: bool = True, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        num_layers: int,
+        vocab_size: int,
+        dim_model: int,
+        dim_head: int,
+        num_heads: int,
+        dim_ff: int,
+        max_distance: int,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.word_emb = Embedding(vocab_size, dim_model, dtype)
         self.pos_emb = Embedding(max_distance, dim_model, dtype)
-        self.transformers = bmt.TransformerBlockList([
-            bmt.Block(TransformerEncoder(dim_model, dim_head, num_heads, dim_ff, bias, dtype))
-            for _ in range(num_layers)])
+        self.transformers = bmt.TransformerBlockList(
+            [
+                bmt.Block(TransformerEncoder(dim_model, dim_head, num_heads, dim_ff, bias, dtype))
+                for _ in range(num_layers)
+            ]
+        )
         self.layernorm = LayerNorm(dim_model, dtype)
 
     def forward(self, input: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -114,24 +131,38 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
     ap.add_argument("--lr", type=float, default=1e-2, help="Noam start_lr (the peak is start_lr / sqrt(10))")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                    help="parameter dtype (default: float32 on CPU, float16 on GPUs, as BMTrain's example)")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="parameter dtype (default: float32 on CPU, float16 on GPUs, as BMTrain's example)",
+    )
     ap.add_argument("--save", default="checkpoints/bmtrain_gpt.pt")
     args = ap.parse_args()
 
     bmt.init_distributed(seed=0)
     device = torch.device(bmt.config["device"])
     dtype = getattr(torch, args.dtype or ("float16" if device.type == "cuda" else "float32"))
-    model = GPT(num_layers=args.layers, vocab_size=256, dim_model=args.dim, dim_head=args.dim // args.heads,
-                num_heads=args.heads, dim_ff=4 * args.dim, max_distance=args.seq, bias=True, dtype=dtype)
+    model = GPT(
+        num_layers=args.layers,
+        vocab_size=256,
+        dim_model=args.dim,
+        dim_head=args.dim // args.heads,
+        num_heads=args.heads,
+        dim_ff=4 * args.dim,
+        max_distance=args.seq,
+        bias=True,
+        dtype=dtype,
+    )
     bmt.init_parameters(model)  # or bmt.load(model, "ckpt.pt")
-    bmt.print_rank(f"model: {sum(p._original_shape.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
-                   f"({dtype}), {bmt.world_size()} rank(s) on {device.type}")
+    bmt.print_rank(
+        f"model: {sum(p._original_shape.numel() for p in model.parameters()) / 1e6:.2f}M parameters "
+        f"({dtype}), {bmt.world_size()} rank(s) on {device.type}"
+    )
 
     loss_func = bmt.loss.FusedCrossEntropy(ignore_index=-100)
     optimizer = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=args.lr, weight_decay=1e-2)
-    lr_scheduler = bmt.lr_scheduler.Noam(optimizer, start_lr=args.lr, warmup_iter=10, end_iter=args.steps,
-                                         num_iter=0)
+    lr_scheduler = bmt.lr_scheduler.Noam(optimizer, start_lr=args.lr, warmup_iter=10, end_iter=args.steps, num_iter=0)
     optim_manager = bmt.optim.OptimManager(loss_scale=1024)
     optim_manager.add_optimizer(optimizer, lr_scheduler)
 
@@ -157,14 +188,15 @@ def main() -> None:
         losses.append(global_loss)
         avg.record(global_loss)
         if iteration % 10 == 0 or iteration == args.steps - 1:
-            bmt.print_rank(f"| iter {iteration:4d} | loss {global_loss:.4f} (avg {avg.value:.4f}) | lr "
-                           f"{lr_scheduler.current_lr:.2e} | scale {optim_manager.loss_scale:g} | grad_norm "
-                           f"{float(grad_norm):.3f} | {time.perf_counter() - started:.1f}s")
+            bmt.print_rank(
+                f"| iter {iteration:4d} | loss {global_loss:.4f} (avg {avg.value:.4f}) | lr "
+                f"{lr_scheduler.current_lr:.2e} | scale {optim_manager.loss_scale:g} | grad_norm "
+                f"{float(grad_norm):.3f} | {time.perf_counter() - started:.1f}s"
+            )
     bmt.save(model, args.save)
     k = max(1, min(10, args.steps // 4))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    bmt.print_rank(f"loss {first:.3f} -> {last:.3f} (mean of the first and last {k} steps); "
-                   f"checkpoint: {args.save}")
+    bmt.print_rank(f"loss {first:.3f} -> {last:.3f} (mean of the first and last {k} steps); checkpoint: {args.save}")
     if not math.isfinite(last) or last >= first:
         raise SystemExit("bmtrain_gpt: the loss did not fall")
 

@@ -13,10 +13,11 @@ import sys as _sys
 from fbmt import bmt, checkpoint, distributed, ops, optim, sim
 from fbmt.api import CompiledModule, CompileOptions, compile
 from fbmt.bmt import global_var, inspect, loss, lr_scheduler, nn, utils
-from fbmt.bmt.block import BMTrainModelWrapper, Block, CheckpointBlock, TransformerBlockList
+from fbmt.bmt.block import Block, BMTrainModelWrapper, CheckpointBlock, TransformerBlockList
 from fbmt.bmt.module import DistributedModule, init_parameters
 from fbmt.bmt.parameter import DistributedParameter, ParameterInitializer
 from fbmt.bmt.store import load, save
+from fbmt.bmt.utils import see_memory
 from fbmt.distributed import (
     config,
     gather_result,
@@ -27,7 +28,6 @@ from fbmt.distributed import (
     synchronize,
     world_size,
 )
-from fbmt.bmt.utils import see_memory
 from fbmt.program import Program
 from fbmt.sim import simulate
 from fbmt.trace import TraceError
@@ -39,13 +39,44 @@ for _module in (global_var, inspect, loss, lr_scheduler, nn, utils):
 
 __all__ = [
     # fbmt.compile
-    "compile", "CompileOptions", "CompiledModule", "Program", "TraceError", "simulate",
+    "compile",
+    "CompileOptions",
+    "CompiledModule",
+    "Program",
+    "TraceError",
+    "simulate",
     # BMTrain's surface
-    "init_distributed", "rank", "world_size", "config", "synchronize", "sum_loss", "gather_result", "print_rank",
-    "see_memory", "DistributedParameter", "ParameterInitializer", "DistributedModule", "init_parameters", "Block",
-    "CheckpointBlock", "TransformerBlockList", "BMTrainModelWrapper", "save", "load",
+    "init_distributed",
+    "rank",
+    "world_size",
+    "config",
+    "synchronize",
+    "sum_loss",
+    "gather_result",
+    "print_rank",
+    "see_memory",
+    "DistributedParameter",
+    "ParameterInitializer",
+    "DistributedModule",
+    "init_parameters",
+    "Block",
+    "CheckpointBlock",
+    "TransformerBlockList",
+    "BMTrainModelWrapper",
+    "save",
+    "load",
     # submodules
-    "bmt", "checkpoint", "distributed", "global_var", "inspect", "loss", "lr_scheduler", "nn", "ops", "optim", "sim",
+    "bmt",
+    "checkpoint",
+    "distributed",
+    "global_var",
+    "inspect",
+    "loss",
+    "lr_scheduler",
+    "nn",
+    "ops",
+    "optim",
+    "sim",
     "utils",
 ]
 __version__ = "0.3.0"

@@ -40,8 +40,10 @@ def compile(model: nn.Module, **options: Any) -> CompiledModule:
     rank = distributed.rank() if world == distributed.world_size() else 0
     device = distributed.compute_device(o.device)
     if o.cuda_graph and device.type != "cuda":
-        raise ValueError(f"fbmt.compile(cuda_graph=True): CUDA graphs need the model on a CUDA device, and this "
-                         f"one compiles for {device}; pass device='cuda' or leave cuda_graph off")
+        raise ValueError(
+            f"fbmt.compile(cuda_graph=True): CUDA graphs need the model on a CUDA device, and this "
+            f"one compiles for {device}; pass device='cuda' or leave cuda_graph off"
+        )
     layout = plan_layout(model, world, list(o.blocks) if o.blocks is not None else None, param_dtype=o.param_dtype)
     shards = build_shards(model, layout, rank, device, o.init_fn)
     return CompiledModule(model, layout, shards, options=o, device=device, rank=rank)
@@ -50,6 +52,10 @@ def compile(model: nn.Module, **options: Any) -> CompiledModule:
 # `inspect.signature(fbmt.compile)` and help() show every option with its default.
 compile.__signature__ = inspect.Signature(
     [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=nn.Module)]
-    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-       for f in dataclasses.fields(CompileOptions) if f.init],
-    return_annotation=CompiledModule)
+    + [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(CompileOptions)
+        if f.init
+    ],
+    return_annotation=CompiledModule,
+)

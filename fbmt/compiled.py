@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,9 +42,17 @@ class CompiledModule(nn.Module):
     `named_parameters()` see ordinary per-parameter tensors; the flat shards hold no gradients.
     """
 
-    def __init__(self, module: nn.Module, layout: Layout, shards: list[nn.Parameter], *,
-                 options: CompileOptions, device: torch.device, rank: int,
-                 views: list[list[nn.Parameter]] | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: Layout,
+        shards: list[nn.Parameter],
+        *,
+        options: CompileOptions,
+        device: torch.device,
+        rank: int,
+        views: list[list[nn.Parameter]] | None = None,
+    ):
         super().__init__()
         self.__dict__["_orig"] = module  # not a submodule: its parameters are meta placeholders
         self.flat_params = nn.ParameterList(shards)
@@ -77,13 +86,16 @@ class CompiledModule(nn.Module):
         dtype = self.options.param_dtype
         if dtype is not None:  # mixed precision: floating inputs in the compute dtype, as FSDP2 does
             args, kwargs = pytree.tree_map_only(
-                torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, (args, kwargs))
+                torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, (args, kwargs)
+            )
         leaves, _ = pytree.tree_flatten((args, kwargs))
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         for i, x in enumerate(inputs):
             if x.device != self.device:
-                raise ValueError(f"fbmt: tensor input #{i} (shape {tuple(x.shape)}) is on {x.device}, but this "
-                                 f"model's parameters are on {self.device}; move the inputs with .to({str(self.device)!r})")
+                raise ValueError(
+                    f"fbmt: tensor input #{i} (shape {tuple(x.shape)}) is on {x.device}, but this "
+                    f"model's parameters are on {self.device}; move the inputs with .to({str(self.device)!r})"
+                )
         trainable = self.trainable()
         needs_grad = torch.is_grad_enabled() and (any(trainable) or any(x.requires_grad for x in inputs))
         key = self._key(args, kwargs, needs_grad, trainable)
@@ -132,18 +144,34 @@ class CompiledModule(nn.Module):
 
     def _key(self, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...]) -> tuple:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        sig = tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
-                    for x in leaves)
+        sig = tuple(
+            (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves
+        )
         return (spec, sig, tuple(m.training for m in self._submodules), needs_grad, trainable, record.active())
 
-    def _build(self, key: tuple, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...],
-               device: torch.device | str | None = None) -> Executable:
+    def _build(
+        self,
+        key: tuple,
+        args: tuple,
+        kwargs: dict,
+        needs_grad: bool,
+        trainable: tuple[bool, ...],
+        device: torch.device | str | None = None,
+    ) -> Executable:
         started = time.perf_counter()
         if self.programs:
             log.info("fbmt: compiling a new program for a new input signature (%d cached)", len(self.programs))
-        program, exe = pipeline.build(self._orig, self.layout, self.options, args, kwargs, needs_grad=needs_grad,
-                                      trainable=trainable, regions=self.regions,
-                                      device=torch.device(device) if device is not None else self.device)
+        program, exe = pipeline.build(
+            self._orig,
+            self.layout,
+            self.options,
+            args,
+            kwargs,
+            needs_grad=needs_grad,
+            trainable=trainable,
+            regions=self.regions,
+            device=torch.device(device) if device is not None else self.device,
+        )
         log.info("fbmt: traced, passed and partitioned in %.2fs", time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
@@ -182,7 +210,10 @@ class CompiledModule(nn.Module):
             return owner._buffers[attr]
 
         feeders: dict[str, Callable[[Any], torch.Tensor]] = {
-            "shard": shards.__getitem__, "buffer": buffer, "input": inputs.__getitem__}
+            "shard": shards.__getitem__,
+            "buffer": buffer,
+            "input": inputs.__getitem__,
+        }
         return [feeders[r.kind](r.key) for r in exe.fwd_inputs]
 
     def _check_ranks_agree(self, exe: Executable) -> None:
@@ -195,7 +226,8 @@ class CompiledModule(nn.Module):
             if len(set(sigs)) > 1:
                 raise RuntimeError(
                     f"fbmt: ranks compiled different programs (collective signatures {sigs}); every rank "
-                    "must call the model with the same input shapes, dtypes, train/eval mode and grad mode")
+                    "must call the model with the same input shapes, dtypes, train/eval mode and grad mode"
+                )
         self._checked.add(exe.signature)
 
     # ---- module protocol ----
@@ -228,7 +260,7 @@ class CompiledModule(nn.Module):
             for group, shard in zip(self.layout.groups, self.flat_params):
                 flat = gather_group(shard, group)
                 for s in group.slots:
-                    out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+                    out[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape).clone()
         return out
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
@@ -237,7 +269,7 @@ class CompiledModule(nn.Module):
         for group, shard in zip(self.layout.groups, self.flat_params):
             flat = gather_group(shard.grad, group) if shard.grad is not None else None
             for s in group.slots:
-                out[s.name] = None if flat is None else flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+                out[s.name] = None if flat is None else flat[s.offset : s.offset + s.numel].view(s.shape).clone()
         return out
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -254,8 +286,10 @@ class CompiledModule(nn.Module):
         missing = [k for k in expected if k not in state_dict]
         unexpected = [k for k in state_dict if k not in expected]
         if strict and (missing or unexpected):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self._orig).__name__}: "
-                               f"missing keys {missing}, unexpected keys {unexpected}")
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self._orig).__name__}: "
+                f"missing keys {missing}, unexpected keys {unexpected}"
+            )
         by_canonical = {self.layout.aliases[k]: v for k, v in state_dict.items() if k in self.layout.aliases}
         buffers = dict(self._orig.named_buffers())
         with torch.no_grad():
@@ -263,11 +297,11 @@ class CompiledModule(nn.Module):
                 for s in group.slots:
                     v = by_canonical.get(s.name)
                     if v is not None and tuple(v.shape) != s.shape:
-                        raise RuntimeError(f"size mismatch for {s.name}: checkpoint has {tuple(v.shape)}, "
-                                           f"model has {s.shape}")
+                        raise RuntimeError(
+                            f"size mismatch for {s.name}: checkpoint has {tuple(v.shape)}, model has {s.shape}"
+                        )
                 copy_into_shard(shard, group, self.rank, by_canonical)
             for k, b in buffers.items():
                 if k in state_dict:
                     b.copy_(state_dict[k])
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
-

@@ -22,18 +22,38 @@ from fbmt import flags
 # What the job looks like, as BMTrain's `bmtrain.global_var.config` has it; filled by init_distributed.
 # Tensor and pipeline parallelism are not supported, so `tp_size` and `pipe_size` are 1 and every
 # parameter is sharded over all ranks (`zero_size == world_size`).
-config: dict[str, Any] = dict(rank=0, local_rank=0, world_size=1, local_size=1, zero_size=1, zero_rank=0,
-                              tp_size=1, tp_rank=0, tp_zero_size=1, tp_zero_rank=0, pipe_size=1, pipe_rank=0,
-                              device="cpu", initialized=False)
+config: dict[str, Any] = dict(
+    rank=0,
+    local_rank=0,
+    world_size=1,
+    local_size=1,
+    zero_size=1,
+    zero_rank=0,
+    tp_size=1,
+    tp_rank=0,
+    tp_zero_size=1,
+    tp_zero_rank=0,
+    pipe_size=1,
+    pipe_rank=0,
+    device="cpu",
+    initialized=False,
+)
 
 # torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def init_distributed(init_method: str = "env://", seed: int = 0, pipe_size: int = -1,
-                     num_micro_batches: int | None = None, tp_size: int = 1, *, backend: str | None = None,
-                     timeout: float | None = None) -> None:
+def init_distributed(
+    init_method: str = "env://",
+    seed: int = 0,
+    pipe_size: int = -1,
+    num_micro_batches: int | None = None,
+    tp_size: int = 1,
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+) -> None:
     """Join the job described by torchrun's environment (or run alone as rank 0 of 1).
 
     BMTrain's signature; `init_method` may also be a "tcp://host:port" URL (RANK/WORLD_SIZE still
@@ -44,12 +64,16 @@ def init_distributed(init_method: str = "env://", seed: int = 0, pipe_size: int 
     instead of hanging. `fbmt.config` describes the job afterwards.
     """
     if not isinstance(init_method, str):
-        raise TypeError(f"fbmt.init_distributed(init_method={init_method!r}): expected a URL such as 'env://'; "
-                        "pass the seed by keyword: init_distributed(seed=...)")
+        raise TypeError(
+            f"fbmt.init_distributed(init_method={init_method!r}): expected a URL such as 'env://'; "
+            "pass the seed by keyword: init_distributed(seed=...)"
+        )
     if tp_size != 1 or pipe_size > 1:
-        raise NotImplementedError(f"fbmt.init_distributed(tp_size={tp_size}, pipe_size={pipe_size}): tensor and "
-                                  "pipeline parallelism are not supported yet; fbmt shards every parameter over all "
-                                  "ranks (ZeRO-3), so use tp_size=1 and pipe_size=-1 or 1")
+        raise NotImplementedError(
+            f"fbmt.init_distributed(tp_size={tp_size}, pipe_size={pipe_size}): tensor and "
+            "pipeline parallelism are not supported yet; fbmt shards every parameter over all "
+            "ranks (ZeRO-3), so use tp_size=1 and pipe_size=-1 or 1"
+        )
     if dist.is_initialized():
         _fill_config()
         return
@@ -65,10 +89,13 @@ def init_distributed(init_method: str = "env://", seed: int = 0, pipe_size: int 
         if launched:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in env]
             if missing:
-                raise ValueError(f"fbmt.init_distributed: RANK and WORLD_SIZE are set but {missing} are not; "
-                                 "launch with torchrun, or set them")
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=wait))
+                raise ValueError(
+                    f"fbmt.init_distributed: RANK and WORLD_SIZE are set but {missing} are not; "
+                    "launch with torchrun, or set them"
+                )
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=wait)
+            )
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     except RuntimeError as e:  # DistStoreError (a timeout) and connection errors are RuntimeErrors
@@ -77,7 +104,8 @@ def init_distributed(init_method: str = "env://", seed: int = 0, pipe_size: int 
             f"fbmt.init_distributed: rank {rank} of {world} could not join the job at {where} within "
             f"{wait:.0f}s ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check that all "
             f"{world} ranks were started, that MASTER_ADDR/MASTER_PORT agree and are reachable, or raise "
-            "FBMT_INIT_TIMEOUT.") from e
+            "FBMT_INIT_TIMEOUT."
+        ) from e
     _fill_config()
     seed_everything(seed)
 
@@ -85,9 +113,22 @@ def init_distributed(init_method: str = "env://", seed: int = 0, pipe_size: int 
 def _fill_config() -> None:
     r, w = rank(), world_size()
     local = int(os.environ.get("LOCAL_RANK", 0))
-    config.update(rank=r, local_rank=local, world_size=w, local_size=int(os.environ.get("LOCAL_WORLD_SIZE", w)),
-                  zero_size=w, zero_rank=r, tp_size=1, tp_rank=0, tp_zero_size=w, tp_zero_rank=r,
-                  pipe_size=1, pipe_rank=0, device=str(local_device()), initialized=True)
+    config.update(
+        rank=r,
+        local_rank=local,
+        world_size=w,
+        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", w)),
+        zero_size=w,
+        zero_rank=r,
+        tp_size=1,
+        tp_rank=0,
+        tp_zero_size=w,
+        tp_zero_rank=r,
+        pipe_size=1,
+        pipe_rank=0,
+        device=str(local_device()),
+        initialized=True,
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -142,8 +183,13 @@ def gather_flat(t: torch.Tensor) -> torch.Tensor:
 
 # ---- collectives over the default group, differentiable (BMTrain's `bmt.distributed`) ----
 
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-        "prod": dist.ReduceOp.PRODUCT}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
 
 
 def _op(op: str) -> str:
@@ -174,7 +220,7 @@ class _AllReduce(torch.autograd.Function):
             g = g * (x == y)
         elif ctx.op == "prod":  # the product of the other ranks' values (y / x fails where x is 0)
             others = all_gather(x.detach())
-            g = g * torch.cat([others[:rank()], others[rank() + 1:]]).prod(0)
+            g = g * torch.cat([others[: rank()], others[rank() + 1 :]]).prod(0)
         return g, None
 
 
@@ -196,8 +242,9 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, op: str) -> torch.Tensor:
         if x.shape[0] % world_size():
-            raise ValueError(f"fbmt.distributed.reduce_scatter: dim 0 ({x.shape[0]}) must divide by the world "
-                             f"size ({world_size()})")
+            raise ValueError(
+                f"fbmt.distributed.reduce_scatter: dim 0 ({x.shape[0]}) must divide by the world size ({world_size()})"
+            )
         if op not in ("sum", "avg"):
             raise ValueError(f"fbmt.distributed.reduce_scatter: op={op!r}; expected 'sum' or 'avg'")
         shape = (x.shape[0] // world_size(), *x.shape[1:])

@@ -8,8 +8,9 @@ benchmark can set one for a part of a run.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -52,21 +53,45 @@ def _count(raw: str) -> int:
     return v
 
 
-CHECKS = Flag("FBMT_CHECKS", _bool, False,
-              "1: fbmt.compile verifies the program after every pass (the default of compile(checks=...))")
-DUMP_DIR = Flag("FBMT_DUMP_DIR", str, "",
-                "a folder: fbmt.compile writes the program after every pass there, for diff (compile(dump_dir=...))")
-INIT_TIMEOUT = Flag("FBMT_INIT_TIMEOUT", float, 300.0,
-                    "seconds init_distributed waits for the other ranks (init_distributed(timeout=...))")
-NARROW_WIRE: Flag[bool | None] = Flag("FBMT_NARROW_WIRE", _bool, None,
-                   "1/0: bf16 gradients reduced in fp32 travel as bf16 everywhere / never (compile(narrow_wire=...); "
-                   "default: within one node)")
-COPY_PROGRAMS: Flag[int | None] = Flag("FBMT_COPY_PROGRAMS", _count, None,
-                     "thread blocks of the copy stream's kernels (default: a quarter of the SMs; 0: torch's copy)")
+CHECKS = Flag(
+    "FBMT_CHECKS",
+    _bool,
+    False,
+    "1: fbmt.compile verifies the program after every pass (the default of compile(checks=...))",
+)
+DUMP_DIR = Flag(
+    "FBMT_DUMP_DIR",
+    str,
+    "",
+    "a folder: fbmt.compile writes the program after every pass there, for diff (compile(dump_dir=...))",
+)
+INIT_TIMEOUT = Flag(
+    "FBMT_INIT_TIMEOUT",
+    float,
+    300.0,
+    "seconds init_distributed waits for the other ranks (init_distributed(timeout=...))",
+)
+NARROW_WIRE: Flag[bool | None] = Flag(
+    "FBMT_NARROW_WIRE",
+    _bool,
+    None,
+    "1/0: bf16 gradients reduced in fp32 travel as bf16 everywhere / never (compile(narrow_wire=...); "
+    "default: within one node)",
+)
+COPY_PROGRAMS: Flag[int | None] = Flag(
+    "FBMT_COPY_PROGRAMS",
+    _count,
+    None,
+    "thread blocks of the copy stream's kernels (default: a quarter of the SMs; 0: torch's copy)",
+)
 COPY_BLOCK = Flag("FBMT_COPY_BLOCK", _power_of_two, 65536, "elements per thread block and iteration of the copy kernel")
 COPY_WARPS = Flag("FBMT_COPY_WARPS", _power_of_two, 32, "warps per thread block of the copy kernel")
-SUM_BLOCK = Flag("FBMT_SUM_BLOCK", _power_of_two, 32768,
-                 "elements per thread block and iteration of the fp32 sum of two ranks' gradients")
+SUM_BLOCK = Flag(
+    "FBMT_SUM_BLOCK",
+    _power_of_two,
+    32768,
+    "elements per thread block and iteration of the fp32 sum of two ranks' gradients",
+)
 SUM_WARPS = Flag("FBMT_SUM_WARPS", _power_of_two, 16, "warps per thread block of that sum kernel")
 
 FLAGS = (CHECKS, DUMP_DIR, INIT_TIMEOUT, NARROW_WIRE, COPY_PROGRAMS, COPY_BLOCK, COPY_WARPS, SUM_BLOCK, SUM_WARPS)

@@ -18,8 +18,8 @@ group's zero-padded flat buffer; `local_range` and `copy_into_shard` compute wit
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -109,14 +109,19 @@ def find_blocks(module: nn.Module, explicit: list[str] | None = None) -> list[st
     if explicit is not None:
         unknown = [p for p in explicit if p not in modules]
         if unknown:
-            raise ValueError(f"fbmt.compile(blocks=...): no submodule named {unknown}; "
-                             f"module paths look like {list(modules)[1:4]}")
+            raise ValueError(
+                f"fbmt.compile(blocks=...): no submodule named {unknown}; module paths look like {list(modules)[1:4]}"
+            )
         units = list(explicit)
     else:
         units = []
         for path, m in modules.items():
-            if (isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
-                    and not any(path.startswith(u + ".") for u in units)):
+            if (
+                isinstance(m, nn.ModuleList)
+                and len(m) >= 2
+                and len({type(c) for c in m}) == 1
+                and not any(path.startswith(u + ".") for u in units)
+            ):
                 units += [f"{path}.{i}" if path else str(i) for i in range(len(m))]
 
     blocks: list[str] = []
@@ -138,8 +143,14 @@ def find_blocks(module: nn.Module, explicit: list[str] | None = None) -> list[st
     return blocks
 
 
-def plan_layout(module: nn.Module, world_size: int, explicit_blocks: list[str] | None = None, *,
-                split_frozen: bool = True, param_dtype: torch.dtype | None = None) -> Layout:
+def plan_layout(
+    module: nn.Module,
+    world_size: int,
+    explicit_blocks: list[str] | None = None,
+    *,
+    split_frozen: bool = True,
+    param_dtype: torch.dtype | None = None,
+) -> Layout:
     """`split_frozen=False` puts frozen and trainable parameters of a block in one group (marked
     trainable), for models whose `requires_grad` flags change after compiling. `param_dtype` is the
     compute dtype of every floating-point group stored in another dtype (mixed precision)."""
@@ -154,6 +165,7 @@ def plan_layout(module: nn.Module, world_size: int, explicit_blocks: list[str] |
         owner = name.rpartition(".")[0]
         per_block[probe.block_of_module(owner)].append((name, p))
     groups: list[FlatGroup] = []
+
     def key(p: nn.Parameter) -> tuple[torch.dtype, bool]:
         return p.dtype, p.requires_grad or not split_frozen
 
@@ -165,8 +177,9 @@ def plan_layout(module: nn.Module, world_size: int, explicit_blocks: list[str] |
                 if key(p) == (dtype, rg):
                     slots.append(ParamSlot(name, tuple(p.shape), offset))
                     offset += p.numel()
-            compute = param_dtype if param_dtype is not None and dtype.is_floating_point and dtype != param_dtype \
-                else None
+            compute = (
+                param_dtype if param_dtype is not None and dtype.is_floating_point and dtype != param_dtype else None
+            )
             groups.append(FlatGroup(len(groups), b, dtype, rg, tuple(slots), world_size, compute))
     return Layout(tuple(blocks), tuple(groups), aliases, world_size)
 
@@ -177,8 +190,8 @@ def copy_into_shard(shard: torch.Tensor, group: FlatGroup, rank: int, values: Ma
     for s in group.slots:
         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
         if a < b and s.name in values:
-            src = values[s.name].detach().reshape(-1)[a - s.offset:b - s.offset]
-            shard[a - lo:b - lo].copy_(src)
+            src = values[s.name].detach().reshape(-1)[a - s.offset : b - s.offset]
+            shard[a - lo : b - lo].copy_(src)
 
 
 def local_range(group: FlatGroup, slot: ParamSlot, rank: int) -> tuple[int, int]:

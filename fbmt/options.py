@@ -7,8 +7,9 @@ them); `fbmt/pipeline.py` hands each pass the fields it reads. docs/options.md e
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -78,18 +79,22 @@ class CompileOptions:
             for path, policy in blocks.items():
                 unknown = set(policy or {}) - {"zero", "remat"}
                 if unknown:
-                    raise ValueError(f"fbmt.compile(blocks={{{path!r}: ...}}): unknown policy keys {sorted(unknown)}; "
-                                     "a block's policy may set 'zero' and 'remat'")
+                    raise ValueError(
+                        f"fbmt.compile(blocks={{{path!r}: ...}}): unknown policy keys {sorted(unknown)}; "
+                        "a block's policy may set 'zero' and 'remat'"
+                    )
                 if policy:
                     policies.append((path, policy.get("zero", self.zero), policy.get("remat", self.remat)))
         elif isinstance(blocks, str):
             raise TypeError(f"fbmt.compile(blocks={blocks!r}): expected a list of module paths or a dict")
         resolved = dict(
-            blocks=tuple(blocks) if blocks is not None else None, block_policies=tuple(policies),
+            blocks=tuple(blocks) if blocks is not None else None,
+            block_policies=tuple(policies),
             disable=tuple(self.disable),
             checks=flags.CHECKS.get() if self.checks is None else bool(self.checks),
             dump_dir=self.dump_dir or flags.DUMP_DIR.get() or None,
-            narrow_wire=flags.NARROW_WIRE.get() if self.narrow_wire is None else self.narrow_wire)
+            narrow_wire=flags.NARROW_WIRE.get() if self.narrow_wire is None else self.narrow_wire,
+        )
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
         self._validate()
@@ -98,13 +103,16 @@ class CompileOptions:
         for path, zero, remat in [("", self.zero, self.remat), *self.block_policies]:
             where = f" for block '{path}'" if path else ""
             if zero not in (2, 3):
-                raise ValueError(f"fbmt.compile(zero={zero!r}){where}: expected 3 (re-gather for the backward) "
-                                 "or 2 (keep gathered)")
+                raise ValueError(
+                    f"fbmt.compile(zero={zero!r}){where}: expected 3 (re-gather for the backward) or 2 (keep gathered)"
+                )
             if remat not in POLICIES:
                 raise ValueError(f"fbmt.compile(remat={remat!r}){where}: expected one of {POLICIES}")
         if self.schedule not in STRATEGIES:
-            raise ValueError(f"fbmt.compile(schedule={self.schedule!r}): known strategies are {sorted(STRATEGIES)}; "
-                             "add one with fbmt.passes.register_strategy")
+            raise ValueError(
+                f"fbmt.compile(schedule={self.schedule!r}): known strategies are {sorted(STRATEGIES)}; "
+                "add one with fbmt.passes.register_strategy"
+            )
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"fbmt.compile(prefetch={self.prefetch!r}): must be a whole number, at least 1")
         if self.grad_reduce not in ("mean", "sum"):
@@ -117,8 +125,9 @@ class CompileOptions:
                 raise ValueError(f"fbmt.compile({name}={dtype!r}): expected a floating-point torch.dtype")
         for name in self.disable:
             if name not in PASS_NAMES:
-                raise ValueError(f"fbmt.compile(disable={self.disable!r}): no pass named {name!r}; "
-                                 f"passes are {list(PASS_NAMES)}")
+                raise ValueError(
+                    f"fbmt.compile(disable={self.disable!r}): no pass named {name!r}; passes are {list(PASS_NAMES)}"
+                )
             if name in REQUIRED:
                 raise ValueError(f"fbmt.compile(disable=...): pass {name!r} cannot be disabled; the runtime needs it")
         if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
@@ -138,6 +147,8 @@ class CompileOptions:
         known = [f.name for f in dataclasses.fields(cls) if f.init]
         unknown = sorted(set(options) - set(known))
         if unknown:
-            raise TypeError(f"fbmt.compile: unknown option(s) {unknown}; the options are {known} "
-                            "(fbmt.CompileOptions documents each)")
+            raise TypeError(
+                f"fbmt.compile: unknown option(s) {unknown}; the options are {known} "
+                "(fbmt.CompileOptions documents each)"
+            )
         return cls(**options)

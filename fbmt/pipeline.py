@@ -42,8 +42,17 @@ def passes(options: CompileOptions, world_size: int) -> list[tuple[str, Pass]]:
         ("blocks", assign_blocks),  # tag forward nodes with their block
         ("remat", functools.partial(recompute_blocks, policy=o.remat, per_block=o.remat_per_block)),
         ("merge", merge_products),  # products that read one input become one
-        ("shard", functools.partial(shard_parameters, zero=o.zero, per_block=o.zero_per_block,
-                                    grad_reduce=o.grad_reduce, reduce_dtype=o.reduce_dtype, narrow_wire=narrow_wire)),
+        (
+            "shard",
+            functools.partial(
+                shard_parameters,
+                zero=o.zero,
+                per_block=o.zero_per_block,
+                grad_reduce=o.grad_reduce,
+                reduce_dtype=o.reduce_dtype,
+                narrow_wire=narrow_wire,
+            ),
+        ),
         ("schedule", functools.partial(schedule_overlap, strategy=o.schedule, prefetch=o.prefetch)),
         ("verify", verify_program),
     ]
@@ -51,15 +60,37 @@ def passes(options: CompileOptions, world_size: int) -> list[tuple[str, Pass]]:
     return pipeline
 
 
-def build(module: nn.Module, layout: Layout, options: CompileOptions, args: tuple, kwargs: dict[str, Any], *,
-          needs_grad: bool, trainable: tuple[bool, ...], device: torch.device,
-          regions: RegionCache) -> tuple[Program, Executable]:
+def build(
+    module: nn.Module,
+    layout: Layout,
+    options: CompileOptions,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    needs_grad: bool,
+    trainable: tuple[bool, ...],
+    device: torch.device,
+    regions: RegionCache,
+) -> tuple[Program, Executable]:
     # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
-    program = trace(module, layout, dict(module.named_buffers()), args, kwargs, param_device=device,
-                    needs_grad=needs_grad, trainable=trainable)
+    program = trace(
+        module,
+        layout,
+        dict(module.named_buffers()),
+        args,
+        kwargs,
+        param_device=device,
+        needs_grad=needs_grad,
+        trainable=trainable,
+    )
     # 2. the passes: blocks, recompute, merged products, ZeRO sharding, overlap, checks
-    program = run_passes(program, passes(options, layout.world_size), disable=options.disable,
-                         checks=options.checks, dump_dir=options.dump_dir)
+    program = run_passes(
+        program,
+        passes(options, layout.world_size),
+        disable=options.disable,
+        checks=options.checks,
+        dump_dir=options.dump_dir,
+    )
     # 3. partition into a forward and a backward GraphModule whose collectives run on torch.distributed
     exe = partition(program)
     # 4. with backend="inductor", compile the compute between collectives (identical blocks share it)

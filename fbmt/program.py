@@ -98,8 +98,9 @@ class Program:
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         graph.output(graph.graph_copy(self.graph, env))  # graph_copy returns the mapped outputs
-        return dataclasses.replace(self, graph=graph, inputs=list(self.inputs), outputs=list(self.outputs),
-                                   history=list(self.history))
+        return dataclasses.replace(
+            self, graph=graph, inputs=list(self.inputs), outputs=list(self.outputs), history=list(self.history)
+        )
 
     def record(self, name: str, seconds: float, summary: str) -> None:
         """Append a pass's record (the runner does this after every pass)."""
@@ -120,8 +121,9 @@ class Program:
         """A digest of the ordered collective sequence (kind, group, phase) and the groups' sizes: the
         runtime compares it across ranks before a program first runs, so ranks that traced different
         programs fail with a message instead of hanging in mismatched collectives."""
-        parts = [f"{n.target.__name__}:{n.meta.get('fbmt_group')}:{n.meta.get('fbmt_phase')}"
-                 for n in self.collectives()]
+        parts = [
+            f"{n.target.__name__}:{n.meta.get('fbmt_group')}:{n.meta.get('fbmt_phase')}" for n in self.collectives()
+        ]
         sizes = [f"{grp.index}:{grp.padded_numel}:{grp.dtype}" for grp in self.layout.groups]
         return hashlib.sha1("|".join(parts + sizes).encode()).hexdigest()[:16]
 
@@ -134,9 +136,11 @@ class Program:
         return None
 
     def __str__(self) -> str:
-        head = [f"# fbmt Program: world_size={self.layout.world_size}, "
-                f"{len(self.layout.blocks)} blocks, {len(self.layout.groups)} flat groups, "
-                f"{'forward+backward' if self.needs_grad else 'forward only'}"]
+        head = [
+            f"# fbmt Program: world_size={self.layout.world_size}, "
+            f"{len(self.layout.blocks)} blocks, {len(self.layout.groups)} flat groups, "
+            f"{'forward+backward' if self.needs_grad else 'forward only'}"
+        ]
         for r in self.history:
             head.append(f"# pass {r.name:<10} {r.seconds * 1e3:7.1f} ms  {r.summary}")
         return "\n".join(head) + "\n" + format_graph(self)
@@ -145,6 +149,7 @@ class Program:
 
 
 # ---- printing -----------------------------------------------------------------------------
+
 
 def _fmt_arg(a: Any) -> str:
     if isinstance(a, fx.Node):
@@ -179,8 +184,9 @@ def format_graph(program: Program) -> str:
             lines.append(f"%{n.name}: {_fmt_val(n)} = input {roles.get(n, '?')}")
             continue
         if n.op == "output":
-            outs = ", ".join(f"{r}=%{v.name}" if isinstance(v, fx.Node) else f"{r}={v!r}"
-                             for r, v in zip(program.outputs, n.args[0]))
+            outs = ", ".join(
+                f"{r}=%{v.name}" if isinstance(v, fx.Node) else f"{r}={v!r}" for r, v in zip(program.outputs, n.args[0])
+            )
             lines.append(f"return {outs}")
             continue
         args = [_fmt_arg(a) for a in n.args] + [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]

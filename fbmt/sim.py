@@ -52,8 +52,9 @@ class Machine:
 
 # The rates measured on the H200 host of BENCHMARKS.md (matrix products, copy bandwidth, NVLink bus
 # bandwidth of an all-gather or reduce-scatter between 2 GPUs).
-H200 = Machine("H200 (NVLink)", matmul_flops=700e12, memory_bandwidth=4.19e12, bus_bandwidth=360e9,
-               fp32_matmul_flops=50e12)
+H200 = Machine(
+    "H200 (NVLink)", matmul_flops=700e12, memory_bandwidth=4.19e12, bus_bandwidth=360e9, fp32_matmul_flops=50e12
+)
 
 
 @dataclass
@@ -71,10 +72,12 @@ class Simulation:
     def __str__(self) -> str:
         ms = 1e3
         phases = ", ".join(f"{k} {v * ms:.1f} ms" for k, v in self.exposed_by_phase.items())
-        return (f"simulated on {self.machine.name}, {self.world_size} rank(s): step {self.step_s * ms:.1f} ms = "
-                f"compute {self.compute_s * ms:.1f} ms + exposed communication {self.exposed_comm_s * ms:.1f} ms "
-                f"({phases}); communication busy {self.comm_s * ms:.1f} ms; peak activation memory "
-                f"{self.peak_activation_bytes / 2**30:.2f} GiB")
+        return (
+            f"simulated on {self.machine.name}, {self.world_size} rank(s): step {self.step_s * ms:.1f} ms = "
+            f"compute {self.compute_s * ms:.1f} ms + exposed communication {self.exposed_comm_s * ms:.1f} ms "
+            f"({phases}); communication busy {self.comm_s * ms:.1f} ms; peak activation memory "
+            f"{self.peak_activation_bytes / 2**30:.2f} GiB"
+        )
 
 
 def _val(n: Any) -> Any:
@@ -149,9 +152,17 @@ def simulate(program: Program, machine: Machine = H200) -> Simulation:
                 timeline.append((n.name, "compute", phase, t_compute, t_compute + cost))
             t_compute += cost
             compute += cost
-    return Simulation(machine=machine, world_size=program.layout.world_size, step_s=max(t_compute, t_comm),
-                      compute_s=compute, comm_s=busy_comm, exposed_comm_s=sum(exposed.values()),
-                      exposed_by_phase=exposed, peak_activation_bytes=peak_memory(program), timeline=timeline)
+    return Simulation(
+        machine=machine,
+        world_size=program.layout.world_size,
+        step_s=max(t_compute, t_comm),
+        compute_s=compute,
+        comm_s=busy_comm,
+        exposed_comm_s=sum(exposed.values()),
+        exposed_by_phase=exposed,
+        peak_activation_bytes=peak_memory(program),
+        timeline=timeline,
+    )
 
 
 def peak_memory(program: Program) -> int:
@@ -160,9 +171,13 @@ def peak_memory(program: Program) -> int:
     order = ops.node_order(g)
     base: dict[fx.Node, fx.Node] = {}
     for n in g.nodes:  # views and waits alias what they come from
-        if n.op == "call_function" and (n.target is operator.getitem and nbytes(_val(n.args[0])) == 0
-                                        or n.target is not operator.getitem and ops.costs_nothing(n)
-                                        or n.target is ops.wait):
+        if n.op == "call_function" and (
+            n.target is operator.getitem
+            and nbytes(_val(n.args[0])) == 0
+            or n.target is not operator.getitem
+            and ops.costs_nothing(n)
+            or n.target is ops.wait
+        ):
             src = n.args[0]
             if isinstance(src, fx.Node):
                 base[n] = base.get(src, src)
@@ -197,4 +212,3 @@ def peak_memory(program: Program) -> int:
         live += delta
         peak = max(peak, live)
     return peak
-

@@ -19,8 +19,9 @@ import linecache
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -58,8 +59,17 @@ def _tracing() -> Iterator[None]:
         _depth -= 1
 
 
-def trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], args: tuple, kwargs: dict,
-          *, param_device: torch.device, needs_grad: bool, trainable: tuple[bool, ...] | None = None) -> Program:
+def trace(
+    module: nn.Module,
+    layout: Layout,
+    buffers: dict[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    *,
+    param_device: torch.device,
+    needs_grad: bool,
+    trainable: tuple[bool, ...] | None = None,
+) -> Program:
     """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring).
 
     `trainable[k]` says whether group k's parameters get gradients (default: `group.requires_grad`).
@@ -68,8 +78,16 @@ def trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], a
         return _trace(module, layout, buffers, args, kwargs, param_device, needs_grad, trainable)
 
 
-def _trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], args: tuple, kwargs: dict,
-           param_device: torch.device, needs_grad: bool, trainable: tuple[bool, ...] | None) -> Program:
+def _trace(
+    module: nn.Module,
+    layout: Layout,
+    buffers: dict[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    param_device: torch.device,
+    needs_grad: bool,
+    trainable: tuple[bool, ...] | None,
+) -> Program:
     fake_mode = FakeTensorMode()
     rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
     params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]
@@ -93,9 +111,11 @@ def _trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], 
     # A fake forward first: the shapes of the outputs the backward will receive gradients for.
     with _translate_errors(module) as tagger, tagger.installed(), fake_mode:
         with torch.enable_grad() if needs_grad else torch.no_grad():
-            probe = call([p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)],
-                         [b.clone() for b in fake_buffers],
-                         [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)])
+            probe = call(
+                [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)],
+                [b.clone() for b in fake_buffers],
+                [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)],
+            )
     out_leaves, out_spec = pytree.tree_flatten(probe)
     tensor_out = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
     out_constants = {i: o for i, o in enumerate(out_leaves) if not isinstance(o, torch.Tensor)}
@@ -104,15 +124,18 @@ def _trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], 
     wrt_inputs = [i for i, rg in enumerate(input_rg) if rg]
     needs_grad = needs_grad and bool(diff_out) and bool(wrt_params or wrt_inputs)
     with fake_mode:
-        fake_tangents = [torch.empty(out_leaves[i].shape, dtype=out_leaves[i].dtype, device=out_leaves[i].device)
-                         for i in diff_out] if needs_grad else []
+        fake_tangents = (
+            [torch.empty(out_leaves[i].shape, dtype=out_leaves[i].dtype, device=out_leaves[i].device) for i in diff_out]
+            if needs_grad
+            else []
+        )
     del probe, out_leaves
 
     n_p, n_b, n_x = len(fake_params), len(fake_buffers), len(fake_inputs)
 
     def joint(*flat: torch.Tensor) -> list:
-        ps, bs = list(flat[:n_p]), list(flat[n_p:n_p + n_b])
-        xs, ts = list(flat[n_p + n_b:n_p + n_b + n_x]), list(flat[n_p + n_b + n_x:])
+        ps, bs = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
+        xs, ts = list(flat[n_p + n_b : n_p + n_b + n_x]), list(flat[n_p + n_b + n_x :])
         if needs_grad:
             ps = [p.detach().requires_grad_(rg) for p, rg in zip(ps, param_rg)]
             xs = [x.detach().requires_grad_(rg) for x, rg in zip(xs, input_rg)]
@@ -129,16 +152,30 @@ def _trace(module: nn.Module, layout: Layout, buffers: dict[str, torch.Tensor], 
     with _translate_errors(module) as tagger, tagger.installed():
         first = make_fx(joint, tracing_mode="fake")(*flat_in)
     with _translate_errors(module):
-        gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"),
-                     tracing_mode="fake")(*flat_in)
+        gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
+            *flat_in
+        )
 
-    inputs = ([Role("param", p[0]) for p in params] + [Role("buffer", b) for b in buffers]
-              + [Role("input", i) for i in range(n_x)] + [Role("tangent", i) for i in diff_out])
-    outputs = ([Role("output", i) for i in tensor_out]
-               + ([Role("grad", params[i][0]) for i in wrt_params] + [Role("input_grad", i) for i in wrt_inputs]
-                  if needs_grad else []))
-    program = Program(graph=gm.graph, inputs=inputs, outputs=outputs, layout=layout, out_spec=out_spec,
-                      out_constants=out_constants, needs_grad=needs_grad)
+    inputs = (
+        [Role("param", p[0]) for p in params]
+        + [Role("buffer", b) for b in buffers]
+        + [Role("input", i) for i in range(n_x)]
+        + [Role("tangent", i) for i in diff_out]
+    )
+    outputs = [Role("output", i) for i in tensor_out] + (
+        [Role("grad", params[i][0]) for i in wrt_params] + [Role("input_grad", i) for i in wrt_inputs]
+        if needs_grad
+        else []
+    )
+    program = Program(
+        graph=gm.graph,
+        inputs=inputs,
+        outputs=outputs,
+        layout=layout,
+        out_spec=out_spec,
+        out_constants=out_constants,
+        needs_grad=needs_grad,
+    )
     _canonicalize(program)
     return program
 
@@ -155,8 +192,9 @@ def _canonicalize(program: Program) -> None:
             g.erase_node(n)
     placeholders = set(program.placeholders())
     # Functionalization writes mutated inputs back with copy_ at the very end; those are forward effects.
-    epilogue = [n for n in g.nodes if n.op == "call_function" and n.target is aten.copy_.default
-                and n.args[0] in placeholders]
+    epilogue = [
+        n for n in g.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in placeholders
+    ]
     last_fwd = None
     for n in g.nodes:
         if n.op == "call_function" and "fbmt_module" in n.meta and n not in epilogue:
@@ -270,10 +308,16 @@ def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
         path = "<root>" if where == "" else where or "<unknown>"
         mod = module.get_submodule(where).__class__.__name__ if where else module.__class__.__name__
         first = (str(e).strip().splitlines() or [kind])[0]
-        hint = _HINTS.get(kind, "see the original error above; if the module is fine in eager mode, "
-                          "please report it with this message")
+        hint = _HINTS.get(
+            kind,
+            "see the original error above; if the module is fine in eager mode, please report it with this message",
+        )
         at = _user_frame(e)
-        msg = (f"fbmt.compile could not trace module '{path}' ({mod})"
-               + (f", op {op}" if op is not None else "") + f": {kind}: {first}\n"
-               + (f"  at {at}\n" if at else "") + f"  why: {hint}.")
+        msg = (
+            f"fbmt.compile could not trace module '{path}' ({mod})"
+            + (f", op {op}" if op is not None else "")
+            + f": {kind}: {first}\n"
+            + (f"  at {at}\n" if at else "")
+            + f"  why: {hint}."
+        )
         raise TraceError(msg) from e

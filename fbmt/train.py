@@ -33,10 +33,17 @@ from fbmt.passes import POLICIES, STRATEGIES
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m fbmt.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ranks", type=int, default=torch.cuda.device_count() if gpu else 2,
-                   help="ranks to launch (default: every GPU, else 2 CPU ranks)")
+    p = argparse.ArgumentParser(
+        prog="python -m fbmt.train",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=torch.cuda.device_count() if gpu else 2,
+        help="ranks to launch (default: every GPU, else 2 CPU ranks)",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=512 if gpu else 128)
@@ -48,11 +55,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16" if gpu else "float32")
     p.add_argument("--zero", type=int, default=3, choices=[2, 3])
     p.add_argument("--remat", default="block", choices=POLICIES)
-    p.add_argument("--backend", default="eager", choices=["eager", "inductor"],
-                   help="inductor: compile the compute between collectives (see README)")
+    p.add_argument(
+        "--backend",
+        default="eager",
+        choices=["eager", "inductor"],
+        help="inductor: compile the compute between collectives (see README)",
+    )
     p.add_argument("--schedule", default="prefetch", choices=sorted(STRATEGIES))
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="GPU only: replay each step's forward and backward as CUDA graphs after 2 warm-up steps")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="GPU only: replay each step's forward and backward as CUDA graphs after 2 warm-up steps",
+    )
     p.add_argument("--corpus-mb", type=float, default=16.0, help="how much of the stdlib to read")
     p.add_argument("--out", default="checkpoints/gpt-stdlib.pt", help="checkpoint written at the end")
     p.add_argument("--seed", type=int, default=0)
@@ -67,8 +81,17 @@ def launch(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
-           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "fbmt.train", *sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={args.ranks}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        "-m",
+        "fbmt.train",
+        *sys.argv[1:],
+    ]
     threads = max(1, (os.cpu_count() or 2) // args.ranks)  # CPU ranks share the cores instead of oversubscribing
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
     print(f"fbmt.train: launching {args.ranks} ranks: {' '.join(cmd[1:])}", flush=True)
@@ -78,8 +101,7 @@ def launch(args: argparse.Namespace) -> int:
 def load_corpus(megabytes: float) -> torch.Tensor:
     """The standard library's Python sources as one byte tensor (sorted: the same on every rank)."""
     root = os.path.dirname(os.__file__)
-    files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-                   if "site-packages" not in f)
+    files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True) if "site-packages" not in f)
     chunks, size = [], 0
     for f in files:
         with open(f, "rb") as fh:
@@ -97,7 +119,7 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int, device: torch.d
     g = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        window = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+        window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
         yield window[:, :-1].to(device), window[:, 1:].to(device)
 
 
@@ -116,23 +138,40 @@ def main(args: argparse.Namespace) -> None:
     fbmt.init_distributed(seed=args.seed)
     rank, world = fbmt.rank(), fbmt.world_size()
     device = fbmt.distributed.local_device()
-    cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model, dropout=args.dropout)
+    cfg = GPTConfig(
+        vocab_size=256,
+        seq_len=args.seq_len,
+        n_layer=args.layers,
+        n_head=args.heads,
+        d_model=args.d_model,
+        dropout=args.dropout,
+    )
     dtype = getattr(torch, args.dtype)
     with torch.device("meta"):  # built without memory; fbmt.compile materializes it block by block
         model = GPT(cfg).to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
-    model = fbmt.compile(model, zero=args.zero, remat=args.remat, schedule=args.schedule, backend=args.backend,
-                         cuda_graph=args.cuda_graph, init_fn=init_weights)
+    model = fbmt.compile(
+        model,
+        zero=args.zero,
+        remat=args.remat,
+        schedule=args.schedule,
+        backend=args.backend,
+        cuda_graph=args.cuda_graph,
+        init_fn=init_weights,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     corpus = load_corpus(args.corpus_mb)
     split = int(0.95 * len(corpus))
     train = batches(corpus[:split], args.batch_size, args.seq_len, args.seed + 1 + rank, device)
     log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"fbmt.train: GPT {n_params / 1e6:.2f}M params ({args.dtype}), {world} ranks on {device.type}, "
-        f"zero={args.zero} remat={args.remat} schedule={args.schedule} backend={args.backend}, corpus {len(corpus) / 2**20:.1f} MB "
-        f"of stdlib source, {args.batch_size}x{args.seq_len} tokens per rank per step", flush=True)
+    log(
+        f"fbmt.train: GPT {n_params / 1e6:.2f}M params ({args.dtype}), {world} ranks on {device.type}, "
+        f"zero={args.zero} remat={args.remat} schedule={args.schedule} backend={args.backend}, "
+        f"corpus {len(corpus) / 2**20:.1f} MB of stdlib source, "
+        f"{args.batch_size}x{args.seq_len} tokens per rank per step",
+        flush=True,
+    )
     tty = sys.stdout.isatty()
     first_loss = last_loss = float("nan")
     tokens = args.batch_size * args.seq_len * world
@@ -154,11 +193,16 @@ def main(args: argparse.Namespace) -> None:
         last_loss = sum(float(s[0]) for s in gathered) / world
         if step == 1:
             first_loss = last_loss
-            log(f"fbmt.train: compile + first step {time.perf_counter() - t0:.1f}s "
-                f"({len(model.program.graph.nodes)} nodes in the joint program)", flush=True)
+            log(
+                f"fbmt.train: compile + first step {time.perf_counter() - t0:.1f}s "
+                f"({len(model.program.graph.nodes)} nodes in the joint program)",
+                flush=True,
+            )
         mems = " ".join(f"r{r}:{float(s[1]):.0f}MB" for r, s in enumerate(gathered))
-        line = (f"step {step:4d}/{args.steps} {progress(step, args.steps)} loss {last_loss:.4f} | "
-                f"{tokens / elapsed / 1e3:7.1f}k tok/s | peak mem {mems}")
+        line = (
+            f"step {step:4d}/{args.steps} {progress(step, args.steps)} loss {last_loss:.4f} | "
+            f"{tokens / elapsed / 1e3:7.1f}k tok/s | peak mem {mems}"
+        )
         if tty:
             log("\r" + line, end="\n" if step % 10 == 0 or step == args.steps else "", flush=True)
         else:
@@ -169,8 +213,16 @@ def main(args: argparse.Namespace) -> None:
     log("fbmt.train: sample: " + repr(sample.decode("utf-8", errors="replace")), flush=True)
     state = model.state_dict()
     if rank == 0:
-        save_atomic({"model": state, "config": dataclasses.asdict(cfg), "dtype": args.dtype,
-                     "steps": args.steps, "loss": last_loss}, args.out)
+        save_atomic(
+            {
+                "model": state,
+                "config": dataclasses.asdict(cfg),
+                "dtype": args.dtype,
+                "steps": args.steps,
+                "loss": last_loss,
+            },
+            args.out,
+        )
         log(f"fbmt.train: saved {args.out} (loads into fbmt.models.GPT with load_state_dict)", flush=True)
     dist.barrier()  # nobody leaves while a peer may still be mid-collective
     model.release_graphs()  # NCCL waits for CUDA graphs that captured its collectives
@@ -178,8 +230,9 @@ def main(args: argparse.Namespace) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace, device: torch.device,
-             n: int = 4) -> float:
+def evaluate(
+    model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace, device: torch.device, n: int = 4
+) -> float:
     model.eval()
     it = batches(data, args.batch_size, args.seq_len, 12345, device)
     losses = []

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Running pip as the 'root' user" || true; }
+# pip's own notices (running as root, index locations it skips) are not errors: keep its output to the rest
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Running pip as the 'root' user\|^WARNING: Location '.*' is ignored" || true; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "install: torch 2.13.0 (CPU build)"
   pip_install torch==2.13.0
@@ -14,6 +15,8 @@ fi
 "$PY" -c "import pybind11" 2>/dev/null || pip_install pybind11   # builds fbmt._C (the CPU Adam); no libtorch
 if [ "${1:-}" = "--test" ]; then
   "$PY" -c "import pytest, pytest_timeout" 2>/dev/null || pip_install pytest pytest-timeout
+  # format + lint (pyproject.toml); pinned, since another ruff formats differently
+  "$PY" -m ruff --version 2>/dev/null | grep -qx "ruff 0.17.6" || pip_install ruff==0.17.6
   # The numba-CUDA kernels are tested under numba's CUDA simulator on machines without a GPU.
   "$PY" -c "import numba.cuda" 2>/dev/null || pip_install numba-cuda
 fi

@@ -6,7 +6,8 @@ import os
 import socket
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -19,11 +20,18 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FBMT_INIT_TIMEOUT="60")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        FBMT_INIT_TIMEOUT="60",
+    )
     torch.set_num_threads(1)
-    import fbmt
     import torch.distributed as dist
+
+    import fbmt
 
     fbmt.init_distributed(seed=0, backend="gloo")  # CPU tests, also on a machine with GPUs
     torch.save(fn(rank, world, *args), os.path.join(folder, f"{rank}.pt"))
@@ -48,8 +56,9 @@ def run_ranks(world: int, fn: Callable, *args: Any, env: dict[str, str] | None =
     os.environ.update(env or {})
     try:
         with tempfile.TemporaryDirectory() as folder:
-            mp.start_processes(_worker, args=(world, _free_port(), folder, fn, args), nprocs=world,
-                               join=True, start_method="spawn")
+            mp.start_processes(
+                _worker, args=(world, _free_port(), folder, fn, args), nprocs=world, join=True, start_method="spawn"
+            )
             return [torch.load(os.path.join(folder, f"{r}.pt"), weights_only=False) for r in range(world)]
     finally:
         os.environ.clear()

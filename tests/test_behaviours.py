@@ -67,8 +67,10 @@ def test_frozen_parameters_stay_frozen():
     model = fbmt.compile(copy.deepcopy(ref), checks=True)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert len(frozen) == 1 and frozen[0].numel() == ref.fc2.weight.numel() + ref.fc2.bias.numel()
-    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-            for m in (ref, model)]
+    opts = [
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        for m in (ref, model)
+    ]
     for step in range(3):
         (x,), _, y = batch("mlp", step)
         for m, opt in zip((ref, model), opts):

@@ -21,15 +21,21 @@ def _free_port() -> int:
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                               "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**clean, **env})
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**clean, **env}
+    )
 
 
 def test_without_a_launcher_it_is_a_single_rank_with_seeded_rngs():
-    code = ("import fbmt, torch, random; fbmt.init_distributed(seed=3); "
-            "print(fbmt.rank(), fbmt.world_size(), torch.randint(0, 10**9, ()).item(), random.random())")
+    code = (
+        "import fbmt, torch, random; fbmt.init_distributed(seed=3); "
+        "print(fbmt.rank(), fbmt.world_size(), torch.randint(0, 10**9, ()).item(), random.random())"
+    )
     a, b = _run(code, {}), _run(code, {})
     assert a.returncode == 0, a.stderr
     assert a.stdout.split()[:2] == ["0", "1"] and a.stdout == b.stdout  # same seed, same numbers
@@ -38,8 +44,10 @@ def test_without_a_launcher_it_is_a_single_rank_with_seeded_rngs():
 def test_unreachable_rendezvous_fails_with_a_clear_message_in_time():
     port = _free_port()  # nobody listens there: rank 1 waits for a rank 0 that never comes
     started = time.time()
-    r = _run("import fbmt; fbmt.init_distributed(timeout=5)",
-             dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    r = _run(
+        "import fbmt; fbmt.init_distributed(timeout=5)",
+        dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+    )
     assert r.returncode != 0
     assert time.time() - started < 60
     assert "rank 1 of 2 could not join the job at 127.0.0.1:" in r.stderr and "FBMT_INIT_TIMEOUT" in r.stderr

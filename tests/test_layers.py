@@ -26,13 +26,27 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "fbmt"
 
 GROUPS = [  # (module prefix, group); the longest matching prefix decides
-    ("fbmt.flags", "base"), ("fbmt.distributed", "base"), ("fbmt.checkpoint", "base"), ("fbmt.kernels", "base"),
+    ("fbmt.flags", "base"),
+    ("fbmt.distributed", "base"),
+    ("fbmt.checkpoint", "base"),
+    ("fbmt.kernels", "base"),
     ("fbmt._C", "base"),
-    ("fbmt.ops", "ir"), ("fbmt.layout", "ir"), ("fbmt.program", "ir"),
-    ("fbmt.trace", "trace"), ("fbmt.sim", "sim"), ("fbmt.passes", "passes"), ("fbmt.runtime", "runtime"),
-    ("fbmt.options", "compiler"), ("fbmt.pipeline", "compiler"), ("fbmt.compiled", "compiler"), ("fbmt.api", "compiler"),
-    ("fbmt.bmt", "bmt"), ("fbmt.optim", "optim"), ("fbmt.models", "models"),
-    ("fbmt.train", "top"), ("fbmt", "top"),
+    ("fbmt.ops", "ir"),
+    ("fbmt.layout", "ir"),
+    ("fbmt.program", "ir"),
+    ("fbmt.trace", "trace"),
+    ("fbmt.sim", "sim"),
+    ("fbmt.passes", "passes"),
+    ("fbmt.runtime", "runtime"),
+    ("fbmt.options", "compiler"),
+    ("fbmt.pipeline", "compiler"),
+    ("fbmt.compiled", "compiler"),
+    ("fbmt.api", "compiler"),
+    ("fbmt.bmt", "bmt"),
+    ("fbmt.optim", "optim"),
+    ("fbmt.models", "models"),
+    ("fbmt.train", "top"),
+    ("fbmt", "top"),
 ]
 ALLOWED = {
     "base": {"base"},
@@ -66,8 +80,11 @@ def imports(path: Path, root: Path, modules: set[str]) -> list[tuple[str, list[s
         if isinstance(node, ast.Import):
             found += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "fbmt"]
         elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level \
+            base = (
+                importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                if node.level
                 else node.module
+            )
             if base is None or base.split(".")[0] != "fbmt":
                 continue
             for a in node.names:  # `from fbmt import ops` imports the submodule fbmt.ops
@@ -99,7 +116,7 @@ def find_cycle(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[str] 
         path.append(n)
         for m in graph[n]:
             if state.get(m) == 1:
-                return path[path.index(m):] + [m]
+                return path[path.index(m) :] + [m]
             if m not in state and (cycle := visit(m)):
                 return cycle
         state[n] = 2
@@ -128,10 +145,15 @@ def test_imports_point_down_the_layers(name):
         where = f"{MODULES[name].relative_to(ROOT.parent)}:{line} imports {target}"
         if theirs not in ALLOWED[mine]:
             bad.append(f"{where}: {mine} may import only {sorted(ALLOWED[mine])}, not {theirs}")
-        elif mine == "bmt" and theirs in ("ir", "trace", "compiler") and (
-                target not in PUBLIC or any(n.startswith("_") for n in names)):
-            bad.append(f"{where} {names}: the BMTrain layer uses the compiler only through the public names of "
-                       f"{sorted(PUBLIC)}")
+        elif (
+            mine == "bmt"
+            and theirs in ("ir", "trace", "compiler")
+            and (target not in PUBLIC or any(n.startswith("_") for n in names))
+        ):
+            bad.append(
+                f"{where} {names}: the BMTrain layer uses the compiler only through the public names of "
+                f"{sorted(PUBLIC)}"
+            )
     assert not bad, "\n".join(dict.fromkeys(bad))
 
 

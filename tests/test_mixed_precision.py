@@ -40,7 +40,7 @@ def eager_bf16(steps: int, world: int = 1, reduce_dtype: torch.dtype = torch.flo
         parts, loss = [], 0.0
         for r in range(world):
             low = {name: p.detach().to(BF16).requires_grad_() for name, p in model.named_parameters()}
-            part = _loss(functional_call(model, low, (x[r * n:(r + 1) * n],)), y[r * n:(r + 1) * n])
+            part = _loss(functional_call(model, low, (x[r * n : (r + 1) * n],)), y[r * n : (r + 1) * n])
             part.backward()
             parts.append({name: p.grad for name, p in low.items()})
             loss += part.item() / world
@@ -63,7 +63,7 @@ def train_mixed(rank: int, world: int, steps: int, reduce_dtype: torch.dtype | N
     for step in range(steps):
         x, y = _data(step)
         n = x.shape[0] // world
-        loss = _loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
+        loss = _loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
         loss.backward()
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
         if step == 0:
@@ -76,8 +76,12 @@ def train_mixed(rank: int, world: int, steps: int, reduce_dtype: torch.dtype | N
         losses.append(total.item() / world)
     # the reference runs here, with this rank's thread count: bf16 products round differently with
     # another blocking of their sums, and that rounding is all that may differ
-    return dict(losses=losses, grads=grads, params=model.full_parameters(),
-                reference=eager_bf16(steps, world, reduce_dtype or torch.float32))
+    return dict(
+        losses=losses,
+        grads=grads,
+        params=model.full_parameters(),
+        reference=eager_bf16(steps, world, reduce_dtype or torch.float32),
+    )
 
 
 def _assert_matches(out: dict, ref: dict, tol: float) -> None:
@@ -105,6 +109,7 @@ def test_program_gathers_bf16_and_reduces_in_the_chosen_dtype():
     assert gathers and all(ops.gather_args(n).dtype == BF16 for n in gathers)  # cast before the wire
     waits = [n for n in program.graph.nodes if n.target is ops.wait and n.args[0] in gathers]
     assert all(n.meta["val"].dtype == BF16 for n in waits)
+
     # fp32 reduction of bf16 gradients on one node: bf16 on the wire, summed in fp32 (NOTE: [Narrow wire])
     def reductions(p: fbmt.Program) -> list:
         return [n for n in p.graph.nodes if n.target in ops.REDUCTIONS]

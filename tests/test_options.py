@@ -15,16 +15,25 @@ import fbmt
 from tests.models.reference import MLP
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(zero=1), "zero=1"), (dict(remat="auto"), "remat='auto'"), (dict(schedule="fast"), "schedule='fast'"),
-    (dict(prefetch=0), "prefetch=0"), (dict(blocks=["nope"]), "no submodule named"),
-    (dict(blocks={"fc1": {"recompute": True}}), r"unknown policy keys \['recompute'\]"),
-    (dict(blocks={"fc1": {"zero": 1}}), "zero=1.*for block 'fc1'"),
-    (dict(disable=("shard",)), "cannot be disabled"), (dict(disable=("nope",)), "no pass named 'nope'"),
-    (dict(cuda_graph=True), r"cuda_graph=True.*CUDA device.*compiles for cpu"),
-    (dict(backend="tvm"), "backend='tvm'"), (dict(grad_reduce="max"), "grad_reduce='max'"),
-    (dict(param_dtype=torch.int8), "param_dtype"), (dict(world_size=0), "world_size=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(zero=1), "zero=1"),
+        (dict(remat="auto"), "remat='auto'"),
+        (dict(schedule="fast"), "schedule='fast'"),
+        (dict(prefetch=0), "prefetch=0"),
+        (dict(blocks=["nope"]), "no submodule named"),
+        (dict(blocks={"fc1": {"recompute": True}}), r"unknown policy keys \['recompute'\]"),
+        (dict(blocks={"fc1": {"zero": 1}}), "zero=1.*for block 'fc1'"),
+        (dict(disable=("shard",)), "cannot be disabled"),
+        (dict(disable=("nope",)), "no pass named 'nope'"),
+        (dict(cuda_graph=True), r"cuda_graph=True.*CUDA device.*compiles for cpu"),
+        (dict(backend="tvm"), "backend='tvm'"),
+        (dict(grad_reduce="max"), "grad_reduce='max'"),
+        (dict(param_dtype=torch.int8), "param_dtype"),
+        (dict(world_size=0), "world_size=0"),
+    ],
+)
 def test_bad_options_are_named_when_the_model_is_compiled(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fbmt.compile(MLP(), **kwargs)

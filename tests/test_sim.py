@@ -23,12 +23,16 @@ def _program(world: int = 4, **options) -> fbmt.Program:
 
 
 def test_matmul_and_elementwise_costs_follow_the_roofline():
-    mm = next(n for n in _program().graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "")
-              == "mm.default")
+    mm = next(
+        n
+        for n in _program().graph.nodes
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "mm.default"
+    )
     a, b = mm.args[0].meta["val"], mm.args[1].meta["val"]
     assert flops(mm) == 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    fast = Machine("fast", matmul_flops=1e12, memory_bandwidth=1e20, bus_bandwidth=1e9, launch=0.0,
-                   fp32_matmul_flops=1e12)
+    fast = Machine(
+        "fast", matmul_flops=1e12, memory_bandwidth=1e20, bus_bandwidth=1e9, launch=0.0, fp32_matmul_flops=1e12
+    )
     assert compute_time(mm, fast) == pytest.approx(flops(mm) / 1e12)
     byte_bound = dataclasses.replace(fast, matmul_flops=1e30, fp32_matmul_flops=1e30, memory_bandwidth=1e9)
     moved = sum(x.meta["val"].numel() * 4 for x in (mm, mm.args[0], mm.args[1]))
@@ -55,8 +59,11 @@ def test_recompute_trades_time_for_memory():
     sims = {remat: simulate(_program(remat=remat)) for remat in ("none", "mincut", "selective", "block")}
     assert sims["block"].peak_activation_bytes < sims["none"].peak_activation_bytes
     # GPT-2's MLP and norms: every value mincut could recompute is a product's operand (NOTE: [Operands])
-    assert (sims["selective"].peak_activation_bytes < sims["mincut"].peak_activation_bytes
-            <= sims["none"].peak_activation_bytes)
+    assert (
+        sims["selective"].peak_activation_bytes
+        < sims["mincut"].peak_activation_bytes
+        <= sims["none"].peak_activation_bytes
+    )
     assert sims["block"].compute_s > sims["none"].compute_s  # the recomputed forward costs time
     assert "exposed communication" in str(sims["block"])
 
@@ -71,15 +78,25 @@ def test_collective_copies_run_on_the_communication_stream_when_there_is_one():
     """NOTE: [Copy stream]: the casts and gradient copy-ins of 2 ranks occupy the communication
     stream, not the compute stream; on one rank (no collective to wait for) they are compute."""
     mixed = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    copies_only = Machine("copies only", matmul_flops=1e30, memory_bandwidth=1e9, bus_bandwidth=1e30, launch=0.0,
-                          latency=0.0, fp32_matmul_flops=1e30)
+    copies_only = Machine(
+        "copies only",
+        matmul_flops=1e30,
+        memory_bandwidth=1e9,
+        bus_bandwidth=1e30,
+        launch=0.0,
+        latency=0.0,
+        fp32_matmul_flops=1e30,
+    )
     for world in (1, 2):
         program = _program(world=world, **mixed)
         sim = simulate(program, copies_only)
         starts = [n for n in program.graph.nodes if n.target in ops.STARTS]
         copies = sum(_collective(n, copies_only)[0] for n in starts)
-        work = sum(compute_time(n, copies_only) for n in program.graph.nodes
-                   if n.op == "call_function" and n.target not in ops.COLLECTIVES)
+        work = sum(
+            compute_time(n, copies_only)
+            for n in program.graph.nodes
+            if n.op == "call_function" and n.target not in ops.COLLECTIVES
+        )
         assert len(starts) > 0 and copies > 0
         if world == 2:
             assert sim.compute_s == pytest.approx(work) and sim.comm_s == pytest.approx(copies)

@@ -12,8 +12,27 @@ from fbmt.models import GPT, GPTConfig
 
 def test_main_job_trains_and_saves_a_plain_checkpoint(tmp_path):
     out = tmp_path / "ck.pt"
-    cmd = [sys.executable, "-m", "fbmt.train", "--ranks", "2", "--steps", "30", "--layers", "2", "--d-model", "64",
-           "--heads", "2", "--seq-len", "64", "--corpus-mb", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fbmt.train",
+        "--ranks",
+        "2",
+        "--steps",
+        "30",
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+        "--heads",
+        "2",
+        "--seq-len",
+        "64",
+        "--corpus-mb",
+        "1",
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith("step ")]
@@ -32,9 +51,27 @@ def test_bmtrain_example_runs_under_torchrun_and_its_loss_falls(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={port}", os.path.join(root, "examples", "bmtrain_gpt.py"), "--steps", "40", "--layers", "2",
-           "--dim", "64", "--seq", "64", "--batch", "4", "--save", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        os.path.join(root, "examples", "bmtrain_gpt.py"),
+        "--steps",
+        "40",
+        "--layers",
+        "2",
+        "--dim",
+        "64",
+        "--seq",
+        "64",
+        "--batch",
+        "4",
+        "--save",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "| iter   39 | loss" in run.stdout

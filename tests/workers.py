@@ -10,14 +10,15 @@ import torch.distributed as dist
 import fbmt
 from tests.models.reference import BUILDERS, batch, loss_of
 
-CONFIGS = [dict(zero=z, remat=r, schedule=s)
-           for z, r, s in itertools.product((3, 2), ("block", "none"), ("prefetch", "none"))]
+CONFIGS = [
+    dict(zero=z, remat=r, schedule=s) for z, r, s in itertools.product((3, 2), ("block", "none"), ("prefetch", "none"))
+]
 STEPS = 5
 
 
 def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     n = t.shape[0] // world
-    return t[rank * n:(rank + 1) * n]
+    return t[rank * n : (rank + 1) * n]
 
 
 def eager_reference(name: str, steps: int = STEPS) -> dict:
@@ -34,8 +35,12 @@ def eager_reference(name: str, steps: int = STEPS) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return dict(losses=losses, grads=grads, params={n: p.detach().clone() for n, p in model.named_parameters()},
-                buffers={n: b.clone() for n, b in model.named_buffers()})
+    return dict(
+        losses=losses,
+        grads=grads,
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
+        buffers={n: b.clone() for n, b in model.named_buffers()},
+    )
 
 
 def train_compiled(name: str, rank: int, world: int, cfg: dict, steps: int = STEPS, accum: int = 1) -> dict:
@@ -58,19 +63,30 @@ def train_compiled(name: str, rank: int, world: int, cfg: dict, steps: int = STE
         opt.step()
         opt.zero_grad()
         losses.append(total.item() / world)
-    return dict(losses=losses, grads=grads, params=model.full_parameters(),
-                buffers={n: b.clone() for n, b in model.named_buffers()}, programs=len(model.programs),
-                remat=model.program.summary("remat"))
+    return dict(
+        losses=losses,
+        grads=grads,
+        params=model.full_parameters(),
+        buffers={n: b.clone() for n, b in model.named_buffers()},
+        programs=len(model.programs),
+        remat=model.program.summary("remat"),
+    )
 
 
 def compare(got: dict, want: dict, what: str, buffers: bool, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=rtol, atol=atol,
-                               msg=lambda m: f"{what}: losses differ\n{m}")
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]),
+        torch.tensor(want["losses"]),
+        rtol=rtol,
+        atol=atol,
+        msg=lambda m: f"{what}: losses differ\n{m}",
+    )
     for kind in ("grads", "params") + (("buffers",) if buffers else ()):
         assert got[kind].keys() == want[kind].keys(), f"{what}: {kind} names differ"
         for n in want[kind]:
-            torch.testing.assert_close(got[kind][n], want[kind][n], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"{what}: {kind[:-1]} {n} differs\n{m}")
+            torch.testing.assert_close(
+                got[kind][n], want[kind][n], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {kind[:-1]} {n} differs\n{m}"
+            )
 
 
 def lm_step_matches(model, ref, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -107,8 +123,14 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
         if world == 2:  # compiled regions between real collectives, each block's recompute placed late
             cfg = dict(zero=3, remat="block", schedule="prefetch", backend="inductor")
             what = f"{name} world={world} {cfg}"
-            compare(train_compiled(name, rank, world, cfg, steps=2), eager_reference(name, steps=2), what,
-                    buffers=False, rtol=1e-4, atol=1e-5)
+            compare(
+                train_compiled(name, rank, world, cfg, steps=2),
+                eager_reference(name, steps=2),
+                what,
+                buffers=False,
+                rtol=1e-4,
+                atol=1e-5,
+            )
             done.append(what)
         cfg = dict(zero=3, remat="none", schedule="prefetch", prefetch=2)  # gathers two blocks ahead
         compare(train_compiled(name, rank, world, cfg), want, f"{name} world={world} {cfg}", buffers=False)
@@ -188,7 +210,7 @@ def meta_init_memory(rank: int, world: int, blocks: int, width: int) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     full = model.full_parameters()
     w = full["layers.3.weight"]
-    bound = 1 / width ** 0.5  # nn.Linear's reset_parameters: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    bound = 1 / width**0.5  # nn.Linear's reset_parameters: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in))
     assert 0.9 * bound < w.abs().max() <= bound and abs(w.mean()) < 0.01 * bound, "not initialized as nn.Linear"
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model_bytes = sum(v.numel() * v.element_size() for v in full.values())
@@ -219,7 +241,7 @@ def collectives(rank: int, world: int) -> None:
         "avg": (stacked.mean(0), lambda: total_w / world),
         "max": (stacked.max(0).values, lambda: total_w * (xs[rank] == stacked.max(0).values)),
         "min": (stacked.min(0).values, lambda: total_w * (xs[rank] == stacked.min(0).values)),
-        "prod": (stacked.prod(0), lambda: total_w * torch.cat([stacked[:rank], stacked[rank + 1:]]).prod(0)),
+        "prod": (stacked.prod(0), lambda: total_w * torch.cat([stacked[:rank], stacked[rank + 1 :]]).prod(0)),
     }
     for op, (want, grad) in cases.items():
         x = xs[rank].clone().requires_grad_()
@@ -237,7 +259,7 @@ def collectives(rank: int, world: int) -> None:
     x = torch.arange(2.0 * world).mul(rank + 1).requires_grad_()  # rows: world * 2
     y = D.reduce_scatter(x, "sum")
     full = sum(torch.arange(2.0 * world).mul(r + 1) for r in range(world))
-    torch.testing.assert_close(y.detach(), full[2 * rank:2 * rank + 2])
+    torch.testing.assert_close(y.detach(), full[2 * rank : 2 * rank + 2])
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(2 * world))  # every rank's slice reaches every rank
 
@@ -248,8 +270,10 @@ def collectives(rank: int, world: int) -> None:
     torch.testing.assert_close(x.grad, total_w if rank == 1 else torch.zeros(3))
 
     torch.testing.assert_close(D.sum_loss(torch.tensor(float(rank))), torch.tensor((world - 1) / 2))
-    torch.testing.assert_close(D.gather_result(torch.full((2, 3), float(rank))),
-                               torch.cat([torch.full((2, 3), float(r)) for r in range(world)]))
+    torch.testing.assert_close(
+        D.gather_result(torch.full((2, 3), float(rank))),
+        torch.cat([torch.full((2, 3), float(r)) for r in range(world)]),
+    )
     D.synchronize()
 
 
@@ -262,9 +286,9 @@ def narrow_pieces(rank: int) -> list[torch.Tensor]:
 def narrow_wire(rank: int, world: int) -> dict:
     """A group's bf16 gradients reduced in fp32, sent as bf16 (NOTE: [Narrow wire]) and as fp32, by
     the runtime and by the reference executor."""
+    from fbmt import ops
     from fbmt.runtime import collectives as C
     from fbmt.runtime.reference import REFERENCE
-    from fbmt import ops
 
     pieces, fp32 = narrow_pieces(rank), torch.float32
     return {

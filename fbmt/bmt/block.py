@@ -11,7 +11,8 @@ it does for every chain of blocks.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -32,8 +33,9 @@ class Block(DistributedModule):
     def __init__(self, module: nn.Module, use_checkpoint: bool = True, zero_level: int = 3, **unsupported: Any):
         super().__init__()
         if unsupported:
-            raise TypeError(f"Block(): unsupported arguments {sorted(unsupported)} (fbmt supports use_checkpoint "
-                            "and zero_level)")
+            raise TypeError(
+                f"Block(): unsupported arguments {sorted(unsupported)} (fbmt supports use_checkpoint and zero_level)"
+            )
         if zero_level not in (2, 3):
             raise ValueError(f"Block(zero_level={zero_level!r}): expected 2 or 3")
         if isinstance(module, Block):
@@ -89,8 +91,10 @@ class TransformerBlockList(DistributedModule):
     def __init__(self, modules: Iterable[nn.Module], num_hidden: int = 1, sqrt: bool = False):
         super().__init__()
         if sqrt:
-            raise NotImplementedError("TransformerBlockList(sqrt=True): square-root checkpointing is not supported; "
-                                      "each Block's use_checkpoint decides its recompute")
+            raise NotImplementedError(
+                "TransformerBlockList(sqrt=True): square-root checkpointing is not supported; "
+                "each Block's use_checkpoint decides its recompute"
+            )
         if num_hidden < 1:
             raise ValueError(f"TransformerBlockList(num_hidden={num_hidden}): must be at least 1")
         for i, m in enumerate(modules):
@@ -109,7 +113,7 @@ class TransformerBlockList(DistributedModule):
     def forward(self, *args: Any, return_hidden_states: bool = False) -> Any:
         if len(args) < self.num_hidden:
             raise TypeError(f"TransformerBlockList(num_hidden={self.num_hidden}) got {len(args)} arguments")
-        hidden, rest = tuple(args[:self.num_hidden]), tuple(args[self.num_hidden:])
+        hidden, rest = tuple(args[: self.num_hidden]), tuple(args[self.num_hidden :])
         inputs: list[tuple[torch.Tensor, ...]] = []
         for i, block in enumerate(self):
             if return_hidden_states:
@@ -117,9 +121,11 @@ class TransformerBlockList(DistributedModule):
             out = block(*hidden, *rest)
             out = out if isinstance(out, tuple) else (out,)
             if len(out) < self.num_hidden:
-                raise ValueError(f"TransformerBlockList: block {i} returned {len(out)} value(s), expected at least "
-                                 f"num_hidden={self.num_hidden}")
-            hidden = out[:self.num_hidden]
+                raise ValueError(
+                    f"TransformerBlockList: block {i} returned {len(out)} value(s), expected at least "
+                    f"num_hidden={self.num_hidden}"
+                )
+            hidden = out[: self.num_hidden]
         result = hidden if self.num_hidden > 1 else hidden[0]
         if not return_hidden_states:
             return result

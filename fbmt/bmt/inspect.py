@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ def _global(stats: list[torch.Tensor]) -> list[torch.Tensor]:
 
 # ---- parameters ----
 
+
 def inspect_model(model: nn.Module, param_name: str = "*") -> list[dict[str, Any]]:
     """Statistics of each parameter whose name matches the glob `param_name` (name, shape, mean,
     std, min, max of the full tensor; grad_mean and grad_std of its full gradient, or None)."""
@@ -92,6 +94,7 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
 
 # ---- recorded tensors ----
+
 
 class InspectTensor:
     """Collects what `record_tensor` reports while it is the active inspector."""

@@ -17,18 +17,19 @@ import torch.nn as nn
 
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
-                rows_per_chunk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, rows_per_chunk: int
+    ) -> torch.Tensor:
         n = logits.shape[0]
         losses = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         valid = target != ignore_index
         safe = torch.where(valid, target, 0)
         for lo in range(0, n, rows_per_chunk):
-            x = logits[lo:lo + rows_per_chunk].float()
-            lse[lo:lo + x.shape[0]] = torch.logsumexp(x, dim=-1)
-            picked = x.gather(1, safe[lo:lo + x.shape[0], None])[:, 0]
-            losses[lo:lo + x.shape[0]] = lse[lo:lo + x.shape[0]] - picked
+            x = logits[lo : lo + rows_per_chunk].float()
+            lse[lo : lo + x.shape[0]] = torch.logsumexp(x, dim=-1)
+            picked = x.gather(1, safe[lo : lo + x.shape[0], None])[:, 0]
+            losses[lo : lo + x.shape[0]] = lse[lo : lo + x.shape[0]] - picked
         losses = torch.where(valid, losses, 0.0)
         count = valid.sum()
         ctx.save_for_backward(logits, safe, valid, lse, count)
@@ -65,20 +66,31 @@ class FusedCrossEntropy(nn.Module):
         chunk_bytes: the most fp32 logits converted at once.
     """
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", weight: torch.Tensor | None = None,
-                 label_smoothing: float = 0.0, inplace: bool = False, chunk_bytes: int = 64 << 20):
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        weight: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
+        inplace: bool = False,
+        chunk_bytes: int = 64 << 20,
+    ):
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"FusedCrossEntropy(reduction={reduction!r}): expected 'mean', 'sum' or 'none'")
         if weight is not None or label_smoothing:
-            raise NotImplementedError("FusedCrossEntropy: class weights and label smoothing are not supported yet; "
-                                      "use torch.nn.CrossEntropyLoss for them")
+            raise NotImplementedError(
+                "FusedCrossEntropy: class weights and label smoothing are not supported yet; "
+                "use torch.nn.CrossEntropyLoss for them"
+            )
         self.ignore_index, self.reduction, self.chunk_bytes = ignore_index, reduction, chunk_bytes
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if input.dim() != 2 or target.shape != input.shape[:1]:
-            raise ValueError(f"FusedCrossEntropy: expected logits (N, vocab) and targets (N,), got "
-                             f"{tuple(input.shape)} and {tuple(target.shape)}; reshape with "
-                             "logits.view(-1, vocab), target.view(-1)")
+            raise ValueError(
+                f"FusedCrossEntropy: expected logits (N, vocab) and targets (N,), got "
+                f"{tuple(input.shape)} and {tuple(target.shape)}; reshape with "
+                "logits.view(-1, vocab), target.view(-1)"
+            )
         rows = max(1, self.chunk_bytes // (4 * max(1, input.shape[1])))
         return _FusedCrossEntropy.apply(input.contiguous(), target, self.ignore_index, self.reduction, rows)

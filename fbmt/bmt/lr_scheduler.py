@@ -24,11 +24,14 @@ import torch
 class WarmupLRScheduler:
     """Base class: subclasses define `get_lr_decay(i)` and may redefine `get_lr_warmup(i)`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, start_lr: float, warmup_iter: int, end_iter: int,
-                 num_iter: int = 0):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, start_lr: float, warmup_iter: int, end_iter: int, num_iter: int = 0
+    ):
         if warmup_iter < 0 or num_iter < 0 or start_lr < 0:
-            raise ValueError(f"{type(self).__name__}: start_lr={start_lr}, warmup_iter={warmup_iter} and "
-                             f"num_iter={num_iter} must not be negative")
+            raise ValueError(
+                f"{type(self).__name__}: start_lr={start_lr}, warmup_iter={warmup_iter} and "
+                f"num_iter={num_iter} must not be negative"
+            )
         self.optimizer, self.start_lr, self.warmup_iter, self.end_iter = optimizer, start_lr, warmup_iter, end_iter
         self.num_iter = num_iter
         self._current_lr = 0.0
@@ -55,8 +58,12 @@ class WarmupLRScheduler:
             group["lr"] = self._current_lr
 
     def state_dict(self) -> dict[str, Any]:
-        return {"start_lr": self.start_lr, "warmup_iter": self.warmup_iter, "end_iter": self.end_iter,
-                "num_iter": self.num_iter}
+        return {
+            "start_lr": self.start_lr,
+            "warmup_iter": self.warmup_iter,
+            "end_iter": self.end_iter,
+            "num_iter": self.num_iter,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.start_lr, self.warmup_iter = state_dict["start_lr"], state_dict["warmup_iter"]
@@ -89,8 +96,15 @@ class Cosine(WarmupLRScheduler):
 
 
 class Exponential(WarmupLRScheduler):
-    def __init__(self, optimizer: torch.optim.Optimizer, start_lr: float, warmup_iter: int, end_iter: int,
-                 num_iter: int = 0, gamma: float = 0.95):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        start_lr: float,
+        warmup_iter: int,
+        end_iter: int,
+        num_iter: int = 0,
+        gamma: float = 0.95,
+    ):
         self.gamma = gamma
         super().__init__(optimizer, start_lr, warmup_iter, end_iter, num_iter)
 

@@ -24,16 +24,23 @@ lowering and always speak full tensors under the unwrapped names.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from fbmt import distributed
 from fbmt.api import CompiledModule, CompileOptions
-from fbmt.bmt.parameter import DistributedParameter, _gather_construction, _mark, full_tensor, is_distributed, \
-    write_full
+from fbmt.bmt.parameter import (
+    DistributedParameter,
+    _gather_construction,
+    _mark,
+    full_tensor,
+    is_distributed,
+    write_full,
+)
 from fbmt.layout import FlatGroup, Layout, ParamSlot, copy_into_shard, local_range, plan_layout
 from fbmt.trace import tracing
 
@@ -54,10 +61,12 @@ class DistributedModule(nn.Module):
         if is_lowered(self):  # .to()/.half()/.cuda() that would copy a parameter would cut it off its shard
             for name, p in self.named_parameters():
                 if fn(p) is not p:
-                    raise RuntimeError(f"fbmt: cannot convert '{name}' of this model (.to/.half/.float/.cuda...): "
-                                       "its parameters are views of sharded storage. Build the model with the dtype "
-                                       "you want (DistributedParameter(..., dtype)); it is already on this rank's "
-                                       "device")
+                    raise RuntimeError(
+                        f"fbmt: cannot convert '{name}' of this model (.to/.half/.float/.cuda...): "
+                        "its parameters are views of sharded storage. Build the model with the dtype "
+                        "you want (DistributedParameter(..., dtype)); it is already on this rank's "
+                        "device"
+                    )
         return super()._apply(fn, recurse)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -67,19 +76,29 @@ class DistributedModule(nn.Module):
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         for name, p in self._parameters.items():
             if p is not None:
-                destination[prefix + name] = (_context.keep(full_tensor(p)) if is_distributed(p)
-                                              else p if keep_vars else p.detach())
+                destination[prefix + name] = (
+                    _context.keep(full_tensor(p)) if is_distributed(p) else p if keep_vars else p.detach()
+                )
         for name, b in self._buffers.items():
             if b is not None and name not in self._non_persistent_buffers_set:
                 destination[prefix + name] = b if keep_vars else b.detach()
         if type(self).get_extra_state is not nn.Module.get_extra_state:
             destination[prefix + "_extra_state"] = self.get_extra_state()
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
-                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list,
+        unexpected_keys: list,
+        error_msgs: list,
+    ) -> None:
         local: dict[str, torch.Tensor] = {n: p for n, p in self._parameters.items() if p is not None}
-        local.update({n: b for n, b in self._buffers.items()
-                      if b is not None and n not in self._non_persistent_buffers_set})
+        local.update(
+            {n: b for n, b in self._buffers.items() if b is not None and n not in self._non_persistent_buffers_set}
+        )
         for name, t in local.items():
             key = prefix + name
             if key not in state_dict:
@@ -89,9 +108,11 @@ class DistributedModule(nn.Module):
             value = state_dict[key]
             shape = tuple(getattr(t, "_original_shape", t.shape))
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
-                                  f"{tuple(getattr(value, 'shape', ()))} from checkpoint, the shape in current "
-                                  f"model is {shape}.")
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape "
+                    f"{tuple(getattr(value, 'shape', ()))} from checkpoint, the shape in current "
+                    f"model is {shape}."
+                )
                 continue
             write_full(t, value)
         extra = prefix + "_extra_state"
@@ -100,7 +121,7 @@ class DistributedModule(nn.Module):
         if strict:
             for key in state_dict:
                 if key.startswith(prefix) and key != extra:
-                    first = key[len(prefix):].split(".", 1)[0]
+                    first = key[len(prefix) :].split(".", 1)[0]
                     if first not in self._modules and first not in local:
                         unexpected_keys.append(key)
 
@@ -113,8 +134,9 @@ def distributed_class(cls: type) -> type:
     if issubclass(cls, DistributedModule):
         return cls
     if cls not in _classes:
-        _classes[cls] = type(cls.__name__, (cls, DistributedModule),
-                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _classes[cls] = type(
+            cls.__name__, (cls, DistributedModule), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
     return _classes[cls]
 
 
@@ -135,6 +157,7 @@ def make_distributed(module: nn.Module) -> nn.Module:
 
 # ---- lowering ----
 
+
 def lower(module: nn.Module) -> CompiledModule:
     """The CompiledModule that runs `module`, lowering it first if needed (NOTE: [Lowering])."""
     compiled = module.__dict__.get("_fbmt_compiled")
@@ -142,13 +165,17 @@ def lower(module: nn.Module) -> CompiledModule:
         return compiled
     root = module.__dict__.get("_fbmt_root")
     if root is not None and root() is not None:
-        raise RuntimeError(f"fbmt: this {type(module).__name__} is part of a {type(root()).__name__} that runs as "
-                           "one compiled model; call that model, not its part")
+        raise RuntimeError(
+            f"fbmt: this {type(module).__name__} is part of a {type(root()).__name__} that runs as "
+            "one compiled model; call that model, not its part"
+        )
     for path, sub in module.named_modules():
         if sub is not module and "_fbmt_compiled" in sub.__dict__:
-            raise RuntimeError(f"fbmt: submodule '{path}' ({type(sub).__name__}) was already set up as a model of "
-                               "its own (by init_parameters, load or calling it); call init_parameters/load on the "
-                               "whole model first")
+            raise RuntimeError(
+                f"fbmt: submodule '{path}' ({type(sub).__name__}) was already set up as a model of "
+                "its own (by init_parameters, load or calling it); call init_parameters/load on the "
+                "whole model first"
+            )
     make_distributed(module)
     world, rank, device = distributed.world_size(), distributed.rank(), distributed.compute_device()
     by_name = dict(module.named_parameters())
@@ -170,9 +197,12 @@ def lower(module: nn.Module) -> CompiledModule:
             for k, b in m._buffers.items():
                 if b is not None and b.device != device:
                     m._buffers[k] = b.to(device)
-    options = CompileOptions(zero=3, remat="none", grad_reduce="sum",
-                             blocks={path: dict(zero=z, remat="block" if ckpt else "none")
-                                     for path, (ckpt, z) in policies.items()})
+    options = CompileOptions(
+        zero=3,
+        remat="none",
+        grad_reduce="sum",
+        blocks={path: dict(zero=z, remat="block" if ckpt else "none") for path, (ckpt, z) in policies.items()},
+    )
     compiled = CompiledModule(module, layout, shards, options=options, device=device, rank=rank, views=views)
     module.__dict__["_fbmt_compiled"] = compiled
     for sub in module.modules():
@@ -210,8 +240,9 @@ def _plan_on_stand_ins(module: nn.Module, world: int, blocks: list[str]) -> Layo
             if p is not None:
                 if id(p) not in stand_in:
                     shape = p._original_shape if is_distributed(p) else p.shape
-                    stand_in[id(p)] = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
-                                                   requires_grad=p.requires_grad)
+                    stand_in[id(p)] = nn.Parameter(
+                        torch.empty(shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+                    )
                 owners.append((m, k, p))
     try:
         for m, k, p in owners:
@@ -222,13 +253,14 @@ def _plan_on_stand_ins(module: nn.Module, world: int, blocks: list[str]) -> Layo
             m._parameters[k] = p
 
 
-def _become_view(p: nn.Parameter, shard: torch.Tensor, g: FlatGroup, s: ParamSlot, rank: int,
-                 world: int) -> nn.Parameter:
+def _become_view(
+    p: nn.Parameter, shard: torch.Tensor, g: FlatGroup, s: ParamSlot, rank: int, world: int
+) -> nn.Parameter:
     lo, hi = local_range(g, s, rank)
     hi = max(lo, hi)
     base = rank * g.shard_numel
     p.grad = None  # a construction-partition gradient has the wrong size
-    p.data = shard.data[lo - base:hi - base]
+    p.data = shard.data[lo - base : hi - base]
     _mark(p, torch.Size(s.shape), lo - s.offset, hi - s.offset, world, getattr(p, "_init_method", None))
     p._fbmt_view = _View(g, s)
     return p
@@ -243,13 +275,13 @@ class _View:
 
     def full(self, p: torch.Tensor) -> torch.Tensor:
         flat = _context.params(self.compiled(), self.group)
-        return flat[self.slot.offset:self.slot.offset + self.slot.numel].view(self.slot.shape)
+        return flat[self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.shape)
 
     def full_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         flat = _context.grads(self.compiled(), self.group)
         if flat is None or not flat[1][self.group.slots.index(self.slot)]:
             return None
-        return flat[0][self.slot.offset:self.slot.offset + self.slot.numel].view(self.slot.shape)
+        return flat[0][self.slot.offset : self.slot.offset + self.slot.numel].view(self.slot.shape)
 
 
 def full_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -295,11 +327,11 @@ class _GatherContext:
         for i, (s, v) in enumerate(zip(g.slots, compiled.views[g.index])):
             if v.grad is not None:
                 lo = s.offset + v._start_partition - base
-                local[lo:lo + v.numel()] = v.grad.detach().reshape(-1).float()
+                local[lo : lo + v.numel()] = v.grad.detach().reshape(-1).float()
                 local[g.shard_numel + i] = 1.0
         rows = distributed.gather_flat(local).view(g.world_size, -1)
-        has = (rows[:, g.shard_numel:].sum(0) > 0).tolist()
-        flat = rows[:, :g.shard_numel].reshape(-1).to(g.dtype)
+        has = (rows[:, g.shard_numel :].sum(0) > 0).tolist()
+        flat = rows[:, : g.shard_numel].reshape(-1).to(g.dtype)
         result = (flat, has) if any(has) else None
         if self.depth:
             self.last_grads = (key, result)

@@ -18,7 +18,8 @@ A parameter's local part has two shapes over its life:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -57,11 +58,18 @@ class DistributedParameter(nn.Parameter):
     _end_partition: int
     _init_method: Callable[[torch.Tensor], None] | None
 
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True,
-                init_method: Callable[[torch.Tensor], None] | None = None, group: Any = None) -> DistributedParameter:
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        requires_grad: bool = True,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        group: Any = None,
+    ) -> DistributedParameter:
         if group is not None:
-            raise NotImplementedError("DistributedParameter(group=...): tensor-parallel groups are not supported "
-                                      "yet; every parameter is sharded over all ranks")
+            raise NotImplementedError(
+                "DistributedParameter(group=...): tensor-parallel groups are not supported "
+                "yet; every parameter is sharded over all ranks"
+            )
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"DistributedParameter expects a tensor, got {type(data).__name__}")
         world, rank = distributed.world_size(), distributed.rank()
@@ -80,16 +88,19 @@ class DistributedParameter(nn.Parameter):
         return out
 
     def __reduce_ex__(self, proto: int) -> Any:
-        raise TypeError("a DistributedParameter holds only this rank's part; save the model with fbmt.save(model, "
-                        "path) or model.state_dict(), which gather the full tensors")
+        raise TypeError(
+            "a DistributedParameter holds only this rank's part; save the model with fbmt.save(model, "
+            "path) or model.state_dict(), which gather the full tensors"
+        )
 
     def gather(self) -> torch.Tensor:
         """The full parameter (a collective: every rank must call it)."""
         return full_tensor(self)
 
 
-def _mark(p: torch.Tensor, shape: torch.Size, lo: int, hi: int, world: int,
-          init_method: Callable[[torch.Tensor], None] | None) -> None:
+def _mark(
+    p: torch.Tensor, shape: torch.Size, lo: int, hi: int, world: int, init_method: Callable[[torch.Tensor], None] | None
+) -> None:
     p._original_shape, p._start_partition, p._end_partition = torch.Size(shape), lo, hi
     p._world_size, p._init_method = world, init_method
 
@@ -113,14 +124,16 @@ def _gather_construction(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     n = p._original_shape.numel()
     world = p._world_size
     if world != distributed.world_size():
-        raise RuntimeError(f"a DistributedParameter of shape {tuple(p._original_shape)} was built for {world} "
-                           f"rank(s) but the job has {distributed.world_size()}; build the model after "
-                           "fbmt.init_distributed()")
+        raise RuntimeError(
+            f"a DistributedParameter of shape {tuple(p._original_shape)} was built for {world} "
+            f"rank(s) but the job has {distributed.world_size()}; build the model after "
+            "fbmt.init_distributed()"
+        )
     if world == 1:
         return local.reshape(p._original_shape)
     per = -(-n // world)
     padded = torch.zeros(per, dtype=local.dtype, device=local.device)
-    padded[:local.numel()] = local
+    padded[: local.numel()] = local
     out = torch.empty(per * world, dtype=local.dtype, device=local.device)
     all_gather_into(out, padded)
     return out[:n].view(p._original_shape)
@@ -131,8 +144,9 @@ def part_ranges(p: torch.Tensor) -> list[tuple[int, int]]:
     view = getattr(p, "_fbmt_view", None)
     if view is not None:
         g, s = view.group, view.slot
-        return [(lo - s.offset, max(lo, hi) - s.offset)
-                for lo, hi in (local_range(g, s, r) for r in range(g.world_size))]
+        return [
+            (lo - s.offset, max(lo, hi) - s.offset) for lo, hi in (local_range(g, s, r) for r in range(g.world_size))
+        ]
     n, world = p._original_shape.numel(), p._world_size
     per = -(-n // world)
     return [(min(n, r * per), min(n, (r + 1) * per)) for r in range(world)]
@@ -146,24 +160,32 @@ def gather_parts(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         return local.reshape(-1)
     width = max(hi - lo for lo, hi in ranges)
     padded = torch.zeros(width, dtype=local.dtype, device=local.device)
-    padded[:local.numel()] = local.reshape(-1)
+    padded[: local.numel()] = local.reshape(-1)
     rows = torch.empty(width * len(ranges), dtype=local.dtype, device=local.device)
     all_gather_into(rows, padded)
     rows = rows.view(len(ranges), width)
-    return torch.cat([rows[r, :hi - lo] for r, (lo, hi) in enumerate(ranges)])
+    return torch.cat([rows[r, : hi - lo] for r, (lo, hi) in enumerate(ranges)])
 
 
 def write_full(p: torch.Tensor, value: torch.Tensor) -> None:
     """Store this rank's part of the full `value` into a (possibly partial) parameter."""
     if tuple(value.shape) != tuple(getattr(p, "_original_shape", p.shape)):
-        raise ValueError(f"expected a tensor of shape {tuple(getattr(p, '_original_shape', p.shape))}, "
-                         f"got {tuple(value.shape)}")
+        raise ValueError(
+            f"expected a tensor of shape {tuple(getattr(p, '_original_shape', p.shape))}, got {tuple(value.shape)}"
+        )
     with torch.no_grad():
         if is_distributed(p):
-            p.data.copy_(value.reshape(-1)[p._start_partition:p._end_partition])
+            p.data.copy_(value.reshape(-1)[p._start_partition : p._end_partition])
         else:
             p.data.copy_(value)
 
 
-__all__ = ["DistributedParameter", "ParameterInitializer", "full_tensor", "write_full", "is_distributed",
-           "part_ranges", "gather_parts"]
+__all__ = [
+    "DistributedParameter",
+    "ParameterInitializer",
+    "full_tensor",
+    "write_full",
+    "is_distributed",
+    "part_ranges",
+    "gather_parts",
+]

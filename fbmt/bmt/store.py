@@ -39,8 +39,10 @@ def load(model: nn.Module, file_name: str, strict: bool = True) -> Any:
     whole state. A collective: every rank calls it with the same arguments."""
     seen = _on_every_rank(os.path.exists(file_name))
     if not seen[0]:
-        raise FileNotFoundError(f"fbmt.load: no checkpoint at {file_name!r} (rank 0 must be able to read it; "
-                                f"ranks that see it: {[r for r, ok in enumerate(seen) if ok]})")
+        raise FileNotFoundError(
+            f"fbmt.load: no checkpoint at {file_name!r} (rank 0 must be able to read it; "
+            f"ranks that see it: {[r for r, ok in enumerate(seen) if ok]})"
+        )
     if isinstance(model, DistributedModule) and not is_lowered(model):
         lower(model)
     if all(seen):
@@ -85,14 +87,19 @@ def _load_broadcast(model: nn.Module, file_name: str, strict: bool, chunk_bytes:
             chunk, size = {}, 0
     model.load_state_dict(chunk, strict=False)
     loaded += list(chunk)
-    expected = [prefix + name for prefix, m in _prefixed_modules(model)
-                for name, t in [*m._parameters.items(), *m._buffers.items()]
-                if t is not None and name not in m._non_persistent_buffers_set]
+    expected = [
+        prefix + name
+        for prefix, m in _prefixed_modules(model)
+        for name, t in [*m._parameters.items(), *m._buffers.items()]
+        if t is not None and name not in m._non_persistent_buffers_set
+    ]
     missing = [k for k in expected if k not in set(loaded)]
     unexpected = [k for k in loaded if k not in set(expected)]
     if strict and (missing or unexpected):
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
-                           f"unexpected keys {unexpected}")
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(model).__name__}: missing keys {missing}, "
+            f"unexpected keys {unexpected}"
+        )
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 

@@ -29,7 +29,7 @@ class AverageRecorder:
     def value(self) -> float:
         if self._steps <= 0:
             return self._value
-        return self._value / (1 - self.alpha ** self._steps)
+        return self._value / (1 - self.alpha**self._steps)
 
 
 def see_memory(message: str = "", detail: bool = False) -> str:
@@ -37,12 +37,16 @@ def see_memory(message: str = "", detail: bool = False) -> str:
     else the process's peak resident memory. Resets the CUDA peak counter."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         gib = 1 << 30
-        text = (f"{message} allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, peak "
-                f"{torch.cuda.max_memory_allocated() / gib:.2f} GiB, reserved {torch.cuda.memory_reserved() / gib:.2f} GiB")
+        text = (
+            f"{message} allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, peak "
+            f"{torch.cuda.max_memory_allocated() / gib:.2f} GiB, reserved {torch.cuda.memory_reserved() / gib:.2f} GiB"
+        )
         if detail:
             text += "\n" + torch.cuda.memory_summary()
         torch.cuda.reset_peak_memory_stats()
     else:
-        text = f"{message} peak resident memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20):.2f} GiB"
+        text = (
+            f"{message} peak resident memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20):.2f} GiB"
+        )
     distributed.print_rank(text.strip())
     return text.strip()

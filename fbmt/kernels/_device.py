@@ -52,6 +52,7 @@ def launch_size(n: int, threads: int = 256, per_thread: int = 4) -> tuple[int, i
 
 
 if SIM:
+
     def bits_of_f32(x):
         return int(np.array(x, dtype=np.float32).view(np.uint32))
 
@@ -85,12 +86,14 @@ else:
     def bits_of_f32(typingctx, x):
         def codegen(context, builder, sig, args):
             return builder.bitcast(args[0], ir.IntType(32))
+
         return types.int32(types.float32), codegen
 
     @intrinsic
     def f32_of_bits(typingctx, b):
         def codegen(context, builder, sig, args):
             return builder.bitcast(args[0], ir.FloatType())
+
         return types.float32(types.int32), codegen
 
     def _raw_load(bits: int, extend):
@@ -99,7 +102,9 @@ else:
             def codegen(context, builder, sig, args):
                 ptr = builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
                 return extend(builder, builder.load(builder.gep(ptr, [args[1]])))
+
             return types.int32(types.int64, types.int64), codegen
+
         return load
 
     load_u32 = _raw_load(32, lambda b, v: v)
@@ -115,6 +120,7 @@ else:
             value = builder.load(builder.inttoptr(args[0], vec.as_pointer()), align=16)
             words = [builder.extract_element(value, ir.Constant(ir.IntType(32), k)) for k in range(4)]
             return context.make_tuple(builder, ret, words)
+
         return ret(types.int64), codegen
 
     @intrinsic
@@ -122,6 +128,7 @@ else:
         def codegen(context, builder, sig, args):
             half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
             return builder.fpext(half, ir.FloatType())
+
         return types.float32(types.int32), codegen
 
     @intrinsic
@@ -129,6 +136,7 @@ else:
         def codegen(context, builder, sig, args):
             ptr = builder.inttoptr(args[0], ir.HalfType().as_pointer())
             return builder.fpext(builder.load(builder.gep(ptr, [args[1]])), ir.FloatType())
+
         return types.float32(types.int64, types.int64), codegen
 
 

@@ -7,10 +7,23 @@ import math
 
 import numpy as np
 import torch
-from fbmt.kernels._numba import cuda
 
-from fbmt.kernels._device import (KIND, SIM, array, bf16_to_f32, f16_bits_to_f32, f32_of_bits, f32_to_bf16,
-                                  launch_size, load_f16, load_u16, load_u32, load_v4, stream)
+from fbmt.kernels._device import (
+    KIND,
+    SIM,
+    array,
+    bf16_to_f32,
+    f16_bits_to_f32,
+    f32_of_bits,
+    f32_to_bf16,
+    launch_size,
+    load_f16,
+    load_u16,
+    load_u32,
+    load_v4,
+    stream,
+)
+from fbmt.kernels._numba import cuda
 
 # ---- element access per dtype: (load, store) device functions, chosen when a kernel is built ----
 
@@ -51,10 +64,12 @@ _STORES = {torch.float32: _store_f32, torch.bfloat16: _store_bf16, torch.float16
 
 # ---- fused Adam ----
 
+
 def _make_adam(load_g, store_p):
     @cuda.jit
-    def adam(master, m, v, g, out, n, one_b1, b2, one_b2, eps, wd, decay, step_size, bc2_sqrt, inv_scale,
-             decoupled, skip):
+    def adam(
+        master, m, v, g, out, n, one_b1, b2, one_b2, eps, wd, decay, step_size, bc2_sqrt, inv_scale, decoupled, skip
+    ):
         if skip[0] != 0:  # an overflowed step (flag set on the device by the inf/nan check) changes nothing
             return
         for i in range(cuda.grid(1), n, cuda.gridsize(1)):
@@ -71,6 +86,7 @@ def _make_adam(load_g, store_p):
             p = p - step_size * (mi / (math.sqrt(vi) / bc2_sqrt + eps))
             master[i] = p
             store_p(out, i, p)
+
     return adam
 
 
@@ -86,10 +102,23 @@ def _constant(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _CONSTANTS[key]
 
 
-def fused_adam_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                out: torch.Tensor | None = None, *, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float, step: int, inv_scale: float = 1.0, decoupled: bool = True,
-                skip: torch.Tensor | None = None) -> None:
+def fused_adam_(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    inv_scale: float = 1.0,
+    decoupled: bool = True,
+    skip: torch.Tensor | None = None,
+) -> None:
     """One Adam(W) step over flat fp32 `master`, `exp_avg`, `exp_avg_sq` in one pass (see fbmt.optim).
 
     `grad` is fp32/bf16/fp16, multiplied by `inv_scale`; `out` (bf16/fp16/fp32) receives the updated
@@ -111,13 +140,27 @@ def fused_adam_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         skip = _constant(master.device, torch.int32)
     if out is None:  # the no-output kernel never touches this; never alias `master` (the simulator copies back)
         out = _constant(master.device, torch.float32)
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     blocks, threads = launch_size(n)
     _ADAM[key][blocks, threads, stream(master)](
-        array(master), array(exp_avg), array(exp_avg_sq), array(grad), array(out),
-        n, np.float32(1 - beta1), np.float32(beta2), np.float32(1 - beta2), np.float32(eps),
-        np.float32(weight_decay), np.float32(1 - lr * weight_decay), np.float32(lr / bc1),
-        np.float32(math.sqrt(bc2)), np.float32(inv_scale), decoupled, array(skip))
+        array(master),
+        array(exp_avg),
+        array(exp_avg_sq),
+        array(grad),
+        array(out),
+        n,
+        np.float32(1 - beta1),
+        np.float32(beta2),
+        np.float32(1 - beta2),
+        np.float32(eps),
+        np.float32(weight_decay),
+        np.float32(1 - lr * weight_decay),
+        np.float32(lr / bc1),
+        np.float32(math.sqrt(bc2)),
+        np.float32(inv_scale),
+        decoupled,
+        array(skip),
+    )
 
 
 # ---- multi-tensor kernels: one launch, one block per chunk of one tensor ----
@@ -157,7 +200,9 @@ def _chunk_table(tensors: list[torch.Tensor], device: torch.device):
     addrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
     kinds = np.array([KIND[t.dtype] for t in tensors], dtype=np.int32)
     # Copied on torch's current stream, where the kernel that reads them runs: ordered, no sync needed.
-    return [torch.from_numpy(a) if SIM else torch.from_numpy(a).to(device) for a in (addrs, kinds, owner, start, length)]
+    return [
+        torch.from_numpy(a) if SIM else torch.from_numpy(a).to(device) for a in (addrs, kinds, owner, start, length)
+    ]
 
 
 _EXP32, _EXPBF, _EXP16 = np.int32(0x7F800000), np.int32(0x7F80), np.int32(0x7C00)
@@ -225,8 +270,17 @@ def _nonfinite_kernel(addrs, kinds, owner, start, length, flag):
     while (v + step) * per_vec < nvec:  # two 16-byte loads in flight per thread
         a0, a1, a2, a3 = load_v4(base + 16 * v)
         b0, b1, b2, b3 = load_v4(base + 16 * (v + step))
-        bad = bad | _bad_word(a0, kind) | _bad_word(a1, kind) | _bad_word(a2, kind) | _bad_word(a3, kind) \
-            | _bad_word(b0, kind) | _bad_word(b1, kind) | _bad_word(b2, kind) | _bad_word(b3, kind)
+        bad = (
+            bad
+            | _bad_word(a0, kind)
+            | _bad_word(a1, kind)
+            | _bad_word(a2, kind)
+            | _bad_word(a3, kind)
+            | _bad_word(b0, kind)
+            | _bad_word(b1, kind)
+            | _bad_word(b2, kind)
+            | _bad_word(b3, kind)
+        )
         v += 2 * step
     if v * per_vec < nvec:
         a0, a1, a2, a3 = load_v4(base + 16 * v)
@@ -248,12 +302,18 @@ def _sum_of_squares_kernel(addrs, kinds, owner, start, length, partials):
     while (v + step) * per_vec < nvec:
         a0, a1, a2, a3 = load_v4(base + 16 * v)
         b0, b1, b2, b3 = load_v4(base + 16 * (v + step))
-        acc0 += (_squares_word(a0, kind) + _squares_word(a1, kind)) + (_squares_word(a2, kind) + _squares_word(a3, kind))
-        acc1 += (_squares_word(b0, kind) + _squares_word(b1, kind)) + (_squares_word(b2, kind) + _squares_word(b3, kind))
+        acc0 += (_squares_word(a0, kind) + _squares_word(a1, kind)) + (
+            _squares_word(a2, kind) + _squares_word(a3, kind)
+        )
+        acc1 += (_squares_word(b0, kind) + _squares_word(b1, kind)) + (
+            _squares_word(b2, kind) + _squares_word(b3, kind)
+        )
         v += 2 * step
     if v * per_vec < nvec:
         a0, a1, a2, a3 = load_v4(base + 16 * v)
-        acc0 += (_squares_word(a0, kind) + _squares_word(a1, kind)) + (_squares_word(a2, kind) + _squares_word(a3, kind))
+        acc0 += (_squares_word(a0, kind) + _squares_word(a1, kind)) + (
+            _squares_word(a2, kind) + _squares_word(a3, kind)
+        )
     for j in range(nvec + tid, n, step):
         x = _value(addr, kind, first + j)
         acc1 += x * x
@@ -275,8 +335,10 @@ def _check_many(tensors: list[torch.Tensor], what: str) -> torch.device:
     device = tensors[0].device
     for t in tensors:
         if t.dtype not in KIND or not t.is_contiguous() or t.device != device:
-            raise ValueError(f"fbmt.kernels.{what}: tensors must be contiguous fp32/bf16/fp16 on one device; "
-                             f"got {t.dtype} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+            raise ValueError(
+                f"fbmt.kernels.{what}: tensors must be contiguous fp32/bf16/fp16 on one device; "
+                f"got {t.dtype} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}"
+            )
     return device
 
 
@@ -306,11 +368,13 @@ def multi_tensor_sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 # ---- cast ----
 
+
 def _make_cast(store):
     @cuda.jit
     def cast(src, dst, n):
         for i in range(cuda.grid(1), n, cuda.gridsize(1)):
             store(dst, i, src[i])
+
     return cast
 
 
@@ -320,9 +384,10 @@ _CAST = {dt: _make_cast(_STORES[dt]) for dt in (torch.bfloat16, torch.float16)}
 def cast_(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """dst <- src (fp32) rounded to nearest even into bf16 or fp16."""
     if src.dtype != torch.float32 or dst.dtype not in _CAST or src.numel() != dst.numel():
-        raise ValueError(f"fbmt.kernels.cast_: expected fp32 -> bf16/fp16 of equal sizes, got {src.dtype} "
-                         f"({src.numel()}) -> {dst.dtype} ({dst.numel()})")
+        raise ValueError(
+            f"fbmt.kernels.cast_: expected fp32 -> bf16/fp16 of equal sizes, got {src.dtype} "
+            f"({src.numel()}) -> {dst.dtype} ({dst.numel()})"
+        )
     blocks, threads = launch_size(src.numel())
     _CAST[dst.dtype][blocks, threads, stream(src)](array(src), array(dst), src.numel())
     return dst
-

@@ -23,8 +23,10 @@ class _IROnly(RuntimeError):
 
 
 def _not_run(name: str) -> _IROnly:
-    return _IROnly(f"fbmt.ops.{name} is a node of fbmt's IR and does not run by itself; run the program through "
-                   "fbmt.runtime.partition, which replaces it with its implementation")
+    return _IROnly(
+        f"fbmt.ops.{name} is a node of fbmt's IR and does not run by itself; run the program through "
+        "fbmt.runtime.partition, which replaces it with its implementation"
+    )
 
 
 def all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None = None) -> Any:
@@ -33,8 +35,14 @@ def all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None =
     raise _not_run("all_gather")
 
 
-def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool = True,
-                   wire_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> Any:
+def reduce_scatter(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool = True,
+    wire_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Any:
     """Start reducing a group's gradients over ranks (a ring reduce-scatter): `pieces` (1-D, in
     layout order) are copied into one zero-padded flat buffer of `padded_numel` elements in
     `wire_dtype`, and this rank receives the mean (or, with `average=False`, the sum) of its shard,
@@ -42,8 +50,14 @@ def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: in
     raise _not_run("reduce_scatter")
 
 
-def all_to_all_reduce(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool,
-                      reduce_dtype: torch.dtype, out_dtype: torch.dtype) -> Any:
+def all_to_all_reduce(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Any:
     """`reduce_scatter` with the pieces' own (narrower) dtype on the wire: each rank sends every
     other rank that rank's chunk of the flat buffer (an all-to-all) and sums the chunks it receives
     in `reduce_dtype` (NOTE: [Narrow wire] in passes/shard.py)."""

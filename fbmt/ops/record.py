@@ -10,8 +10,9 @@ report from the host, so a program that holds them is never replayed as a CUDA g
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 

@@ -7,7 +7,8 @@ Supporting a new op (a new attention kernel, say) means adding its name to the t
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -28,9 +29,28 @@ def op_name(target: Any) -> str:
 
 # Ops whose output costs nothing to make: views, and a reshape or copy that aliases a fresh value.
 # A run of these alone is not worth a compiled region, and the simulator charges them no time.
-FREE = frozenset({"view", "_unsafe_view", "reshape", "slice", "t", "transpose", "permute", "expand", "alias",
-                  "unsqueeze", "squeeze", "select", "as_strided", "split", "split_with_sizes", "unbind", "detach",
-                  "lift_fresh_copy"})
+FREE = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "slice",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "alias",
+        "unsqueeze",
+        "squeeze",
+        "select",
+        "as_strided",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "detach",
+        "lift_fresh_copy",
+    }
+)
 # Reshapes of a whole value: what a matrix product's operand goes through on its way from a 3-D activation.
 RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 
@@ -89,14 +109,26 @@ def pure(node: fx.Node) -> bool:
 # ---- cost ------------------------------------------------------------------------------------
 
 MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
-ATTENTION_FORWARD = frozenset({
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_flash_attention_forward", "_efficient_attention_forward"})
-ATTENTION_BACKWARD = frozenset({
-    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_flash_attention_backward", "_efficient_attention_backward"})
+ATTENTION_FORWARD = frozenset(
+    {
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    }
+)
+ATTENTION_BACKWARD = frozenset(
+    {
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_flash_attention_backward",
+        "_efficient_attention_backward",
+    }
+)
 # What remat="selective" saves instead of recomputing, and what no min-cut recomputes (NOTE: [Selective]).
 EXPENSIVE = MATMULS | ATTENTION_FORWARD | {"convolution", "_scaled_mm"}
 
@@ -132,8 +164,10 @@ def _convolution(node: fx.Node) -> float:
 
 
 FLOPS: dict[str, Callable[[fx.Node], float]] = {
-    **dict.fromkeys(MATMULS, _matmul), **dict.fromkeys(ATTENTION_FORWARD | ATTENTION_BACKWARD, _attention),
-    "convolution": _convolution}
+    **dict.fromkeys(MATMULS, _matmul),
+    **dict.fromkeys(ATTENTION_FORWARD | ATTENTION_BACKWARD, _attention),
+    "convolution": _convolution,
+}
 
 
 def flops(node: fx.Node) -> float:

@@ -8,7 +8,8 @@ This class owns everything else: argument checks, `hold_steps`, loss-scale unsca
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -16,11 +17,22 @@ import torch
 class AdamBase(torch.optim.Optimizer):
     """Subclasses define `_new_state(p) -> dict`, `_update(p, state, hyper)` and `_any_nonfinite(grads)`."""
 
-    def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, hold_steps: int, decoupled_weight_decay: bool, skip_nonfinite: bool):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        hold_steps: int,
+        decoupled_weight_decay: bool,
+        skip_nonfinite: bool,
+    ):
         if lr < 0 or eps < 0 or weight_decay < 0 or hold_steps < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"{type(self).__name__}: invalid lr={lr}, betas={betas}, eps={eps}, "
-                             f"weight_decay={weight_decay} or hold_steps={hold_steps}")
+            raise ValueError(
+                f"{type(self).__name__}: invalid lr={lr}, betas={betas}, eps={eps}, "
+                f"weight_decay={weight_decay} or hold_steps={hold_steps}"
+            )
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.hold_steps, self.decoupled, self.skip_nonfinite = hold_steps, decoupled_weight_decay, skip_nonfinite
         self.last_step_skipped = False
@@ -50,9 +62,20 @@ class AdamBase(torch.optim.Optimizer):
             st = self._state(p)
             st["step"] += 1
             beta1, beta2 = group["betas"]
-            self._update(p, st, dict(lr=0.0 if holding else group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                                     weight_decay=group["weight_decay"], step=st["step"], inv_scale=1.0 / scale,
-                                     decoupled=self.decoupled))
+            self._update(
+                p,
+                st,
+                dict(
+                    lr=0.0 if holding else group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=st["step"],
+                    inv_scale=1.0 / scale,
+                    decoupled=self.decoupled,
+                ),
+            )
         if holding:
             self.hold_steps -= 1
         return loss
@@ -76,8 +99,10 @@ class AdamBase(torch.optim.Optimizer):
                 if not isinstance(value, torch.Tensor):
                     st[key] = value
                 elif value.numel() != p.numel():
-                    raise ValueError(f"{type(self).__name__}.load_state_dict: state '{key}' of parameter {index} "
-                                     f"has {value.numel()} elements, the parameter {p.numel()}; to resume on a "
-                                     "different number of ranks, save with OptimManager.state_dict(gather_opt=True)")
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: state '{key}' of parameter {index} "
+                        f"has {value.numel()} elements, the parameter {p.numel()}; to resume on a "
+                        "different number of ranks, save with OptimManager.state_dict(gather_opt=True)"
+                    )
                 else:
                     st[key].copy_(value.reshape(-1))  # into the existing (device or pinned host) buffer

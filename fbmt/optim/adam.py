@@ -8,7 +8,8 @@ update runs as torch ops. Both follow torch.optim.AdamW's formulas.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -30,9 +31,19 @@ class AdamOptimizer(AdamBase):
     `step(closure=None, scale=1.0)`: gradients are divided by `scale` (a loss scale) inside the update.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, hold_steps: int = 0, *,
-                 decoupled_weight_decay: bool = True, skip_nonfinite: bool = False, use_kernels: bool | None = None):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        hold_steps: int = 0,
+        *,
+        decoupled_weight_decay: bool = True,
+        skip_nonfinite: bool = False,
+        use_kernels: bool | None = None,
+    ):
         super().__init__(params, lr, betas, eps, weight_decay, hold_steps, decoupled_weight_decay, skip_nonfinite)
         self.use_kernels = use_kernels
 
@@ -40,8 +51,10 @@ class AdamOptimizer(AdamBase):
         return self.use_kernels if self.use_kernels is not None else p.is_cuda
 
     def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
-        state = {"exp_avg": torch.zeros(p.numel(), dtype=torch.float32, device=p.device),
-                 "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.float32, device=p.device)}
+        state = {
+            "exp_avg": torch.zeros(p.numel(), dtype=torch.float32, device=p.device),
+            "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.float32, device=p.device),
+        }
         if p.dtype != torch.float32:
             state["master"] = p.detach().reshape(-1).float()
         return state
@@ -65,9 +78,22 @@ class AdamOptimizer(AdamBase):
         return not all(bool(torch.isfinite(g).all()) for g in grads)
 
 
-def _torch_adam_(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-                 out: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, step: int, inv_scale: float, decoupled: bool) -> None:
+def _torch_adam_(
+    master: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    out: torch.Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    inv_scale: float,
+    decoupled: bool,
+) -> None:
     """The same update as the kernel, as torch ops (the CPU path), following torch.optim.AdamW."""
     g = grad.float() * inv_scale if (grad.dtype != torch.float32 or inv_scale != 1.0) else grad
     if not decoupled and weight_decay:
@@ -76,7 +102,7 @@ def _torch_adam_(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: t
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     if decoupled:
         master.mul_(1 - lr * weight_decay)
-    denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
-    master.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
+    denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    master.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
     if out is not None:
         out.copy_(master)

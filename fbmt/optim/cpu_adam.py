@@ -15,22 +15,40 @@ def native():
     try:
         from fbmt import _C
     except ImportError as e:
-        raise ImportError("fbmt's native extension fbmt._C is not built; reinstall fbmt with a C++ compiler "
-                          "and pybind11 present (`pip install pybind11 && pip install -e .`)") from e
+        raise ImportError(
+            "fbmt's native extension fbmt._C is not built; reinstall fbmt with a C++ compiler "
+            "and pybind11 present (`pip install pybind11 && pip install -e .`)"
+        ) from e
     return _C
 
 
 def _check(t: torch.Tensor, name: str, n: int, dtypes: tuple[torch.dtype, ...]) -> None:
     if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n or t.dtype not in dtypes:
-        raise ValueError(f"fused_adam_: `{name}` must be a contiguous CPU tensor of {n} elements with dtype in "
-                         f"{[str(d) for d in dtypes]}; got {t.dtype} {tuple(t.shape)} on {t.device}"
-                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+        raise ValueError(
+            f"fused_adam_: `{name}` must be a contiguous CPU tensor of {n} elements with dtype in "
+            f"{[str(d) for d in dtypes]}; got {t.dtype} {tuple(t.shape)} on {t.device}"
+            f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
-def fused_adam_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                out: torch.Tensor | None = None, *, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float, step: int, inv_scale: float = 1.0, decoupled: bool = True,
-                check: str = "none", threads: int = 0) -> bool:
+def fused_adam_(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    inv_scale: float = 1.0,
+    decoupled: bool = True,
+    check: str = "none",
+    threads: int = 0,
+) -> bool:
     """One Adam(W) step in place over fp32 `master`, `exp_avg`, `exp_avg_sq`, in one pass over memory.
 
     `grad` is fp32, bf16 or fp16 and is multiplied by `inv_scale` (1 / loss scale) first; `out`, if
@@ -47,10 +65,26 @@ def fused_adam_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         _check(out, "out", n, tuple(_DTYPE_CODES))
     if check not in CHECKS:
         raise ValueError(f"fused_adam_(check={check!r}): expected one of {list(CHECKS)}")
-    return native().adam_step(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-                              _DTYPE_CODES[grad.dtype], 0 if out is None else out.data_ptr(),
-                              NO_OUT if out is None else _DTYPE_CODES[out.dtype], n, lr, beta1, beta2, eps,
-                              weight_decay, step, inv_scale, decoupled, CHECKS[check], threads)
+    return native().adam_step(
+        master.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        grad.data_ptr(),
+        _DTYPE_CODES[grad.dtype],
+        0 if out is None else out.data_ptr(),
+        NO_OUT if out is None else _DTYPE_CODES[out.dtype],
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        inv_scale,
+        decoupled,
+        CHECKS[check],
+        threads,
+    )
 
 
 def has_nonfinite(grad: torch.Tensor, threads: int = 0) -> bool:

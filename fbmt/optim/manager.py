@@ -22,13 +22,22 @@ from fbmt.optim._adam_base import AdamBase
 
 
 class OptimManager:
-    def __init__(self, loss_scale: float | None = None, loss_scale_factor: float = 2, loss_scale_steps: int = 1024,
-                 min_loss_scale: float = 1, max_loss_scale: float = float("inf"), grad_scale: int | None = None):
+    def __init__(
+        self,
+        loss_scale: float | None = None,
+        loss_scale_factor: float = 2,
+        loss_scale_steps: int = 1024,
+        min_loss_scale: float = 1,
+        max_loss_scale: float = float("inf"),
+        grad_scale: int | None = None,
+    ):
         if loss_scale is not None and loss_scale <= 0:
             raise ValueError(f"OptimManager(loss_scale={loss_scale}): must be positive (or None to disable)")
         if loss_scale_factor <= 1 or loss_scale_steps < 1 or not 0 < min_loss_scale <= max_loss_scale:
-            raise ValueError(f"OptimManager: invalid loss_scale_factor={loss_scale_factor}, loss_scale_steps="
-                             f"{loss_scale_steps} or bounds [{min_loss_scale}, {max_loss_scale}]")
+            raise ValueError(
+                f"OptimManager: invalid loss_scale_factor={loss_scale_factor}, loss_scale_steps="
+                f"{loss_scale_steps} or bounds [{min_loss_scale}, {max_loss_scale}]"
+            )
         self.loss_scale_enabled = loss_scale is not None
         self.loss_scale = float(loss_scale) if loss_scale is not None else 1.0
         self.loss_scale_factor, self.loss_scale_steps = loss_scale_factor, loss_scale_steps
@@ -103,8 +112,9 @@ class OptimManager:
         self.loss_scale = scale
         self.steps_since_last_scale = 0
 
-    def clip_grad_norm(self, param_groups: list[dict], max_norm: float, norm_type: float = 2,
-                       eps: float = 1e-6) -> torch.Tensor:
+    def clip_grad_norm(
+        self, param_groups: list[dict], max_norm: float, norm_type: float = 2, eps: float = 1e-6
+    ) -> torch.Tensor:
         """Clip the (loss-scaled) gradients to `max_norm * loss_scale` over the norm of all ranks'
         gradients together; returns the unscaled norm before clipping."""
         grads = [p.grad.detach() for p in self._params(param_groups) if p.requires_grad]
@@ -140,17 +150,22 @@ class OptimManager:
         optimizers = [o.state_dict() for o in self.optimizers]
         if gather_opt:
             optimizers = [_map_sharded_state(o, sd, _gather) for o, sd in zip(self.optimizers, optimizers)]
-        return {"optimizers": optimizers,
-                "lr_schedulers": [s.state_dict() if s is not None else None for s in self.lr_schedulers],
-                "loss_scale": self.loss_scale, "loss_scale_enabled": self.loss_scale_enabled,
-                "steps_since_last_scale": self.steps_since_last_scale}
+        return {
+            "optimizers": optimizers,
+            "lr_schedulers": [s.state_dict() if s is not None else None for s in self.lr_schedulers],
+            "loss_scale": self.loss_scale,
+            "loss_scale_enabled": self.loss_scale_enabled,
+            "steps_since_last_scale": self.steps_since_last_scale,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s result; whole (gathered) per-element states are cut to this rank's
         parts, so a state saved on one number of ranks resumes on another."""
         if len(state["optimizers"]) != len(self.optimizers):
-            raise ValueError(f"OptimManager.load_state_dict: the state has {len(state['optimizers'])} optimizers, "
-                             f"this manager {len(self.optimizers)}; add the same optimizers first")
+            raise ValueError(
+                f"OptimManager.load_state_dict: the state has {len(state['optimizers'])} optimizers, "
+                f"this manager {len(self.optimizers)}; add the same optimizers first"
+            )
         for opt, s in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(_map_sharded_state(opt, s, _localize))
         for sched, s in zip(self.lr_schedulers, state["lr_schedulers"]):
@@ -187,4 +202,4 @@ def _localize(value: Any, p: torch.Tensor) -> Any:
         return value
     if getattr(p, "_fbmt_view", None) is None and p._world_size != distributed.world_size():
         raise ValueError("OptimManager.load_state_dict: lower the model first (fbmt.init_parameters or fbmt.load)")
-    return value.reshape(-1)[p._start_partition:p._end_partition].reshape(p.shape).clone()
+    return value.reshape(-1)[p._start_partition : p._end_partition].reshape(p.shape).clone()

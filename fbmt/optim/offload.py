@@ -11,7 +11,8 @@ master in host memory, so bf16/fp16 parameters are updated in fp32 and rounded o
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -35,10 +36,20 @@ class AdamOffloadOptimizer(AdamBase):
     `step(closure=None, scale=1.0)`: gradients are divided by `scale` (a loss scale) inside the update.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, hold_steps: int = 0, *,
-                 decoupled_weight_decay: bool = True, skip_nonfinite: bool = False, chunk_numel: int = 1 << 24,
-                 threads: int = 0):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        hold_steps: int = 0,
+        *,
+        decoupled_weight_decay: bool = True,
+        skip_nonfinite: bool = False,
+        chunk_numel: int = 1 << 24,
+        threads: int = 0,
+    ):
         super().__init__(params, lr, betas, eps, weight_decay, hold_steps, decoupled_weight_decay, skip_nonfinite)
         self.chunk_numel, self.threads = chunk_numel, threads
         self._host: dict[torch.Tensor, dict[str, torch.Tensor]] = {}  # pinned transfer buffers, not state
@@ -46,8 +57,10 @@ class AdamOffloadOptimizer(AdamBase):
 
     def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
         pin = p.is_cuda
-        state = {"exp_avg": torch.zeros(p.numel(), dtype=torch.float32, pin_memory=pin),
-                 "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.float32, pin_memory=pin)}
+        state = {
+            "exp_avg": torch.zeros(p.numel(), dtype=torch.float32, pin_memory=pin),
+            "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.float32, pin_memory=pin),
+        }
         if not _is_own_master(p):
             state["master"] = torch.empty(p.numel(), dtype=torch.float32, pin_memory=pin)
             state["master"].copy_(p.detach().reshape(-1))
@@ -63,15 +76,21 @@ class AdamOffloadOptimizer(AdamBase):
             fused_adam_(master, st["exp_avg"], st["exp_avg_sq"], p.grad.detach().contiguous().view(-1), out, **hyper)
 
     def _any_nonfinite(self, grads: list[torch.Tensor]) -> bool:
-        return any(not bool(torch.isfinite(g).all()) if g.is_cuda
-                   else has_nonfinite(g.detach().contiguous().view(-1), self.threads) for g in grads)
+        return any(
+            not bool(torch.isfinite(g).all())
+            if g.is_cuda
+            else has_nonfinite(g.detach().contiguous().view(-1), self.threads)
+            for g in grads
+        )
 
     def _step_cuda(self, p: torch.Tensor, st: dict[str, Any], hyper: dict[str, Any]) -> None:
         n, grad, param = p.numel(), p.grad.detach().reshape(-1), p.detach().view(-1)
         host = self._host.get(p)
         if host is None:
-            host = self._host[p] = {"grad": torch.empty(n, dtype=grad.dtype, pin_memory=True),
-                                    "param": torch.empty(n, dtype=p.dtype, pin_memory=True)}
+            host = self._host[p] = {
+                "grad": torch.empty(n, dtype=grad.dtype, pin_memory=True),
+                "param": torch.empty(n, dtype=p.dtype, pin_memory=True),
+            }
         if self._streams is None:
             self._streams = (torch.cuda.Stream(p.device), torch.cuda.Stream(p.device))
         down, up = self._streams
@@ -85,8 +104,14 @@ class AdamOffloadOptimizer(AdamBase):
                 arrived[-1].record(down)
         for (lo, hi), event in zip(chunks, arrived):
             event.synchronize()
-            fused_adam_(st["master"][lo:hi], st["exp_avg"][lo:hi], st["exp_avg_sq"][lo:hi], host["grad"][lo:hi],
-                        host["param"][lo:hi], **hyper)
+            fused_adam_(
+                st["master"][lo:hi],
+                st["exp_avg"][lo:hi],
+                st["exp_avg_sq"][lo:hi],
+                host["grad"][lo:hi],
+                host["param"][lo:hi],
+                **hyper,
+            )
             with torch.cuda.stream(up):
                 param[lo:hi].copy_(host["param"][lo:hi], non_blocking=True)
         torch.cuda.current_stream(p.device).wait_stream(up)

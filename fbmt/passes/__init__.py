@@ -25,6 +25,20 @@ from fbmt.passes.verify import VerifyError, check, verify_program
 # against when the options are made.
 PASS_NAMES = ("blocks", "remat", "merge", "shard", "schedule", "verify")
 
-__all__ = ["assign_blocks", "merge_products", "recompute_blocks", "schedule_overlap", "shard_parameters",
-           "verify_program", "check", "run_passes", "register_strategy", "Pass", "POLICIES", "PASS_NAMES", "REQUIRED",
-           "STRATEGIES", "VerifyError"]
+__all__ = [
+    "assign_blocks",
+    "merge_products",
+    "recompute_blocks",
+    "schedule_overlap",
+    "shard_parameters",
+    "verify_program",
+    "check",
+    "run_passes",
+    "register_strategy",
+    "Pass",
+    "POLICIES",
+    "PASS_NAMES",
+    "REQUIRED",
+    "STRATEGIES",
+    "VerifyError",
+]

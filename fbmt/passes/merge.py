@@ -100,8 +100,12 @@ def _runs(key: tuple, members: list, slots: dict) -> list[list[tuple[fx.Node, fx
         if runs:
             lp, lw = runs[-1][-1]
             (group, slot), (lgroup, lslot) = slots[w], slots[lw]
-            if (group is lgroup and slot.offset == lslot.offset + lslot.numel and slot.shape[1] == lslot.shape[1]
-                    and saved[p] == saved[lp]):  # one flat group: one dtype
+            if (
+                group is lgroup
+                and slot.offset == lslot.offset + lslot.numel
+                and slot.shape[1] == lslot.shape[1]
+                and saved[p] == saved[lp]
+            ):  # one flat group: one dtype
                 runs[-1].append((p, w))
                 continue
         runs.append([(p, w)])
@@ -182,8 +186,9 @@ def _erase_dead(g: fx.Graph, candidates: list[fx.Node]) -> None:
 def _merge_gradients(program: Program, weights: list[fx.Node], slots: dict) -> int:
     """The backward of one merged forward run (NOTE: [Merged products]); 1 if merged, else 0."""
     g = program.graph
-    grads = {r.key: (i, v) for i, (r, v) in enumerate(zip(program.outputs, program.output_values()))
-             if r.kind == "grad"}
+    grads = {
+        r.key: (i, v) for i, (r, v) in enumerate(zip(program.outputs, program.output_values())) if r.kind == "grad"
+    }
     found = [_linear_backward(w, grads.get(slots[w][1].name)) for w in weights]
     if any(f is None for f in found):
         return 0
@@ -223,15 +228,26 @@ def _linear_backward(w: fx.Node, grad: tuple[int, Any] | None) -> tuple | None:
     `dX = mm(G, t(t(w)))` and `dW = mm(t(G), X)`, transposed back to `w`'s gradient; else None."""
     if grad is None or not isinstance(grad[1], fx.Node):
         return None
-    dxs = [m for tw in w.users if tw.target is aten.t.default
-           for tt in tw.users if tt.target is aten.t.default and tt.meta.get("fbmt_phase") == BWD
-           for m in tt.users if m.target is aten.mm.default and m.args[1] is tt]
+    dxs = [
+        m
+        for tw in w.users
+        if tw.target is aten.t.default
+        for tt in tw.users
+        if tt.target is aten.t.default and tt.meta.get("fbmt_phase") == BWD
+        for m in tt.users
+        if m.target is aten.mm.default and m.args[1] is tt
+    ]
     if len(dxs) != 1:
         return None
     dx = dxs[0]
     gout = dx.args[0]
-    dws = [m for tg in gout.users if tg.target is aten.t.default
-           for m in tg.users if m.target is aten.mm.default and m.args[0] is tg]
+    dws = [
+        m
+        for tg in gout.users
+        if tg.target is aten.t.default
+        for m in tg.users
+        if m.target is aten.mm.default and m.args[0] is tg
+    ]
     if len(dws) != 1 or len(dx.users) != 1:
         return None
     dw = dws[0]
@@ -266,9 +282,14 @@ def _sum_tree(dxs: list[fx.Node]) -> tuple[fx.Node, list[fx.Node], list[fx.Node]
         """(the tops under `n`, the other values its adds add, its adds) through adds read once."""
         if n in tops:
             return {n}, [], []
-        if (n.target is aten.add.Tensor and not n.kwargs and len(n.args) == 2
-                and all(isinstance(a, fx.Node) for a in n.args) and (n is root or len(n.users) == 1)
-                and tuple(n.meta["val"].shape) == shape):
+        if (
+            n.target is aten.add.Tensor
+            and not n.kwargs
+            and len(n.args) == 2
+            and all(isinstance(a, fx.Node) for a in n.args)
+            and (n is root or len(n.users) == 1)
+            and tuple(n.meta["val"].shape) == shape
+        ):
             (found_a, others_a, adds_a), (found_b, others_b, adds_b) = (leaves(a, root) for a in n.args)
             return found_a | found_b, others_a + others_b, [n] + adds_a + adds_b
         return set(), [n], []

@@ -45,8 +45,9 @@ class Plan(NamedTuple):
     closure: set[fx.Node]  # what recomputes them
 
 
-def recompute_blocks(program: Program, *, policy: str = "block",
-                     per_block: dict[str, str] | None = None) -> tuple[Program, str]:
+def recompute_blocks(
+    program: Program, *, policy: str = "block", per_block: dict[str, str] | None = None
+) -> tuple[Program, str]:
     """`per_block` overrides `policy` for the named blocks (BMTrain's `Block(use_checkpoint=...)`)."""
     per_block = per_block or {}
     program = program.copy()
@@ -65,8 +66,9 @@ def recompute_blocks(program: Program, *, policy: str = "block",
     plans.sort(key=forward_order)
     lighter = functools.cache(lambda block: _plan(g, block, "mincut"))  # what a saved trailing block recomputes
     saved_blocks, note = _trailing(g, plans, lighter, per_block, _grad_bytes(program))
-    plans = [plan for plan in plans if plan.block not in saved_blocks] + \
-        [plan for block in saved_blocks if (plan := lighter(block))]
+    plans = [plan for plan in plans if plan.block not in saved_blocks] + [
+        plan for block in saved_blocks if (plan := lighter(block))
+    ]
     stats = []
     for block, needed, closure in sorted(plans, key=forward_order):
         late = 0
@@ -75,16 +77,20 @@ def recompute_blocks(program: Program, *, policy: str = "block",
             _, needed, closure = _plan(g, block, "block") or Plan(block, [], set())  # what mincut saves, and that
         copies = _recompute(g, needed, closure) + late  # from the block's inputs
         read = {a for n in closure for a in n.all_input_nodes if a not in closure and a.op != "placeholder"}
-        stats.append(f"{block or '<root>'}: {copies} recomputed{f' ({late} late)' if late else ''}, "
-                     f"{len(read)} saved")
+        stats.append(f"{block or '<root>'}: {copies} recomputed{f' ({late} late)' if late else ''}, {len(read)} saved")
     return program, "; ".join(stats + [note] if note else stats) or "no block activations reach the backward"
 
 
 def _plan(g: fx.Graph, block: str, policy: str) -> Plan | None:
     """What the backward recomputes of `block` under `policy`; None if nothing."""
-    inside = {n for n in g.nodes if n.meta.get("fbmt_block") == block and recomputable(n)
-              and not (policy in ("selective", "mincut") and expensive(n))
-              and all(u.meta.get("fbmt_block") == block for u in n.users if u.meta.get("fbmt_phase") == FWD)}
+    inside = {
+        n
+        for n in g.nodes
+        if n.meta.get("fbmt_block") == block
+        and recomputable(n)
+        and not (policy in ("selective", "mincut") and expensive(n))
+        and all(u.meta.get("fbmt_block") == block for u in n.users if u.meta.get("fbmt_phase") == FWD)
+    }
     if policy == "mincut":
         inside = _mincut(g, block, inside)
     needed = [n for n in inside if any(u.meta.get("fbmt_phase") == BWD for u in n.users)]
@@ -101,8 +107,9 @@ def _plan(g: fx.Graph, block: str, policy: str) -> Plan | None:
     return Plan(block, needed, closure)
 
 
-def _trailing(g: fx.Graph, plans: list[Plan], lighter: Callable[[str], Plan | None], per_block: dict[str, str],
-              budget: int) -> tuple[set[str], str]:
+def _trailing(
+    g: fx.Graph, plans: list[Plan], lighter: Callable[[str], Plan | None], per_block: dict[str, str], budget: int
+) -> tuple[set[str], str]:
     """The blocks at the end of the forward that save their activations although their policy
     recomputes them (`plans` in forward order), and what to say about it. `lighter(block)`: what such
     a block recomputes still.
@@ -148,13 +155,17 @@ def _trailing(g: fx.Graph, plans: list[Plan], lighter: Callable[[str], Plan | No
             hi = mid - 1
     if lo == 0:
         names = ", ".join(b or "<root>" for b in reversed(units[0]))
-        return set(), (f"{names}: recomputed although the backward begins with them "
-                       f"({_size(saved_with(1)[1])} saved for the backward > {_size(budget)} of gradients)")
+        return set(), (
+            f"{names}: recomputed although the backward begins with them "
+            f"({_size(saved_with(1)[1])} saved for the backward > {_size(budget)} of gradients)"
+        )
     keep, saved = saved_with(lo)
     names = [p.block or "<root>" for p in plans if p.block in keep]
     listed = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]} ({len(names)} blocks)"
-    return keep, (f"{listed}: saved, the backward begins with them "
-                  f"({_size(saved)} saved for the backward <= {_size(budget)} of gradients)")
+    return keep, (
+        f"{listed}: saved, the backward begins with them "
+        f"({_size(saved)} saved for the backward <= {_size(budget)} of gradients)"
+    )
 
 
 _INF = float("inf")
@@ -185,8 +196,11 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
       backward saving them is faster, for more memory than recomputing them (BENCHMARKS.md).
     Of the minimum cuts the one that recomputes least is taken.
     """
-    nodes = [n for n in g.nodes if n.meta.get("fbmt_block") == block and n.meta.get("fbmt_phase") == FWD
-             and n.op == "call_function"]
+    nodes = [
+        n
+        for n in g.nodes
+        if n.meta.get("fbmt_block") == block and n.meta.get("fbmt_phase") == FWD and n.op == "call_function"
+    ]
     members = set(nodes) | {a for n in nodes for a in n.all_input_nodes}
     cap: dict[object, dict[object, float]] = {"source": {}, "sink": {}}
 
@@ -298,8 +312,13 @@ def _recompute(g: fx.Graph, needed: list[fx.Node], closure: set[fx.Node]) -> int
 def saved_bytes(g: fx.Graph, recomputed: list[Plan]) -> int:
     """Bytes of the forward values the backward reads once the `recomputed` plans are recomputed (a
     view counts as its base, once; inputs and parameters are held anyway)."""
-    read = {n for n in g.nodes if n.op != "placeholder" and n.meta.get("fbmt_phase") == FWD
-            and any(u.meta.get("fbmt_phase") == BWD for u in n.users)}
+    read = {
+        n
+        for n in g.nodes
+        if n.op != "placeholder"
+        and n.meta.get("fbmt_phase") == FWD
+        and any(u.meta.get("fbmt_phase") == BWD for u in n.users)
+    }
     for _, needed, closure in recomputed:  # the backward reads the closure's inputs, not `needed`
         read.difference_update(needed)
         read.update(a for n in closure for a in n.all_input_nodes if a not in closure)
@@ -318,4 +337,3 @@ def _size(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from fbmt.passes.verify import check
 from fbmt.program import Program
@@ -21,8 +21,14 @@ Pass = Callable[[Program], tuple[Program, str]]
 REQUIRED = ("shard",)  # the runtime needs its collectives: it cannot be disabled
 
 
-def run_passes(program: Program, passes: list[tuple[str, Pass]], *, disable: tuple[str, ...] = (),
-               checks: bool = False, dump_dir: str | None = None) -> Program:
+def run_passes(
+    program: Program,
+    passes: list[tuple[str, Pass]],
+    *,
+    disable: tuple[str, ...] = (),
+    checks: bool = False,
+    dump_dir: str | None = None,
+) -> Program:
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         _dump(dump_dir, 0, "trace", program)

@@ -17,7 +17,7 @@ dependencies are preserved by construction.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.fx as fx
 
@@ -75,14 +75,23 @@ def _prefetch(program: Program, *, prefetch: int) -> str:
         if not gathers:
             continue
         order = ops.node_order(g)
-        begin = min((n for n in g.nodes if n.op == "call_function" and n.meta.get("fbmt_phase") == phase),
-                    key=order.__getitem__)
+        begin = min(
+            (n for n in g.nodes if n.op == "call_function" and n.meta.get("fbmt_phase") == phase), key=order.__getitem__
+        )
         anchors = []
-        for start, wait in gathers:
+        for _, wait in gathers:
             block = blocks[wait.meta["fbmt_group"]]
-            first = min((n for n in g.nodes if n.meta.get("fbmt_block") == block
-                         and n.meta.get("fbmt_phase") == phase and n.target not in EFFECTFUL),
-                        key=order.__getitem__, default=wait)
+            first = min(
+                (
+                    n
+                    for n in g.nodes
+                    if n.meta.get("fbmt_block") == block
+                    and n.meta.get("fbmt_phase") == phase
+                    and n.target not in EFFECTFUL
+                ),
+                key=order.__getitem__,
+                default=wait,
+            )
             anchors.append(min(first, wait, key=order.__getitem__))
         # NOTE: [Small groups] a group far smaller than the largest (a final norm's weight) computes
         # too little to hide a gather behind: it does not count as one of the `prefetch` steps

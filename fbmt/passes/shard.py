@@ -45,9 +45,15 @@ from fbmt.program import BWD, FWD, Program, Role
 aten = torch.ops.aten
 
 
-def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, int] | None = None,
-                     grad_reduce: str = "mean", reduce_dtype: torch.dtype | None = None,
-                     narrow_wire: bool = False) -> tuple[Program, str]:
+def shard_parameters(
+    program: Program,
+    *,
+    zero: int = 3,
+    per_block: dict[str, int] | None = None,
+    grad_reduce: str = "mean",
+    reduce_dtype: torch.dtype | None = None,
+    narrow_wire: bool = False,
+) -> tuple[Program, str]:
     """`per_block` overrides `zero` for the named blocks (BMTrain's `Block(zero_level=...)`).
 
     Mixed precision: a group whose compute dtype differs from its storage dtype is cast to the
@@ -118,8 +124,10 @@ def shard_parameters(program: Program, *, zero: int = 3, per_block: dict[str, in
         levels += f", kept gathered across the turnaround: {', '.join(names)}"
     narrow = reductions.count(ops.all_to_all_reduce)
     wire = f" ({narrow} on a narrow wire: all-to-all)" if narrow else ""
-    return program, (f"{levels}, grads {grad_reduce}: {len(program.layout.groups)} flat groups, "
-                     f"{gathers} all-gathers, {len(reductions)} reduce-scatters{wire}")
+    return program, (
+        f"{levels}, grads {grad_reduce}: {len(program.layout.groups)} flat groups, "
+        f"{gathers} all-gathers, {len(reductions)} reduce-scatters{wire}"
+    )
 
 
 def _turnaround(program: Program, params: dict[str, fx.Node]) -> list[FlatGroup]:
@@ -132,8 +140,9 @@ def _turnaround(program: Program, params: dict[str, fx.Node]) -> list[FlatGroup]
     else is gathered in between, so keeping its buffer costs only that buffer during the loss, as
     FSDP2 keeps its root module's parameters gathered after the forward."""
     order = ops.node_order(program.graph)
-    reads = sorted((order[u], group.index) for group in program.layout.groups
-                   for s in group.slots for u in params[s.name].users)  # (position, group) of every read
+    reads = sorted(
+        (order[u], group.index) for group in program.layout.groups for s in group.slots for u in params[s.name].users
+    )  # (position, group) of every read
     positions = [i for i, _ in reads]
     kept = []
     for group in program.layout.groups:
@@ -181,8 +190,13 @@ def _join_adjacent(g: fx.Graph, buffer: fx.Node, group: FlatGroup, views: list[f
             continue
         with g.inserting_before(cat):
             piece = emit(g, aten.slice.Tensor, (buffer, 0, first.offset, last.offset + last.numel), phase)
-            joined = emit(g, aten.view.default, (piece, [sum(group.slots[i].shape[0] for i in at), *first.shape[1:]]),
-                          phase, **{k: cat.meta[k] for k in ("fbmt_block", "fbmt_module") if k in cat.meta})
+            joined = emit(
+                g,
+                aten.view.default,
+                (piece, [sum(group.slots[i].shape[0] for i in at), *first.shape[1:]]),
+                phase,
+                **{k: cat.meta[k] for k in ("fbmt_block", "fbmt_module") if k in cat.meta},
+            )
         cat.replace_all_uses_with(joined)
         g.erase_node(cat)
 
@@ -198,8 +212,14 @@ def _release_after_last_use(g: fx.Graph, buffer: fx.Node, phase: str) -> None:
         emit(g, ops.release, (buffer,), phase, fbmt_group=buffer.meta.get("fbmt_group"))
 
 
-def _reduce(program: Program, group: FlatGroup, grads: dict[str, Any], average: bool,
-            reduce_dtype: torch.dtype | None, narrow_wire: bool) -> fx.Node | None:
+def _reduce(
+    program: Program,
+    group: FlatGroup,
+    grads: dict[str, Any],
+    average: bool,
+    reduce_dtype: torch.dtype | None,
+    narrow_wire: bool,
+) -> fx.Node | None:
     """Right after the group's last gradient: one reduction of all of them over ranks, and its wait."""
     g = program.graph
     values = [grads.get(s.name) for s in group.slots]
@@ -209,12 +229,19 @@ def _reduce(program: Program, group: FlatGroup, grads: dict[str, Any], average: 
     wire = reduce_dtype if reduce_dtype is not None and group.compute != group.dtype else group.dtype
     last = max(produced, key=ops.node_order(g).__getitem__)
     with g.inserting_before(last.next):
-        pieces = [emit(g, aten.reshape.default, (v, [-1]), BWD) if isinstance(v, fx.Node)
-                  else emit(g, aten.new_zeros.default, (produced[0], [s.numel]), BWD)
-                  for s, v in zip(group.slots, values)]
+        pieces = [
+            emit(g, aten.reshape.default, (v, [-1]), BWD)
+            if isinstance(v, fx.Node)
+            else emit(g, aten.new_zeros.default, (produced[0], [s.numel]), BWD)
+            for s, v in zip(group.slots, values)
+        ]
         head = (pieces, group.world_size, group.padded_numel, average)
-        narrow = narrow_wire and group.world_size > 1 and wire.itemsize > group.compute.itemsize and all(
-            v.meta["val"].dtype == group.compute for v in produced)
+        narrow = (
+            narrow_wire
+            and group.world_size > 1
+            and wire.itemsize > group.compute.itemsize
+            and all(v.meta["val"].dtype == group.compute for v in produced)
+        )
         if narrow:  # NOTE: [Narrow wire]
             start = emit(g, ops.all_to_all_reduce, (*head, wire, group.dtype), BWD, fbmt_group=group.index)
         else:
@@ -230,8 +257,12 @@ def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:
 
     def is_derived(n: fx.Node) -> bool:
         if n not in derived:
-            derived[n] = n in params or (n.meta.get("fbmt_phase") == FWD and ops.pure(n) and bool(n.all_input_nodes)
-                                         and all(is_derived(a) for a in n.all_input_nodes))
+            derived[n] = n in params or (
+                n.meta.get("fbmt_phase") == FWD
+                and ops.pure(n)
+                and bool(n.all_input_nodes)
+                and all(is_derived(a) for a in n.all_input_nodes)
+            )
         return derived[n]
 
     env: dict[fx.Node, fx.Node] = {}

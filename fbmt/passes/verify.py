@@ -78,6 +78,8 @@ def _check_release(program: Program, after: str, buffer: fx.Node, order: dict[fx
 
 def _fail(program: Program, after: str, node: fx.Node, what: str) -> None:
     lines = format_graph(program).splitlines()
-    at = next((i for i, line in enumerate(lines) if line.startswith(f"%{node.name}:") or line.startswith(f"%{node.name} ")), 0)
-    context = "\n".join(lines[max(0, at - 6):at + 4])
+    at = next(
+        (i for i, line in enumerate(lines) if line.startswith(f"%{node.name}:") or line.startswith(f"%{node.name} ")), 0
+    )
+    context = "\n".join(lines[max(0, at - 6) : at + 4])
     raise VerifyError(f"after pass '{after}': %{node.name} {what}\n--- program around it ---\n{context}")

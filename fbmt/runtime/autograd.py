@@ -24,9 +24,10 @@ class RunProgram(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, exe: Executable, runner: Executable | Graphed, routes: Routes | None,
-                *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs, saved = runner.run_forward(*args[:len(exe.fwd_inputs)])
+    def forward(
+        ctx: Any, exe: Executable, runner: Executable | Graphed, routes: Routes | None, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        outs, saved = runner.run_forward(*args[: len(exe.fwd_inputs)])
         ctx.exe, ctx.runner, ctx.routes, ctx.saved, ctx.n_args = exe, runner, routes, saved, len(args)
         diff = set(exe.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
@@ -36,8 +37,10 @@ class RunProgram(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         exe = ctx.exe
         if ctx.saved is None:
-            raise RuntimeError("fbmt: backward through the same compiled call twice is not supported "
-                               "(its saved values were freed); run the forward again")
+            raise RuntimeError(
+                "fbmt: backward through the same compiled call twice is not supported "
+                "(its saved values were freed); run the forward again"
+            )
         tangents = [grads[i].contiguous() for i in exe.diff_outputs]
         saved, ctx.saved = ctx.saved, None  # the graph empties the list: each value dies at its last use
         results = ctx.runner.run_backward(saved, *tangents)

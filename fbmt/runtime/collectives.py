@@ -36,8 +36,9 @@ stream, the reduce stream, once the exchange is done (the compute stream only wa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,15 @@ class Pending:
 
     __slots__ = ("tensor", "work", "divisor", "out_dtype", "keep", "then")
 
-    def __init__(self, tensor: torch.Tensor, work: object | None, divisor: int = 1,
-                 out_dtype: torch.dtype | None = None, keep: Any = None, then: Any = None):
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        work: object | None,
+        divisor: int = 1,
+        out_dtype: torch.dtype | None = None,
+        keep: Any = None,
+        then: Any = None,
+    ):
         self.tensor, self.work, self.divisor, self.out_dtype = tensor, work, divisor, out_dtype
         self.keep = keep  # side-stream temporaries, alive until the wait (NOTE: [Copy stream])
         self.then = then  # what computes `tensor` once the work is done (gloo, NOTE: [Narrow wire])
@@ -120,8 +128,14 @@ def all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None =
     return Pending(out, work, keep=shard if cast else None)
 
 
-def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool = True,
-                   wire_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> Pending:
+def reduce_scatter(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool = True,
+    wire_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Pending:
     """Start reducing a group's gradients over ranks; this rank receives the mean (or sum) of its shard.
 
     `pieces` (1-D, in layout order) are copied into one zero-padded flat buffer of `padded_numel`
@@ -145,8 +159,14 @@ def reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: in
     return Pending(out, work, divisor=world_size if average and not avg else 1, out_dtype=out_dtype, keep=keep)
 
 
-def all_to_all_reduce(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool,
-                      reduce_dtype: torch.dtype, out_dtype: torch.dtype) -> Pending:
+def all_to_all_reduce(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Pending:
     """`reduce_scatter` with the pieces' own dtype on the wire, summed in `reduce_dtype` (see above)."""
     device = pieces[0].device
     out = torch.empty(padded_numel // world_size, dtype=reduce_dtype, device=device)
@@ -202,7 +222,7 @@ def _fill(flat: torch.Tensor, pieces: list[torch.Tensor], copy: Any) -> None:
     offset = 0
     for p in pieces:
         if p.numel():
-            copy(flat[offset:offset + p.numel()], p)
+            copy(flat[offset : offset + p.numel()], p)
         offset += p.numel()
     flat[offset:].zero_()
 
@@ -222,5 +242,8 @@ def wait(pending: Pending) -> torch.Tensor:
 
 # The implementation of each IR op; `release` has none: the partitioner drops it.
 IMPLEMENTATIONS: dict[Callable, Callable] = {
-    ops.all_gather: all_gather, ops.reduce_scatter: reduce_scatter, ops.all_to_all_reduce: all_to_all_reduce,
-    ops.wait: wait}
+    ops.all_gather: all_gather,
+    ops.reduce_scatter: reduce_scatter,
+    ops.all_to_all_reduce: all_to_all_reduce,
+    ops.wait: wait,
+}

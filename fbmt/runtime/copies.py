@@ -89,12 +89,14 @@ def _launch(which: int, dst: torch.Tensor, *srcs: torch.Tensor, extra: tuple = (
         if src.numel() != n:
             raise ValueError(f"fbmt copies: {src.numel()} elements into {n}")
     kernels = _kernels() if dst.is_cuda else None
-    grid = programs(dst.device.index if dst.device.index is not None else torch.cuda.current_device()) \
-        if kernels is not None else 0
+    grid = (
+        programs(dst.device.index if dst.device.index is not None else torch.cuda.current_device())
+        if kernels is not None
+        else 0
+    )
     block, warps = tiling() if which == 0 else sum_tiling()
     # int32 offsets: the last iteration of the grid stride reaches up to (blocks + grid) * block
-    if grid == 0 or n == 0 or n + (grid + 1) * block >= 2**31 or not all(
-            t.is_contiguous() for t in (dst, *srcs)):
+    if grid == 0 or n == 0 or n + (grid + 1) * block >= 2**31 or not all(t.is_contiguous() for t in (dst, *srcs)):
         return False
     blocks = -(-n // block)
     grid = min(grid, blocks)

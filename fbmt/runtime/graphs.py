@@ -41,8 +41,9 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -102,25 +103,33 @@ class Graphed:
             with self._on_stream():
                 return self.exe.run_backward(saved, *tangents)
         if self._pending is None or self._pending() is not saved:
-            raise RuntimeError("fbmt: compile(cuda_graph=True): this backward's saved values were overwritten by "
-                               "a later forward; call backward before the next forward")
+            raise RuntimeError(
+                "fbmt: compile(cuda_graph=True): this backward's saved values were overwritten by "
+                "a later forward; call backward before the next forward"
+            )
         if self.bwd is None:
-            raise RuntimeError("fbmt: compile(cuda_graph=True): the graphs were released (release_graphs) between "
-                               "this forward and its backward; run the forward again")
+            raise RuntimeError(
+                "fbmt: compile(cuda_graph=True): the graphs were released (release_graphs) between "
+                "this forward and its backward; run the forward again"
+            )
         for static, t in zip(self.tangents, tangents):
             static.copy_(t)
         self.bwd.replay()
         self._pending = None
         # shard gradients as fresh views of the pool, which autograd makes .grad without a copy
-        return [None if g is None else g.detach() if role.kind == "shard_grad" else g.clone()
-                for g, role in zip(self.grads, self.exe.grad_roles)]
+        return [
+            None if g is None else g.detach() if role.kind == "shard_grad" else g.clone()
+            for g, role in zip(self.grads, self.exe.grad_roles)
+        ]
 
     # ---- capture ----
     def _capture(self, args: tuple[torch.Tensor, ...]) -> None:
         started = time.perf_counter()
         exe = self.exe
-        self.inputs = [x if role.kind in ("shard", "buffer") else _captured_copy(x, role.key)
-                       for role, x in zip(exe.fwd_inputs, args)]
+        self.inputs = [
+            x if role.kind in ("shard", "buffer") else _captured_copy(x, role.key)
+            for role, x in zip(exe.fwd_inputs, args)
+        ]
         pool = torch.cuda.graph_pool_handle()
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(fwd, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
@@ -130,18 +139,26 @@ class Graphed:
             grads = exe.run_backward(saved, *self.tangents)  # takes the saved values out of `saved`
         del saved
         self.fwd, self.bwd, self.outputs, self.grads = fwd, bwd, list(outputs), list(grads)
-        self._grad_storage = {g.untyped_storage().data_ptr() for g, role in zip(self.grads, exe.grad_roles)
-                              if g is not None and role.kind == "shard_grad"}
+        self._grad_storage = {
+            g.untyped_storage().data_ptr()
+            for g, role in zip(self.grads, exe.grad_roles)
+            if g is not None and role.kind == "shard_grad"
+        }
         self.capture_seconds = time.perf_counter() - started
-        log.info("fbmt: captured the forward and backward as CUDA graphs in %.2fs (%.2f GiB reserved)",
-                 self.capture_seconds, torch.cuda.memory_reserved(self.device) / 2**30)
+        log.info(
+            "fbmt: captured the forward and backward as CUDA graphs in %.2fs (%.2f GiB reserved)",
+            self.capture_seconds,
+            torch.cuda.memory_reserved(self.device) / 2**30,
+        )
 
     def _check_free(self) -> None:
         """The saved values the next replay overwrites are no longer needed (see NOTE: [CUDA graphs])."""
         if self._pending is not None and self._pending() is not None:
-            raise RuntimeError("fbmt: compile(cuda_graph=True): a forward ran before the previous forward's "
-                               "backward; the graphs hold one forward's saved values at a time. Call backward "
-                               "(or drop the previous outputs) first, or compile with cuda_graph=False")
+            raise RuntimeError(
+                "fbmt: compile(cuda_graph=True): a forward ran before the previous forward's "
+                "backward; the graphs hold one forward's saved values at a time. Call backward "
+                "(or drop the previous outputs) first, or compile with cuda_graph=False"
+            )
 
     def _evacuate_grads(self) -> None:
         """A `.grad` still in the pool is copied out before the replay overwrites it (NOTE: [CUDA graphs])."""
@@ -169,7 +186,9 @@ class Graphed:
 def _captured_copy(x: torch.Tensor, index: int) -> torch.Tensor:
     """A copy of input `index` with its sizes and strides (a compiled region checks its inputs' strides)."""
     if 0 in x.stride() and x.numel() > 1:
-        raise ValueError(f"fbmt: compile(cuda_graph=True): tensor input #{index} (shape {tuple(x.shape)}, strides "
-                         f"{x.stride()}) is a broadcast view, which the graphs cannot copy the next inputs into; "
-                         "pass x.contiguous()")
+        raise ValueError(
+            f"fbmt: compile(cuda_graph=True): tensor input #{index} (shape {tuple(x.shape)}, strides "
+            f"{x.stride()}) is a broadcast view, which the graphs cannot copy the next inputs into; "
+            "pass x.contiguous()"
+        )
     return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device).copy_(x)

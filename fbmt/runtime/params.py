@@ -13,7 +13,7 @@ nor `reset_parameters()` is an error: its values would be uninitialized memory.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,9 @@ from fbmt.runtime import collectives
 InitFn = Callable[[nn.Module], None]
 
 
-def build_shards(module: nn.Module, layout: Layout, rank: int, device: torch.device,
-                 init_fn: InitFn | None) -> list[nn.Parameter]:
+def build_shards(
+    module: nn.Module, layout: Layout, rank: int, device: torch.device, init_fn: InitFn | None
+) -> list[nn.Parameter]:
     refs = _param_refs(module)
     shards = []
     with torch.no_grad():
@@ -49,8 +50,10 @@ def build_shards(module: nn.Module, layout: Layout, rank: int, device: torch.dev
         for k, b in m._buffers.items():
             if b is not None:
                 if b.is_meta:
-                    raise ValueError(f"buffer '{k}' of {type(m).__name__} is on the meta device and no block "
-                                     "initialized it; give fbmt.compile an init_fn(module) that fills it")
+                    raise ValueError(
+                        f"buffer '{k}' of {type(m).__name__} is on the meta device and no block "
+                        "initialized it; give fbmt.compile an init_fn(module) that fills it"
+                    )
                 m._buffers[k] = b.to(device)
     return shards
 
@@ -82,14 +85,24 @@ def _to_meta(p: torch.Tensor, refs: dict) -> None:
 
 
 def _shared_seed() -> int:
-    seed = [int(torch.randint(0, 2**62, (), device="cpu").item())]  # explicit: compile may run under a meta device context
+    seed = [
+        int(torch.randint(0, 2**62, (), device="cpu").item())
+    ]  # explicit: compile may run under a meta device context
     if dist.is_initialized():
         dist.broadcast_object_list(seed, src=0)
     return seed[0]
 
 
-def _materialize(module: nn.Module, layout: Layout, block: str, names: list[str], refs: dict,
-                 device: torch.device, init_fn: InitFn | None, seed: int) -> None:
+def _materialize(
+    module: nn.Module,
+    layout: Layout,
+    block: str,
+    names: list[str],
+    refs: dict,
+    device: torch.device,
+    init_fn: InitFn | None,
+    seed: int,
+) -> None:
     owners: dict[str, nn.Module] = {}
     params = dict(module.named_parameters())
     for n in names:
@@ -111,6 +124,8 @@ def _materialize(module: nn.Module, layout: Layout, block: str, names: list[str]
             elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
             else:
-                raise ValueError(f"module '{path or '<root>'}' ({type(m).__name__}) was built on the meta device "
-                                 "and has no reset_parameters(); pass fbmt.compile(..., init_fn=fn) where "
-                                 "fn(module) initializes the parameters and buffers the module owns directly")
+                raise ValueError(
+                    f"module '{path or '<root>'}' ({type(m).__name__}) was built on the meta device "
+                    "and has no reset_parameters(); pass fbmt.compile(..., init_fn=fn) where "
+                    "fn(module) initializes the parameters and buffers the module owns directly"
+                )

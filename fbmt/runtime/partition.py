@@ -49,7 +49,7 @@ class Executable:
     def run_forward(self, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
         """The user's outputs, and the values saved for the backward."""
         results = self.forward(*args)
-        return list(results[:self.n_outputs]), list(results[self.n_outputs:])
+        return list(results[: self.n_outputs]), list(results[self.n_outputs :])
 
     def run_backward(self, saved: list[Any], *tangents: torch.Tensor) -> list[torch.Tensor | None]:
         """The gradients (`grad_roles`); takes the saved values out of `saved` as it goes (`take`)."""
@@ -66,8 +66,9 @@ def partition(program: Program) -> Executable:
     grad_out = [(r, v) for r, v in out_pairs if r.kind != "output"]
     bwd_nodes = [n for n in g.nodes if n.meta.get("fbmt_phase") == BWD]
     bwd_set = set(bwd_nodes)
-    saved = list(dict.fromkeys(a for n in bwd_nodes for a in n.all_input_nodes
-                               if a not in bwd_set and a not in tangents))
+    saved = list(
+        dict.fromkeys(a for n in bwd_nodes for a in n.all_input_nodes if a not in bwd_set and a not in tangents)
+    )
     mutated = {n.args[0] for n in g.nodes if n.target is aten.copy_.default and n.meta.get("fbmt_phase") == FWD}
 
     # ---- forward ----
@@ -85,8 +86,12 @@ def partition(program: Program) -> Executable:
     for n in g.nodes:
         if n.meta.get("fbmt_phase") == FWD:
             env[n] = fg.node_copy(n, env.__getitem__)
-    fg.output(tuple([env[v] if isinstance(v, fx.Node) else v for _, v in user_out]
-                    + [saved_values.get(n) or env[n] for n in saved]))
+    fg.output(
+        tuple(
+            [env[v] if isinstance(v, fx.Node) else v for _, v in user_out]
+            + [saved_values.get(n) or env[n] for n in saved]
+        )
+    )
     _lower(fg)
 
     # ---- backward ----
@@ -109,8 +114,11 @@ def partition(program: Program) -> Executable:
     diff_keys = [roles[t].key for t in tangents]
     result_of = {r: i for i, (r, _) in enumerate(grad_out)}
     wants = {"shard": "shard_grad", "input": "input_grad"}
-    grad_slots = [(i, result_of[Role(wants[r.kind], r.key)]) for i, r in enumerate(fwd_inputs)
-                  if r.kind in wants and Role(wants[r.kind], r.key) in result_of]
+    grad_slots = [
+        (i, result_of[Role(wants[r.kind], r.key)])
+        for i, r in enumerate(fwd_inputs)
+        if r.kind in wants and Role(wants[r.kind], r.key) in result_of
+    ]
     output_keys = [r.key for r, _ in user_out]
     return Executable(
         forward=fx.GraphModule(torch.nn.Module(), fg, class_name="FbmtForward"),

@@ -10,7 +10,8 @@ group.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -25,32 +26,55 @@ def _all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None 
     return distributed.gather_flat(x) if world_size > 1 else x.clone()
 
 
-def _reduction(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool,
-               wire_dtype: torch.dtype, reduce_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+def _reduction(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool,
+    wire_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """This rank's chunk of the sum (or mean) over ranks of the flat, zero-padded buffer of `pieces`
     sent in `wire_dtype`, summed in `reduce_dtype`."""
     flat = torch.zeros(padded_numel, dtype=wire_dtype, device=pieces[0].device)
-    torch.cat([p.reshape(-1).to(wire_dtype) for p in pieces], out=flat[:sum(p.numel() for p in pieces)])
+    torch.cat([p.reshape(-1).to(wire_dtype) for p in pieces], out=flat[: sum(p.numel() for p in pieces)])
     every = (distributed.gather_flat(flat) if world_size > 1 else flat).view(world_size, world_size, -1)
     chunk = every[:, distributed.rank() if world_size > 1 else 0].to(reduce_dtype).sum(0)
     return (chunk / world_size if average else chunk).to(out_dtype)
 
 
-def _reduce_scatter(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool = True,
-                    wire_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _reduce_scatter(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool = True,
+    wire_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     wire = wire_dtype or pieces[0].dtype
     return _reduction(pieces, world_size, padded_numel, average, wire, wire, out_dtype or wire)
 
 
-def _all_to_all_reduce(pieces: list[torch.Tensor], world_size: int, padded_numel: int, average: bool,
-                       reduce_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+def _all_to_all_reduce(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     return _reduction(pieces, world_size, padded_numel, average, pieces[0].dtype, reduce_dtype, out_dtype)
 
 
 # A collective's start returns its result; `wait` hands it on.
 REFERENCE: dict[Callable, Callable] = {
-    ops.all_gather: _all_gather, ops.reduce_scatter: _reduce_scatter, ops.all_to_all_reduce: _all_to_all_reduce,
-    ops.wait: lambda result: result, ops.release: lambda buffer: None}
+    ops.all_gather: _all_gather,
+    ops.reduce_scatter: _reduce_scatter,
+    ops.all_to_all_reduce: _all_to_all_reduce,
+    ops.wait: lambda result: result,
+    ops.release: lambda buffer: None,
+}
 
 
 class _Reference(fx.Interpreter):

@@ -4,12 +4,13 @@ NOTE: [Regions]
 After partitioning, a forward or backward GraphModule is a sequence of pure aten compute with
 collective nodes (starts, waits) and effectful ops (random draws, buffer writes, recording) in
 between. `split_regions` cuts it at every node that is not pure aten compute and replaces each
-maximal run of pure nodes that does real work (not only views) by one call of a `Region` module. A region compiles itself on its first call, from the real inputs,
-with `torch._inductor.compile_fx.compile_fx`, and keeps the result in a cache shared by the whole
-model, keyed by the region's structure (ops and how they connect, constants included) and its
-inputs' shapes, strides and dtypes. The regions of identical blocks have the same key, so a
-32-layer model compiles one forward and a few backward regions, not 32 of each: compile time does
-not grow with depth.
+maximal run of pure nodes that does real work (not only views) by one call of a `Region` module. A
+region compiles itself on its first call, from the real inputs, with
+`torch._inductor.compile_fx.compile_fx`, and keeps the result in a cache shared by the whole model,
+keyed by the region's structure (ops and how they connect, constants included) and its inputs'
+shapes, strides and dtypes. The regions of identical blocks have the same key, so a 32-layer model
+compiles one forward and a few backward regions, not 32 of each: compile time does not grow with
+depth.
 
 Collectives stay where the schedule pass put them, so communication overlaps the compiled compute
 exactly as it overlapped the eager one.
@@ -23,7 +24,8 @@ import hashlib
 import operator
 import time
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -41,8 +43,7 @@ class RegionCache:
         self.seconds = 0.0
 
     def __repr__(self) -> str:
-        return (f"RegionCache({self.misses} compiled, {self.hits} reused, "
-                f"{self.seconds:.1f}s compiling)")
+        return f"RegionCache({self.misses} compiled, {self.hits} reused, {self.seconds:.1f}s compiling)"
 
 
 class Region(nn.Module):
@@ -59,8 +60,9 @@ class Region(nn.Module):
         return self.fn(*args)
 
     def _compile(self, args: tuple) -> None:
-        layout = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else repr(a)
-                       for a in args)
+        layout = tuple(
+            (tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else repr(a) for a in args
+        )
         key = (self.structure, layout)
         fn = self.cache.compiled.get(key)
         if fn is None:
@@ -86,9 +88,12 @@ CAT_GUARD_TORCH = ((2, 11), (2, 14))
 @functools.cache
 def _decline(why: str) -> None:
     """Warn, once per reason, that the cat guard leaves cats to Inductor's own lowering."""
-    warnings.warn(f"fbmt: backend='inductor' compiles without its cat guard (NOTE: [Cats of shared reads] in "
-                  f"fbmt/runtime/regions.py): {why}. The results are the same; the merged products' gradients "
-                  "may run slower (disable=('merge',) avoids those cats)", stacklevel=3)
+    warnings.warn(
+        f"fbmt: backend='inductor' compiles without its cat guard (NOTE: [Cats of shared reads] in "
+        f"fbmt/runtime/regions.py): {why}. The results are the same; the merged products' gradients "
+        "may run slower (disable=('merge',) avoids those cats)",
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager
@@ -110,8 +115,10 @@ def _cats_of_shared_reads() -> Iterator[None]:
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     first, last = CAT_GUARD_TORCH
     if not first <= version <= last:
-        _decline(f"it was tested on torch {first[0]}.{first[1]} to {last[0]}.{last[1]}, and this is torch "
-                 f"{torch.__version__}")
+        _decline(
+            f"it was tested on torch {first[0]}.{first[1]} to {last[0]}.{last[1]}, and this is torch "
+            f"{torch.__version__}"
+        )
         yield
         return
     try:
@@ -138,10 +145,15 @@ def _cats_of_shared_reads() -> Iterator[None]:
         try:
             node = V.current_node
             materialized = node is not None and not any(lowering.is_pointwise_use(u) for u in node.users)
-            if materialized and isinstance(inputs, (list, tuple)) and len(inputs) > 1 and dim >= 0 \
-                    and len({x.get_dtype() for x in inputs}) == 1:
+            if (
+                materialized
+                and isinstance(inputs, (list, tuple))
+                and len(inputs) > 1
+                and dim >= 0
+                and len({x.get_dtype() for x in inputs}) == 1
+            ):
                 sets = [reads(x) for x in inputs]
-                if all(r is not None for r in sets) and any(a & b for i, a in enumerate(sets) for b in sets[i + 1:]):
+                if all(r is not None for r in sets) and any(a & b for i, a in enumerate(sets) for b in sets[i + 1 :]):
                     return ir.TensorBox(ir.ConcatKernel.create(inputs, dim))
         except (AttributeError, TypeError, NotImplementedError) as e:
             _decline(f"it could not read a cat's inputs ({type(e).__name__}: {e})")

@@ -28,6 +28,7 @@ def assert_same(a: dict, b: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
 
 # ---- construction: names, seeds, state dicts ----
 
+
 def _construction(rank: int, world: int) -> dict:
     built = full_params(bmt_model(seed=7))
     torch.manual_seed(7)  # a plain torch model converted by the wrapper keeps its values
@@ -35,9 +36,13 @@ def _construction(rank: int, world: int) -> dict:
     init_like_bmt(plain)
     expected = full_params(plain)
     wrapped = bmt.BMTrainModelWrapper(plain)
-    return dict(built=built, wrapped=full_params(wrapped), expected=expected,
-                layers_type=type(wrapped.layers).__name__,
-                shard_sizes=[p.numel() for p in wrapped.parameters()])
+    return dict(
+        built=built,
+        wrapped=full_params(wrapped),
+        expected=expected,
+        layers_type=type(wrapped.layers).__name__,
+        shard_sizes=[p.numel() for p in wrapped.parameters()],
+    )
 
 
 @pytest.mark.parametrize("world", [1, 3, 4])
@@ -141,6 +146,7 @@ def test_load_reports_bad_files(tmp_path):
 
 
 # ---- forward and backward against plain torch ----
+
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     from fbmt.bmt.module import full_grad
@@ -323,6 +329,7 @@ def test_converting_a_lowered_model_is_an_error_but_no_op_moves_pass():
 
 # ---- OptimManager: loss scaling ----
 
+
 def _bf16_setup(loss_scale: float = 1024, **kw):
     p = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
     opt = torch.optim.SGD([p], lr=0.5)
@@ -477,8 +484,11 @@ def _reshard_leg(rank: int, world: int, steps: range, path: str, optimizer: str)
     else:
         torch.manual_seed(11)
         bmt.init_parameters(model)
-    opt = (bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-2, weight_decay=1e-2) if optimizer == "offload"
-           else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2))
+    opt = (
+        bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-2, weight_decay=1e-2)
+        if optimizer == "offload"
+        else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2)
+    )
     om = bmt.optim.OptimManager(loss_scale=256)
     om.add_optimizer(opt)
     if resume:
@@ -517,6 +527,7 @@ def test_optimizer_state_resumes_on_a_different_number_of_ranks(tmp_path, optimi
 
 
 # ---- inspect ----
+
 
 def test_inspect_model_summarizes_full_tensors_and_gradients():
     model, plain = bmt_model(seed=9), plain_reference(seed=9)
@@ -621,6 +632,7 @@ def test_record_tensor_inside_compiled_blocks_covers_values_and_gradients():
 
 # ---- the rest of the surface ----
 
+
 def test_fused_cross_entropy_matches_torch_in_fp32():
     torch.manual_seed(0)
     logits = torch.randn(37, 11) * 4
@@ -637,8 +649,9 @@ def test_fused_cross_entropy_matches_torch_in_fp32():
             (loss * weights).sum().backward()
             (ref * weights).sum().backward()
             assert x.grad.dtype == dtype
-            torch.testing.assert_close(x.grad.float(), ref_x.grad.to(dtype).float(), rtol=1e-2 if dtype != torch.float32
-                                       else 1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                x.grad.float(), ref_x.grad.to(dtype).float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-6
+            )
     with pytest.raises(ValueError, match="reshape"):
         bmt.loss.FusedCrossEntropy()(torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long))
 
@@ -660,8 +673,17 @@ def test_nn_layers_and_config_import_as_scripts_expect():
     emb = bmt.nn.VPEmbedding(7, 3, dtype=torch.float32)
     bmt.init_parameters(emb)
     assert emb(torch.tensor([1, 2])).shape == (2, 3)
-    keys = ("rank", "local_rank", "world_size", "zero_size", "tp_size", "tp_rank", "tp_zero_size",
-            "tp_zero_rank", "pipe_size")
+    keys = (
+        "rank",
+        "local_rank",
+        "world_size",
+        "zero_size",
+        "tp_size",
+        "tp_rank",
+        "tp_zero_size",
+        "tp_zero_rank",
+        "pipe_size",
+    )
     assert all(k in bmt.config for k in keys) and bmt.global_var.config is bmt.config
     with pytest.raises(NotImplementedError, match="tensor and pipeline parallelism"):
         bmt.init_distributed(seed=0, tp_size=2)

@@ -11,8 +11,10 @@ START, W, E = 1e-3, 10, 110
 
 
 def _opt():
-    return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))]},
-                            {"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 5.0}], lr=1.0)
+    return torch.optim.SGD(
+        [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 5.0}],
+        lr=1.0,
+    )
 
 
 EXPECTED = {

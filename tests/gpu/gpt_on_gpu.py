@@ -45,7 +45,7 @@ def run(model, steps: int, rank: int, world: int, device, guard: int, batch: int
     for step in range(steps):
         x, y = data(step, batch, device)
         n = batch // world
-        x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
         if step >= guard:
             torch.cuda.set_sync_debug_mode("error")
         loss = F.cross_entropy(model(x).view(-1, 256), y.reshape(-1))
@@ -62,7 +62,7 @@ def graph_rules(model, rank: int, world: int, device) -> float:
     accumulated over two backward calls, or zeroed in place, are copied out of the pool before the next
     replay, so they add up as eagerly; two forwards before a backward are refused. 0, or 1 on a failure."""
     failed = 0.0
-    batches = [tuple(t[rank:rank + 1] for t in data(step, world, device)) for step in (10, 11)]
+    batches = [tuple(t[rank : rank + 1] for t in data(step, world, device)) for step in (10, 11)]
 
     def backward(x, y):
         F.cross_entropy(model(x).view(-1, 256), y.reshape(-1)).backward()
@@ -85,9 +85,11 @@ def graph_rules(model, rank: int, world: int, device) -> float:
         p.grad.zero_()
     backward(*batches[1])
     again = grads()
-    checks = {"gradients are the graph pool's memory (no copy)": stolen,
-              "two backward calls accumulate": torch.allclose(both, first + second, rtol=1e-4, atol=1e-6),
-              "gradients zeroed in place, then one backward": torch.allclose(again, second, rtol=1e-4, atol=1e-6)}
+    checks = {
+        "gradients are the graph pool's memory (no copy)": stolen,
+        "two backward calls accumulate": torch.allclose(both, first + second, rtol=1e-4, atol=1e-6),
+        "gradients zeroed in place, then one backward": torch.allclose(again, second, rtol=1e-4, atol=1e-6),
+    }
     model.zero_grad()
     try:
         outs = (model(batches[0][0]), model(batches[0][0]))
@@ -114,8 +116,9 @@ def check(build, combos: list[tuple], rank: int, world: int, device: torch.devic
         torch.manual_seed(0)
         model = build()
         model.load_state_dict(init)
-        model = fbmt.compile(model, zero=zero, remat=remat, schedule=schedule, backend=backend, checks=True,
-                             cuda_graph=graph)
+        model = fbmt.compile(
+            model, zero=zero, remat=remat, schedule=schedule, backend=backend, checks=True, cuda_graph=graph
+        )
         t0 = time.perf_counter()
         losses = run(model, 5, rank, world, device, guard=WARMUP + 1 if graph else 1, batch=world)
         torch.cuda.synchronize()
@@ -126,11 +129,14 @@ def check(build, combos: list[tuple], rank: int, world: int, device: torch.devic
         lerr = ((losses - want).abs() / want.abs()).max().item()
         worst = max(worst, err, lerr)
         if rank == 0:
-            print(f"{type(ref).__name__} zero={zero} remat={remat:<9} schedule={schedule:<8} {backend:<8}"
-                  f"{' cuda_graph' if graph else ''}: loss rel err {lerr:.1e}, "
-                  f"param max rel err after 5 steps {err:.1e}, 5 steps {time.perf_counter() - t0:.2f}s "
-                  f"(no host sync after step 1); remat: {model.program.summary('remat')[-60:]}; "
-                  f"merge: {model.program.summary('merge')}", flush=True)
+            print(
+                f"{type(ref).__name__} zero={zero} remat={remat:<9} schedule={schedule:<8} {backend:<8}"
+                f"{' cuda_graph' if graph else ''}: loss rel err {lerr:.1e}, "
+                f"param max rel err after 5 steps {err:.1e}, 5 steps {time.perf_counter() - t0:.2f}s "
+                f"(no host sync after step 1); remat: {model.program.summary('remat')[-60:]}; "
+                f"merge: {model.program.summary('merge')}",
+                flush=True,
+            )
         if graph:
             worst = max(worst, graph_rules(model, rank, world, device))
             model.release_graphs()  # NCCL's communicators wait for graphs that captured them
@@ -142,21 +148,38 @@ def main() -> None:
     rank, world = fbmt.rank(), fbmt.world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     torch.backends.cuda.matmul.allow_tf32 = False
-    combos = [(z, r, s, "eager", False) for z, r, s in itertools.product(
-        (3, 2), ("block", "selective", "none"), ("prefetch", "none"))]
-    combos += [(3, "block", "prefetch", "inductor", False), (3, "selective", "prefetch", "inductor", False),
-               (3, "mincut", "prefetch", "inductor", False), (2, "mincut", "prefetch", "inductor", False),
-               (3, "block", "prefetch", "eager", True), (3, "block", "prefetch", "inductor", True),
-               (3, "mincut", "prefetch", "inductor", True), (2, "mincut", "prefetch", "inductor", True)]
+    combos = [
+        (z, r, s, "eager", False)
+        for z, r, s in itertools.product((3, 2), ("block", "selective", "none"), ("prefetch", "none"))
+    ]
+    combos += [
+        (3, "block", "prefetch", "inductor", False),
+        (3, "selective", "prefetch", "inductor", False),
+        (3, "mincut", "prefetch", "inductor", False),
+        (2, "mincut", "prefetch", "inductor", False),
+        (3, "block", "prefetch", "eager", True),
+        (3, "block", "prefetch", "inductor", True),
+        (3, "mincut", "prefetch", "inductor", True),
+        (2, "mincut", "prefetch", "inductor", True),
+    ]
     worst = check(lambda: GPT(CFG), combos, rank, world, device)
-    llama = [(3, "block", "prefetch", "eager", False), (2, "none", "prefetch", "eager", False),
-             (2, "mincut", "prefetch", "inductor", False), (3, "block", "prefetch", "inductor", False),
-             (2, "mincut", "prefetch", "inductor", True)]
-    worst = max(worst, check(lambda: Llama(vocab=256, d=256, heads=4, ff=512, n_layer=3, seq=CFG.seq_len), llama,
-                             rank, world, device))
+    llama = [
+        (3, "block", "prefetch", "eager", False),
+        (2, "none", "prefetch", "eager", False),
+        (2, "mincut", "prefetch", "inductor", False),
+        (3, "block", "prefetch", "inductor", False),
+        (2, "mincut", "prefetch", "inductor", True),
+    ]
+    worst = max(
+        worst,
+        check(lambda: Llama(vocab=256, d=256, heads=4, ff=512, n_layer=3, seq=CFG.seq_len), llama, rank, world, device),
+    )
     if rank == 0:
-        print(f"GPU check {'PASSED' if worst < 1e-4 else 'FAILED'}: worst relative error {worst:.1e} "
-              f"on {world} x {torch.cuda.get_device_name()} with torch {torch.__version__}", flush=True)
+        print(
+            f"GPU check {'PASSED' if worst < 1e-4 else 'FAILED'}: worst relative error {worst:.1e} "
+            f"on {world} x {torch.cuda.get_device_name()} with torch {torch.__version__}",
+            flush=True,
+        )
     dist.destroy_process_group()
     if worst >= 1e-4:
         raise SystemExit(1)

@@ -46,8 +46,11 @@ def main() -> None:
             if i:
                 times.append(time.perf_counter() - t0)
         t = statistics.median(times)
-        print(f"200M bf16 params, chunk {chunk:>11,d}: {t * 1e3:7.1f} ms/step "
-              f"({'no pipelining' if chunk == n else 'pipelined'}, {torch.get_num_threads()} torch threads)", flush=True)
+        print(
+            f"200M bf16 params, chunk {chunk:>11,d}: {t * 1e3:7.1f} ms/step "
+            f"({'no pipelining' if chunk == n else 'pipelined'}, {torch.get_num_threads()} torch threads)",
+            flush=True,
+        )
     if not same:
         raise SystemExit(1)
 

@@ -32,8 +32,21 @@ def test_fused_adam_matches_torch(grad_dtype, out_dtype, decoupled):
     want = _adam_reference(master, grads, out_dtype, decoupled, inv_scale=1 / 64)
     out = torch.full((N,), float("nan"), device=DEV, dtype=out_dtype) if out_dtype else None  # poisoned
     for step, g in enumerate(grads, 1):
-        K.fused_adam_(master, m, v, g, out, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                      step=step, inv_scale=1 / 64, decoupled=decoupled)
+        K.fused_adam_(
+            master,
+            m,
+            v,
+            g,
+            out,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            step=step,
+            inv_scale=1 / 64,
+            decoupled=decoupled,
+        )
     torch.testing.assert_close(master, want, rtol=0, atol=1e-6 * want.abs().max().item())
     if out is not None:
         assert torch.equal(out, master.to(out_dtype)), "the parameter is the master rounded to nearest even"
@@ -44,25 +57,57 @@ def test_fused_adam_skip_flag_changes_nothing():
     out = torch.zeros(N, device=DEV, dtype=torch.bfloat16)
     before = master.clone()
     flag = torch.ones(1, dtype=torch.int32, device=DEV)
-    K.fused_adam_(master, m, v, torch.randn(N, device=DEV), out, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                  weight_decay=0.0, step=1, skip=flag)
+    K.fused_adam_(
+        master,
+        m,
+        v,
+        torch.randn(N, device=DEV),
+        out,
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        step=1,
+        skip=flag,
+    )
     assert torch.equal(master, before) and not m.any() and not v.any() and not out.any()
 
 
 def _tensors():
     torch.manual_seed(1)
     unaligned = torch.randn(3001, device=DEV).bfloat16()[1:]  # starts 2 bytes in: the per-element path
-    return [torch.randn(5000, device=DEV), torch.randn(4096, device=DEV).bfloat16(),
-            torch.randn(77, device=DEV).half(), torch.randn(K.kernels.CHUNK + 3, device=DEV),
-            torch.randn(1, device=DEV).bfloat16(), unaligned, torch.randn(40000, device=DEV).half()]
+    return [
+        torch.randn(5000, device=DEV),
+        torch.randn(4096, device=DEV).bfloat16(),
+        torch.randn(77, device=DEV).half(),
+        torch.randn(K.kernels.CHUNK + 3, device=DEV),
+        torch.randn(1, device=DEV).bfloat16(),
+        unaligned,
+        torch.randn(40000, device=DEV).half(),
+    ]
 
 
-POSITIONS = [(0, 0), (1, 4095), (2, 76), (3, 4096), (3, 1 << 16), (3, (1 << 16) + 2), (4, 0), (5, 0), (5, 2999),
-             (6, 7), (6, 39999)]
+POSITIONS = [
+    (0, 0),
+    (1, 4095),
+    (2, 76),
+    (3, 4096),
+    (3, 1 << 16),
+    (3, (1 << 16) + 2),
+    (4, 0),
+    (5, 0),
+    (5, 2999),
+    (6, 7),
+    (6, 39999),
+]
 
 
-@pytest.mark.parametrize("which, where, bad", [(w, p, float("inf")) for w, p in POSITIONS]
-                         + [(w, p, b) for w, p in ((1, 17), (6, 39999)) for b in (float("-inf"), float("nan"))])
+@pytest.mark.parametrize(
+    "which, where, bad",
+    [(w, p, float("inf")) for w, p in POSITIONS]
+    + [(w, p, b) for w, p in ((1, 17), (6, 39999)) for b in (float("-inf"), float("nan"))],
+)
 def test_multi_tensor_nonfinite_finds_every_position(which, where, bad):
     ts = _tensors()
     flag = K.multi_tensor_nonfinite(ts)
@@ -101,8 +146,18 @@ def test_cast_rounds_to_nearest_even_like_torch(dtype):
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="sizes differ"):
-        K.fused_adam_(torch.zeros(4, device=DEV), torch.zeros(4, device=DEV), torch.zeros(4, device=DEV),
-                      torch.zeros(5, device=DEV), lr=1, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0, step=1)
+        K.fused_adam_(
+            torch.zeros(4, device=DEV),
+            torch.zeros(4, device=DEV),
+            torch.zeros(4, device=DEV),
+            torch.zeros(5, device=DEV),
+            lr=1,
+            beta1=0.9,
+            beta2=0.9,
+            eps=1e-8,
+            weight_decay=0,
+            step=1,
+        )
     with pytest.raises(ValueError, match="fp32/bf16/fp16"):
         K.multi_tensor_nonfinite([torch.zeros(3, device=DEV, dtype=torch.float64)])
     with pytest.raises(ValueError, match="cast_"):
@@ -115,9 +170,11 @@ def test_adam_optimizer_kernels_and_torch_path_agree(dtype):
     start = torch.randn(N, device=DEV).to(dtype)
     a, b = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
     ref = torch.nn.Parameter(start.float())
-    opts = [AdamOptimizer([a], lr=1e-2, weight_decay=0.1, use_kernels=True, hold_steps=1),
-            AdamOptimizer([b], lr=1e-2, weight_decay=0.1, use_kernels=False, hold_steps=1),
-            torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)]
+    opts = [
+        AdamOptimizer([a], lr=1e-2, weight_decay=0.1, use_kernels=True, hold_steps=1),
+        AdamOptimizer([b], lr=1e-2, weight_decay=0.1, use_kernels=False, hold_steps=1),
+        torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1),
+    ]
     for step in range(4):
         g = torch.randn(N, device=DEV).to(dtype)
         a.grad, b.grad, ref.grad = g.clone(), g.clone(), g.float()

@@ -14,11 +14,13 @@ V, D, L = 16, 8, 3
 
 # ---- BMTrain style ----
 
+
 class BLinear(bmt.DistributedModule):
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
-        self.weight = bmt.DistributedParameter(torch.empty(dim_out, dim_in),
-                                               init_method=bmt.ParameterInitializer(nn.init.normal_, std=0.3))
+        self.weight = bmt.DistributedParameter(
+            torch.empty(dim_out, dim_in), init_method=bmt.ParameterInitializer(nn.init.normal_, std=0.3)
+        )
         self.bias = bmt.DistributedParameter(torch.empty(dim_out), init_method=nn.init.zeros_)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,10 +52,12 @@ class BLayer(bmt.DistributedModule):
 class BNet(bmt.DistributedModule):
     def __init__(self, dropout: float = 0.0, use_checkpoint: bool = True, zero_level: int = 3):
         super().__init__()
-        self.emb = bmt.DistributedParameter(torch.empty(V, D),
-                                            init_method=bmt.ParameterInitializer(nn.init.normal_, std=1.0))
+        self.emb = bmt.DistributedParameter(
+            torch.empty(V, D), init_method=bmt.ParameterInitializer(nn.init.normal_, std=1.0)
+        )
         self.layers = bmt.TransformerBlockList(
-            [bmt.Block(BLayer(D, dropout), use_checkpoint=use_checkpoint, zero_level=zero_level) for _ in range(L)])
+            [bmt.Block(BLayer(D, dropout), use_checkpoint=use_checkpoint, zero_level=zero_level) for _ in range(L)]
+        )
         self.head = BLinear(D, V)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -61,6 +65,7 @@ class BNet(bmt.DistributedModule):
 
 
 # ---- plain PyTorch, same names ----
+
 
 class PLinear(nn.Module):
     def __init__(self, dim_in: int, dim_out: int):
@@ -144,4 +149,4 @@ def data(step: int, batch: int = 8, seq: int = 6) -> tuple[torch.Tensor, torch.T
 
 def local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     n = t.shape[0] // world
-    return t[rank * n:(rank + 1) * n]
+    return t[rank * n : (rank + 1) * n]

@@ -64,8 +64,10 @@ class Llama(nn.Module):
             b, s, d = x.shape
             h = self.attn_norm(x)
             q, k, v = (w(h).view(b, s, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-            q, k = (torch.cat([t[..., ::2] * cos - t[..., 1::2] * sin, t[..., ::2] * sin + t[..., 1::2] * cos], -1)
-                    for t in (q, k))
+            q, k = (
+                torch.cat([t[..., ::2] * cos - t[..., 1::2] * sin, t[..., ::2] * sin + t[..., 1::2] * cos], -1)
+                for t in (q, k)
+            )
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
             x = x + self.wo(a)
             h = self.ffn_norm(x)
@@ -82,7 +84,7 @@ class Llama(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.embed(idx)
-        cos, sin = self.cos[:idx.shape[1]], self.sin[:idx.shape[1]]
+        cos, sin = self.cos[: idx.shape[1]], self.sin[: idx.shape[1]]
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.optim import AdamOffloadOptimizer
-from fbmt.optim import cpu_adam
+from fbmt.optim import AdamOffloadOptimizer, cpu_adam
 
 LEVELS = cpu_adam.supported_simd_levels()
 N = 3 * 4096 + 77  # not a multiple of any vector width or block: heads and tails are exercised
@@ -180,11 +179,31 @@ def test_state_dict_round_trips_exactly():
 
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="`grad` must be a contiguous CPU tensor"):
-        cpu_adam.fused_adam_(torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(5), lr=1, beta1=0.9,
-                             beta2=0.9, eps=1e-8, weight_decay=0, step=1)
+        cpu_adam.fused_adam_(
+            torch.zeros(4),
+            torch.zeros(4),
+            torch.zeros(4),
+            torch.zeros(5),
+            lr=1,
+            beta1=0.9,
+            beta2=0.9,
+            eps=1e-8,
+            weight_decay=0,
+            step=1,
+        )
     with pytest.raises(ValueError, match="`master`"):
-        cpu_adam.fused_adam_(torch.zeros(4).double(), torch.zeros(4), torch.zeros(4), torch.zeros(4), lr=1,
-                             beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0, step=1)
+        cpu_adam.fused_adam_(
+            torch.zeros(4).double(),
+            torch.zeros(4),
+            torch.zeros(4),
+            torch.zeros(4),
+            lr=1,
+            beta1=0.9,
+            beta2=0.9,
+            eps=1e-8,
+            weight_decay=0,
+            step=1,
+        )
     with pytest.raises(ValueError, match="set_simd_level"):
         cpu_adam.set_simd_level("sse9")
     with pytest.raises(ValueError, match="invalid lr"):

@@ -20,15 +20,16 @@ from fbmt.trace import trace
 def traced(model: nn.Module, *inputs: torch.Tensor, world_size: int = 1, **layout: Any) -> Program:
     """The joint program of one call `model(*inputs)`, as traced: no pass has run."""
     plan = plan_layout(model, world_size, layout.get("blocks"), param_dtype=layout.get("param_dtype"))
-    return trace(model, plan, dict(model.named_buffers()), inputs, {}, param_device=torch.device("cpu"),
-                 needs_grad=True)
+    return trace(
+        model, plan, dict(model.named_buffers()), inputs, {}, param_device=torch.device("cpu"), needs_grad=True
+    )
 
 
 def through(program: Program, last: str, **options: Any) -> Program:
     """`program` after the pipeline's passes up to, and without, pass `last`."""
     passes = pipeline.passes(CompileOptions(**options), program.layout.world_size)
     names = [name for name, _ in passes]
-    return run_passes(program, passes[:names.index(last)], checks=True)
+    return run_passes(program, passes[: names.index(last)], checks=True)
 
 
 def apply(fn: Any, program: Program, **options: Any) -> tuple[Program, str]:
@@ -52,8 +53,13 @@ def run(program: Program, model: nn.Module, inputs: list[torch.Tensor], tangents
         copy_into_shard(flat, g, 0, params)
         return flat
 
-    feeders = {"param": params.__getitem__, "buffer": buffers.__getitem__, "input": inputs.__getitem__,
-               "tangent": tangents.__getitem__, "shard": shard}
+    feeders = {
+        "param": params.__getitem__,
+        "buffer": buffers.__getitem__,
+        "input": inputs.__getitem__,
+        "tangent": tangents.__getitem__,
+        "shard": shard,
+    }
     results = run_program(program, lambda role: feeders[role.kind](role.key))
     out: dict[str, Any] = {"outputs": {}, "grads": {}}
     for role, value in results.items():
@@ -63,7 +69,7 @@ def run(program: Program, model: nn.Module, inputs: list[torch.Tensor], tangents
             out["grads"][role.key] = value
         elif role.kind == "shard_grad" and value is not None:
             for s in layout.groups[role.key].slots:
-                out["grads"][s.name] = value[s.offset:s.offset + s.numel].view(s.shape)
+                out["grads"][s.name] = value[s.offset : s.offset + s.numel].view(s.shape)
     return out
 
 
@@ -83,8 +89,11 @@ def nodes(program: Program, target: Any, phase: str | None = None) -> list:
 def tangents_for(program: Program, seed: int = 0) -> list[torch.Tensor]:
     """Random tangents of the shapes the program's tangent placeholders take."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n.meta["val"].shape, generator=g, dtype=n.meta["val"].dtype)
-            for n, r in zip(program.placeholders(), program.inputs) if r.kind == "tangent"]
+    return [
+        torch.randn(n.meta["val"].shape, generator=g, dtype=n.meta["val"].dtype)
+        for n, r in zip(program.placeholders(), program.inputs)
+        if r.kind == "tangent"
+    ]
 
 
 __all__ = ["traced", "through", "apply", "run", "assert_same_results", "nodes", "tangents_for", "ops", "Role"]

@@ -14,8 +14,9 @@ def gathers_all_at_the_start(program: fbmt.Program, *, prefetch: int) -> str:
     """Every gather of a phase issued when the phase begins (the most memory, the most overlap)."""
     moved = 0
     for phase in (FWD, BWD):
-        begin = next((n for n in program.graph.nodes if n.op == "call_function" and n.meta["fbmt_phase"] == phase),
-                     None)
+        begin = next(
+            (n for n in program.graph.nodes if n.op == "call_function" and n.meta["fbmt_phase"] == phase), None
+        )
         for start, _ in pairs(program, ops.GATHERS, phase):
             if begin is not start:
                 begin.prepend(start)

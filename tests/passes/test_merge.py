@@ -53,8 +53,11 @@ def test_merging_gives_the_same_outputs_and_gradients_up_to_the_order_of_sums(re
 def test_products_that_read_one_input_become_one_without_a_copy_or_more_memory(remat):
     (idx,), _, _ = batch("llama", 0)
     # named blocks: every layer recomputes (no trailing block saves, NOTE: [Trailing blocks])
-    cfg = dict(remat="mincut", zero=2) if remat == "mincut" else dict(blocks={f"layers.{i}": {"remat": "block"}
-                                                                             for i in range(2)})
+    cfg = (
+        dict(remat="mincut", zero=2)
+        if remat == "mincut"
+        else dict(blocks={f"layers.{i}": {"remat": "block"} for i in range(2)})
+    )
     program = _trace(Llama(), idx, **cfg)
     unmerged = _trace(Llama(), idx, **cfg, disable=("merge",))
     fwd = sorted(_products(program, FWD))
@@ -64,9 +67,17 @@ def test_products_that_read_one_input_become_one_without_a_copy_or_more_memory(r
     assert fwd == sorted(per_layer * 2 + [(64, d)]), fwd
     assert len(_products(unmerged, FWD)) == 7 * 2 + 1
     # the weights of a merged product are one view of the gathered buffer: no parameter is copied
-    cats = [n for n in program.graph.nodes if n.target is aten.cat.default and any(
-        a.target is aten.view.default and a.args[0].target is aten.slice.Tensor
-        and a.args[0].args[0].target is ops.wait for a in n.args[0])]
+    cats = [
+        n
+        for n in program.graph.nodes
+        if n.target is aten.cat.default
+        and any(
+            a.target is aten.view.default
+            and a.args[0].target is aten.slice.Tensor
+            and a.args[0].args[0].target is ops.wait
+            for a in n.args[0]
+        )
+    ]
     assert not cats, cats
     # the merged gradients: each weight's gradient is a row slice of one product
     assert "gradients merged for 4" in program.summary("merge"), program.summary("merge")
@@ -81,7 +92,11 @@ class _Apart(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.a, self.between, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.a, self.between, self.b = (
+            nn.Linear(8, 8, bias=False),
+            nn.Linear(8, 8, bias=False),
+            nn.Linear(8, 8, bias=False),
+        )
         self.c, self.e = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

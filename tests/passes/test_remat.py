@@ -49,15 +49,22 @@ def test_remat_none_declines_and_says_why():
 def _recomputed(program):
     """The blocks whose backward recomputes a matrix product or a product's operand (the trailing
     blocks that save their activations still recompute other cheap ops, as remat="mincut" does)."""
-    return {n.meta.get("fbmt_block") for n in program.graph.nodes
-            if n.meta.get("fbmt_recompute") == "activation" and (expensive(n) or operand(n, BWD))}
+    return {
+        n.meta.get("fbmt_block")
+        for n in program.graph.nodes
+        if n.meta.get("fbmt_recompute") == "activation" and (expensive(n) or operand(n, BWD))
+    }
 
 
-@pytest.mark.parametrize("sequences, recomputed, saved", [
-    (4, set(), "h.0 ... lm_head (5 blocks): saved"),
-    (16, {"h.0"}, "h.1, h.2, ln_f, lm_head: saved"),
-    (24, {"h.0", "h.1"}, "h.2, ln_f, lm_head: saved"),
-    (32, {"h.0", "h.1", "h.2", "lm_head"}, "h.2, ln_f, lm_head: recomputed although the backward begins with them")])
+@pytest.mark.parametrize(
+    "sequences, recomputed, saved",
+    [
+        (4, set(), "h.0 ... lm_head (5 blocks): saved"),
+        (16, {"h.0"}, "h.1, h.2, ln_f, lm_head: saved"),
+        (24, {"h.0", "h.1"}, "h.2, ln_f, lm_head: saved"),
+        (32, {"h.0", "h.1", "h.2", "lm_head"}, "h.2, ln_f, lm_head: recomputed although the backward begins with them"),
+    ],
+)
 def test_remat_saves_the_last_blocks_whose_activations_fit_under_the_gradients(sequences, recomputed, saved):
     # NOTE: [Trailing blocks]: the more tokens, the fewer blocks' activations fit
     torch.manual_seed(0)
@@ -131,9 +138,14 @@ def test_mincut_remat_recomputes_cheap_ops_from_saved_values_but_no_product_oper
         torch.manual_seed(0)
         model = fbmt.compile(_Stack(), world_size=2, checks=True, remat=remat)
         programs[remat] = model.trace(torch.randn(64, 8, 32))
-    recomputed = {remat: [n for n in p.graph.nodes
-                          if n.meta.get("fbmt_recompute") == "activation" and n.meta.get("fbmt_block") == "layers.0"]
-                  for remat, p in programs.items()}
+    recomputed = {
+        remat: [
+            n
+            for n in p.graph.nodes
+            if n.meta.get("fbmt_recompute") == "activation" and n.meta.get("fbmt_block") == "layers.0"
+        ]
+        for remat, p in programs.items()
+    }
     # NOTE: [Min-cut]: SwiGLU's activation and the norm's x * rsqrt come back from the saved projection,
     # input and reciprocal root; the mean square and the products do not, nor (NOTE: [Operands]) the
     # values a backward product reads: the norm's output and SwiGLU's product are saved
@@ -161,7 +173,7 @@ def test_recomputed_values_come_right_before_their_first_reader_and_block_remat_
         return m in copies or is_view(m) or m.target in ops.COLLECTIVES
 
     for n in copies:
-        assert all(map(inserted, nodes[nodes.index(n) + 1:first_read(n)])), n
+        assert all(map(inserted, nodes[nodes.index(n) + 1 : first_read(n)])), n
     # the block's forward path recomputes SwiGLU's activation for the saved product; the late copy that
     # the backward reads is recomputed again from the projection, as remat="mincut" recomputes it
     silus = [n for n in copies if n.meta.get("fbmt_block") == "layers.0" and str(n.target) == "aten.silu.default"]
@@ -174,11 +186,13 @@ def test_a_recomputed_multi_output_op_keeps_its_outputs_next_to_it():
     collective, the region computing the norm would have to return the op's tuple (NOTE: [Regions])."""
     program = _program(remat="block")
     nodes = list(program.graph.nodes)
-    outputs = [n for n in nodes if n.target is operator.getitem
-               and n.meta.get("fbmt_recompute") == n.args[0].meta.get("fbmt_recompute") == "activation"]
+    outputs = [
+        n
+        for n in nodes
+        if n.target is operator.getitem
+        and n.meta.get("fbmt_recompute") == n.args[0].meta.get("fbmt_recompute") == "activation"
+    ]
     assert any(str(n.args[0].target) == "aten.native_layer_norm.default" for n in outputs)
     for n in outputs:
-        between = nodes[nodes.index(n.args[0]) + 1:nodes.index(n)]
+        between = nodes[nodes.index(n.args[0]) + 1 : nodes.index(n)]
         assert all(m.target is operator.getitem and m.args[0] is n.args[0] for m in between), n
-
-

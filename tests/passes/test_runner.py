@@ -40,8 +40,15 @@ def test_dump_dir_writes_one_file_per_pass(tmp_path):
     (idx,), _, tgt = batch("gpt", 0)
     model.trace(idx, tgt)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["00-trace.txt", "01-blocks.txt", "02-remat.txt", "03-merge.txt", "04-shard.txt",
-                     "05-schedule.txt", "06-verify.txt"]
+    assert names == [
+        "00-trace.txt",
+        "01-blocks.txt",
+        "02-remat.txt",
+        "03-merge.txt",
+        "04-shard.txt",
+        "05-schedule.txt",
+        "06-verify.txt",
+    ]
     assert (tmp_path / "04-shard.txt").read_text().startswith("# fbmt Program")
 
 

@@ -26,8 +26,14 @@ def _program(n_layer: int = 3, world: int = 8, **cfg):
 
 def _first_compute(program, block: str, phase: str) -> int:
     nodes_ = list(program.graph.nodes)
-    return min(i for i, n in enumerate(nodes_) if n.meta.get("fbmt_block") == block and n.meta["fbmt_phase"] == phase
-               and n.op == "call_function" and n.target not in EFFECTFUL)
+    return min(
+        i
+        for i, n in enumerate(nodes_)
+        if n.meta.get("fbmt_block") == block
+        and n.meta["fbmt_phase"] == phase
+        and n.op == "call_function"
+        and n.target not in EFFECTFUL
+    )
 
 
 def _gather_at(program, phase: str) -> dict[int, int]:
@@ -66,8 +72,11 @@ def test_reductions_overlap_the_backward_of_earlier_blocks():
     nodes_ = list(program.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes_)}
     rs = nodes(program, ops.REDUCTIONS, BWD)
-    later = [n for n in nodes_[pos[rs[0]] + 1:] if n.meta.get("fbmt_phase") == BWD
-             and n.target not in EFFECTFUL and n.op == "call_function"]
+    later = [
+        n
+        for n in nodes_[pos[rs[0]] + 1 :]
+        if n.meta.get("fbmt_phase") == BWD and n.target not in EFFECTFUL and n.op == "call_function"
+    ]
     assert later, "the first reduce-scatter should overlap later backward compute"
     waits = [next(iter(r.users)) for r in rs]
     for r, w in zip(rs[:-1], waits[:-1]):  # each waited right before a later one is issued, the last at the end
@@ -117,8 +126,11 @@ def test_backward_gathers_its_first_block_when_the_backward_begins():
     program = _program(schedule="prefetch")
     nodes_ = list(program.graph.nodes)
     groups = {g.block: g.index for g in program.layout.groups}
-    first_bwd = next(i for i, n in enumerate(nodes_) if n.op == "call_function" and n.meta["fbmt_phase"] == BWD
-                     and n.target not in EFFECTFUL)
+    first_bwd = next(
+        i
+        for i, n in enumerate(nodes_)
+        if n.op == "call_function" and n.meta["fbmt_phase"] == BWD and n.target not in EFFECTFUL
+    )
     start = _gather_at(program, BWD)
     assert start[groups["ln_f"]] < first_bwd and start[groups["h.2"]] < first_bwd
     assert start[groups["h.1"]] > first_bwd  # one block ahead, not all of them
@@ -133,15 +145,20 @@ def test_no_overlap_waits_right_after_each_start():
 def _trains_with_the_registered_strategy(rank: int, world: int) -> None:
     from tests.workers import compare, eager_reference, train_compiled
 
-    compare(train_compiled("gpt", rank, world, dict(schedule="all-at-start")), eager_reference("gpt"),
-            f"gpt on {world} ranks with a registered strategy", buffers=False)
+    compare(
+        train_compiled("gpt", rank, world, dict(schedule="all-at-start")),
+        eager_reference("gpt"),
+        f"gpt on {world} ranks with a registered strategy",
+        buffers=False,
+    )
 
 
 def test_a_registered_strategy_is_used_by_name_and_trains_as_eager():
     assert "all-at-start" in STRATEGIES  # registered by importing tests.passes.strategies
     program = _program(schedule="all-at-start")
-    assert program.summary("schedule").startswith("all-at-start: ") and "when their phase begins" in \
-        program.summary("schedule")
+    assert program.summary("schedule").startswith("all-at-start: ") and "when their phase begins" in program.summary(
+        "schedule"
+    )
     first = min(_first_compute(program, g.block, FWD) for g in program.layout.groups)
     assert all(at < first for at in _gather_at(program, FWD).values())
     run_ranks(2, _trains_with_the_registered_strategy)

@@ -80,12 +80,15 @@ def test_a_block_named_with_zero2_keeps_its_gather_and_the_others_gather_again()
     assert groups["h.1"] not in bwd and {groups["h.0"], groups["h.2"]} <= bwd
 
 
-@pytest.mark.parametrize("options, kind", [
-    (dict(param_dtype=torch.bfloat16), ops.all_to_all_reduce),  # bf16 gradients summed in fp32, one node
-    (dict(param_dtype=torch.bfloat16, narrow_wire=False), ops.reduce_scatter),  # as across nodes
-    (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), ops.reduce_scatter),  # nothing to narrow
-    (dict(), ops.reduce_scatter),  # fp32 all the way
-])
+@pytest.mark.parametrize(
+    "options, kind",
+    [
+        (dict(param_dtype=torch.bfloat16), ops.all_to_all_reduce),  # bf16 gradients summed in fp32, one node
+        (dict(param_dtype=torch.bfloat16, narrow_wire=False), ops.reduce_scatter),  # as across nodes
+        (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), ops.reduce_scatter),  # nothing to narrow
+        (dict(), ops.reduce_scatter),  # fp32 all the way
+    ],
+)
 def test_the_shard_pass_chooses_the_wire_and_the_program_shows_it(options, kind):
     """NOTE: [Narrow wire]: every collective that runs is a node of the program."""
     program = _program(**options)
@@ -98,5 +101,6 @@ def test_the_shard_pass_chooses_the_wire_and_the_program_shows_it(options, kind)
 def test_one_rank_never_narrows_its_wire():
     torch.manual_seed(0)
     program = fbmt.compile(gpt(), world_size=1, param_dtype=torch.bfloat16, narrow_wire=True).trace(
-        torch.randint(0, 64, (2, 16)))
+        torch.randint(0, 64, (2, 16))
+    )
     assert not nodes(program, ops.all_to_all_reduce) and nodes(program, ops.reduce_scatter)

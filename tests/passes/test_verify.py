@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch
 import fbmt
 from fbmt import ops
 from fbmt.passes import VerifyError, check, verify_program
-from fbmt.program import BWD, FWD, Program
+from fbmt.program import FWD, Program
 from tests.models.reference import batch, gpt
 
 
@@ -45,12 +45,15 @@ def _no_phase(p: Program) -> None:
     del next(n for n in p.graph.nodes if n.op == "call_function").meta["fbmt_phase"]
 
 
-@pytest.mark.parametrize("breaks, says", [
-    (_drop_a_release, "released 0 times"),
-    (_release_early, "after its release"),
-    (_wait_twice, "must be read by exactly one wait"),
-    (_no_phase, "has no phase"),
-])
+@pytest.mark.parametrize(
+    "breaks, says",
+    [
+        (_drop_a_release, "released 0 times"),
+        (_release_early, "after its release"),
+        (_wait_twice, "must be read by exactly one wait"),
+        (_no_phase, "has no phase"),
+    ],
+)
 def test_verify_rejects_a_broken_program_and_names_the_node(program: Program, breaks: Callable, says: str):
     verify_program(program)  # the program as compiled is fine
     broken = program.copy()

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.runtime import collectives
-from fbmt.runtime import regions
+from fbmt.runtime import collectives, regions
 from fbmt.runtime.regions import Region
 from tests.models.reference import gpt
 from tests.workers import lm_step_matches
