@@ -69,7 +69,7 @@ class Region(nn.Module):
             from torch._inductor.compile_fx import compile_fx
 
             started = time.perf_counter()
-            with _cats_of_shared_reads():
+            with cat_guard():
                 fn = compile_fx(self.gm, list(args))
             self.cache.seconds += time.perf_counter() - started
             self.cache.compiled[key] = fn
@@ -97,7 +97,7 @@ def _decline(why: str) -> None:
 
 
 @contextlib.contextmanager
-def _cats_of_shared_reads() -> Iterator[None]:
+def cat_guard() -> Iterator[None]:
     """While Inductor compiles a region: a `cat` that is materialized anyway (no pointwise reader)
     of computations that read a common buffer is lowered as a ConcatKernel.
 

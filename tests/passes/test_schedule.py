@@ -37,7 +37,7 @@ def _first_compute(program, block: str, phase: str) -> int:
 
 
 def _gather_at(program, phase: str) -> dict[int, int]:
-    pos = {n: i for i, n in enumerate(program.graph.nodes)}
+    pos = ops.node_order(program.graph)
     return {n.meta["fbmt_group"]: pos[n] for n in nodes(program, ops.all_gather, phase)}
 
 
@@ -70,7 +70,7 @@ def test_prefetch_issues_each_gather_that_many_blocks_ahead(prefetch):
 def test_reductions_overlap_the_backward_of_earlier_blocks():
     program = _program(schedule="prefetch")
     nodes_ = list(program.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes_)}
+    pos = ops.node_order(program.graph)
     rs = nodes(program, ops.REDUCTIONS, BWD)
     later = [
         n
@@ -112,7 +112,7 @@ def test_a_small_groups_reduction_does_not_wait_for_the_one_before():
     # counted, the backward would wait there for the output layer's reduce-scatter to finish
     torch.manual_seed(0)
     program = fbmt.compile(_Decoder(), world_size=2, checks=True).trace(torch.randn(4, 8, 32))
-    pos = {n: i for i, n in enumerate(program.graph.nodes)}
+    pos = ops.node_order(program.graph)
     groups = {g.block: g.index for g in program.layout.groups}
     starts = {n.meta["fbmt_group"]: n for n in nodes(program, ops.REDUCTIONS, BWD)}
     waits = {g: next(u for u in n.users if u.target is ops.wait) for g, n in starts.items()}

@@ -63,7 +63,7 @@ def test_the_cat_guard_takes_materialized_cats_of_shared_reads_only(monkeypatch)
     for fn, args, guarded in ((merged_gradient, (g, u, w), True), (rotary, (g, u), False)):
         left_to_inductor.clear()
         gm = make_fx(fn)(*args)
-        with regions._cats_of_shared_reads():
+        with regions.cat_guard():
             compiled = compile_fx(gm, list(args))
         out = compiled(*args)
         torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, fn(*args))
@@ -74,8 +74,8 @@ def test_the_cat_guard_declines_with_one_warning_outside_the_torch_releases_it_k
     monkeypatch.setattr(regions, "CAT_GUARD_TORCH", ((1, 0), (1, 1)))
     regions._decline.cache_clear()
     with pytest.warns(UserWarning, match="without its cat guard.*tested on torch 1.0 to 1.1"):
-        with regions._cats_of_shared_reads():
+        with regions.cat_guard():
             pass
-    with regions._cats_of_shared_reads():  # said once
+    with regions.cat_guard():  # said once
         pass
     regions._decline.cache_clear()
