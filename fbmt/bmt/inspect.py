@@ -97,7 +97,8 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
 
 class InspectTensor:
-    """Collects what `record_tensor` reports while it is the active inspector."""
+    """Collects what `record_tensor` reports while it is the active inspector (a recorder of
+    `fbmt.ops.record`: `on_value` and `on_grad` are called by the recording ops)."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
