@@ -83,6 +83,13 @@ def init_distributed(
     local_rank = int(env.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:
+            raise ValueError(
+                f"fbmt.init_distributed: rank {rank} has LOCAL_RANK={local_rank}, but this machine has "
+                f"{gpus} CUDA device(s) for NCCL; start at most {gpus} rank(s) per machine "
+                "(torchrun --nproc_per_node), or pass backend='gloo' to run on the CPU"
+            )
         torch.cuda.set_device(local_rank)
     wait = float(timeout if timeout is not None else flags.INIT_TIMEOUT.get())
     try:

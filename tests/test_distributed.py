@@ -45,12 +45,29 @@ def test_unreachable_rendezvous_fails_with_a_clear_message_in_time():
     port = _free_port()  # nobody listens there: rank 1 waits for a rank 0 that never comes
     started = time.time()
     r = _run(
-        "import fbmt; fbmt.init_distributed(timeout=5)",
+        "import fbmt; fbmt.init_distributed(timeout=5, backend='gloo')",  # gloo: also on a machine with one GPU
         dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
     )
     assert r.returncode != 0
     assert time.time() - started < 60
     assert "rank 1 of 2 could not join the job at 127.0.0.1:" in r.stderr and "FBMT_INIT_TIMEOUT" in r.stderr
+
+
+def test_more_nccl_ranks_than_gpus_on_a_machine_is_named():
+    gpus = torch.cuda.device_count()
+    r = _run(
+        "import fbmt; fbmt.init_distributed(backend='nccl')",
+        dict(
+            RANK=str(gpus),
+            WORLD_SIZE=str(gpus + 1),
+            LOCAL_RANK=str(gpus),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        ),
+    )
+    assert r.returncode != 0
+    assert f"LOCAL_RANK={gpus}, but this machine has {gpus} CUDA device(s)" in r.stderr, r.stderr[-2000:]
+    assert "--nproc_per_node" in r.stderr and "backend='gloo'" in r.stderr
 
 
 def test_missing_master_address_is_named():
