@@ -59,6 +59,7 @@ def _tracing() -> Iterator[None]:
         _depth -= 1
 
 
+@_tracing()  # a fresh context for every call: tracing() is True while it runs
 def trace(
     module: nn.Module,
     layout: Layout,
@@ -74,20 +75,6 @@ def trace(
 
     `trainable[k]` says whether group k's parameters get gradients (default: `group.requires_grad`).
     """
-    with _tracing():
-        return _trace(module, layout, buffers, args, kwargs, param_device, needs_grad, trainable)
-
-
-def _trace(
-    module: nn.Module,
-    layout: Layout,
-    buffers: dict[str, torch.Tensor],
-    args: tuple,
-    kwargs: dict,
-    param_device: torch.device,
-    needs_grad: bool,
-    trainable: tuple[bool, ...] | None,
-) -> Program:
     fake_mode = FakeTensorMode()
     rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
     params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]
