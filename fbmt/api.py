@@ -35,7 +35,23 @@ def compile(model: nn.Module, **options: Any) -> CompiledModule:
         raise TypeError(f"fbmt.compile expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, CompiledModule):
         raise TypeError("fbmt.compile: this module is already compiled")
+    taken = next((path for path, m in model.named_modules() if getattr(m, "_fbmt_compiled", False)), None)
+    if taken is not None:
+        raise ValueError(
+            f"fbmt.compile: module '{taken or '<root>'}' ({type(model.get_submodule(taken)).__name__}) was "
+            "compiled before: its parameters live in the shards of the CompiledModule that call returned, "
+            "and it holds only meta placeholders (compiling it again would train fresh random weights). "
+            "Use that compiled module; for a second copy, copy.deepcopy the model before compiling it"
+        )
     o = CompileOptions.from_kwargs(options)
+    launched = distributed.launched_world_size()
+    if o.world_size is None and launched > 1 and not distributed.is_initialized():
+        raise RuntimeError(
+            f"fbmt.compile: this process is one of {launched} ranks (torchrun's WORLD_SIZE), but "
+            "torch.distributed is not initialized, so it would train a whole copy of the model alone "
+            "and no gradient would be averaged. Call fbmt.init_distributed() before fbmt.compile "
+            "(or pass world_size=1 to compile a single-rank model on purpose)"
+        )
     world = o.world_size or distributed.world_size()
     rank = distributed.rank() if world == distributed.world_size() else 0
     device = distributed.compute_device(o.device)
@@ -46,6 +62,8 @@ def compile(model: nn.Module, **options: Any) -> CompiledModule:
         )
     layout = plan_layout(model, world, list(o.blocks) if o.blocks is not None else None, param_dtype=o.param_dtype)
     shards = build_shards(model, layout, rank, device, o.init_fn)
+    for m in model.modules():  # a copy.deepcopy of the module keeps the mark
+        m._fbmt_compiled = True
     return CompiledModule(model, layout, shards, options=o, device=device, rank=rank)
 
 

@@ -56,6 +56,8 @@ class CompiledModule(nn.Module):
         super().__init__()
         self.__dict__["_orig"] = module  # not a submodule: its parameters are meta placeholders
         self.flat_params = nn.ParameterList(shards)
+        for shard, group in zip(shards, layout.groups):
+            shard._fbmt_group = group  # for code that meets a shard alone (OptimManager.state_dict)
         self.views = views
         self._routes: Routes | None = None
         if views is not None:
@@ -79,6 +81,18 @@ class CompiledModule(nn.Module):
         self._submodules = list(module.modules())
         self._buffer_owners: dict[str, tuple[nn.Module, str]] = {}  # buffer name -> (module, attribute)
         self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
+        # The placeholders the module holds, by owner: a user who deletes, replaces or (un)freezes one
+        # after compiling must not be ignored silently (`_check_parameters`).
+        group_of = {s.name: g.index for g in layout.groups for s in g.slots}
+        self._placeholders = [
+            (m, k, p, name, group_of[layout.aliases[name]])
+            for path, m in module.named_modules(remove_duplicate=False)
+            for k, p in m._parameters.items()
+            if p is not None
+            for name in [f"{path}.{k}" if path else k]
+        ]
+        self._flags_seen = self._flags()
+        _refuse_optimizers_of_moved_parameters()
         self.train(module.training)
 
     # ---- calling ----
@@ -139,8 +153,47 @@ class CompiledModule(nn.Module):
     def trainable(self) -> tuple[bool, ...]:
         """Per flat group: does any of its parameters require a gradient now."""
         if self.views is None:
+            self._check_parameters()
             return tuple(p.requires_grad for p in self.flat_params._parameters.values())
         return tuple(any(v.requires_grad for v in vs) for vs in self.views)
+
+    def _flags(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        return (
+            tuple(p.requires_grad for _, _, p, _, _ in self._placeholders),
+            tuple(p.requires_grad for p in self.flat_params._parameters.values()),
+        )
+
+    def _check_parameters(self) -> None:
+        """The module's parameters are still the placeholders compile left, and `requires_grad_` on
+        one (`model.fc.weight.requires_grad_(False)`) or on a shard applies to the shard's group."""
+        for m, k, p, name, _ in self._placeholders:
+            if m._parameters.get(k) is not p:
+                raise RuntimeError(
+                    f"fbmt: parameter '{name}' was deleted or replaced after fbmt.compile, but the compiled "
+                    "program computes with the original, whose values live in the flat shards; change the "
+                    "module before compiling it, or load new values with model.load_state_dict(...)"
+                )
+        flags = self._flags()
+        if flags == self._flags_seen:
+            return
+        shards = list(self.flat_params._parameters.values())
+        if flags[0] != self._flags_seen[0]:  # a placeholder changed: its whole group follows
+            for group in self.layout.groups:
+                mine = [(name, p.requires_grad) for _, _, p, name, g in self._placeholders if g == group.index]
+                wanted = {rg for _, rg in mine}
+                if len(wanted) > 1:
+                    frozen = [n for n, rg in mine if not rg]
+                    raise RuntimeError(
+                        f"fbmt: {frozen[:3]} of flat group '{group.name}' are frozen but other parameters of "
+                        "that group still train, and a group's shard trains as one. Freeze before fbmt.compile "
+                        "(frozen parameters then get a shard of their own), or freeze the whole block "
+                        f"'{group.block or '<root>'}' (e.g. model.get_submodule(...).requires_grad_(False))"
+                    )
+                shards[group.index].requires_grad_(wanted.pop())
+        else:  # a shard changed (through model.parameters()): its placeholders follow, for the next check
+            for _, _, p, _, g in self._placeholders:
+                p.requires_grad_(shards[g].requires_grad)
+        self._flags_seen = self._flags()
 
     def _key(self, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...]) -> tuple:
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -274,6 +327,7 @@ class CompiledModule(nn.Module):
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The original module's state dict, with full (gathered) parameters. A collective."""
+        self._check_parameters()
         full = self.full_parameters()
         out = OrderedDict() if destination is None else destination
         for k, v in self._orig.state_dict(keep_vars=True).items():
@@ -282,6 +336,7 @@ class CompiledModule(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors (as `state_dict()` returns); each rank keeps only its shard."""
+        self._check_parameters()
         expected = list(self._orig.state_dict(keep_vars=True))
         missing = [k for k in expected if k not in state_dict]
         unexpected = [k for k in state_dict if k not in expected]
@@ -303,5 +358,41 @@ class CompiledModule(nn.Module):
                 copy_into_shard(shard, group, self.rank, by_canonical)
             for k, b in buffers.items():
                 if k in state_dict:
-                    b.copy_(state_dict[k])
+                    v = state_dict[k]
+                    if tuple(v.shape) != tuple(b.shape):  # copy_ would broadcast where torch refuses
+                        raise RuntimeError(
+                            f"size mismatch for {k}: checkpoint has {tuple(v.shape)}, model has {tuple(b.shape)}"
+                        )
+                    b.copy_(v)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+_hook_installed = False
+
+
+def _refuse_optimizers_of_moved_parameters() -> None:
+    """Once per process: an optimizer that holds a parameter compile took over fails at its first step
+    (it would update a tensor nothing reads any more, and the model would silently not train)."""
+    global _hook_installed
+    if not _hook_installed:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _hook_installed = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if getattr(optimizer, "_fbmt_checked", None) == count:  # checked, and no parameter added since
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = getattr(p, "_fbmt_moved", None)
+            if name is not None:
+                raise RuntimeError(
+                    f"fbmt: this {type(optimizer).__name__} holds parameter '{name}' of a module that "
+                    "fbmt.compile took over; its values now live in the compiled model's flat shards, so "
+                    "this optimizer would never change the model. Build the optimizer after compiling, on "
+                    "the compiled model: torch.optim.AdamW(model.parameters())"
+                )
+    optimizer._fbmt_checked = count

@@ -157,6 +157,15 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def launched_world_size() -> int:
+    """The number of ranks the launcher started (torchrun's WORLD_SIZE), joined or not."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def local_device() -> torch.device:
     """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":

@@ -32,6 +32,7 @@ from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from fbmt.layout import Layout
+from fbmt.ops import record
 from fbmt.program import BWD, FWD, Program, Role
 
 aten = torch.ops.aten
@@ -96,7 +97,7 @@ def trace(
         return functional_call(module, dict(zip(names, [*ps, *bs])), a, kw)
 
     # A fake forward first: the shapes of the outputs the backward will receive gradients for.
-    with _translate_errors(module) as tagger, tagger.installed(), fake_mode:
+    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode:
         with torch.enable_grad() if needs_grad else torch.no_grad():
             probe = call(
                 [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)],
@@ -136,7 +137,7 @@ def trace(
         return [*tensors, *grads]
 
     flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
-    with _translate_errors(module) as tagger, tagger.installed():
+    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
         first = make_fx(joint, tracing_mode="fake")(*flat_in)
     with _translate_errors(module):
         gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
@@ -255,6 +256,11 @@ class _ModuleTagger:
             post.remove()
 
 
+def _prints(tagger: _ModuleTagger) -> Any:
+    """print() in the forward becomes an op of the program (NOTE in fbmt/ops/record.py)."""
+    return record.prints_traced(lambda: f"'{tagger.current or '<root>'}'")
+
+
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["fbmt"]))
 
 
@@ -276,6 +282,8 @@ _HINTS = {
     "torch.where / masking instead of `if`, or compute the value outside the model and pass it in",
     "DynamicOutputShapeException": "the output shape depends on tensor values (nonzero, masked_select, "
     "unique, ...); use fixed-shape alternatives (torch.where with a mask)",
+    "PrintError": "print() inside a traced forward runs as an op of the program, on every call, and "
+    "prints the tensors it is given as arguments",
     "UnsupportedOperatorException": "this operator has no fake-tensor implementation; "
     "register one with torch.library.register_fake or move the op outside the model",
 }

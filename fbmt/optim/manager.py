@@ -181,22 +181,36 @@ def _per_element(value: Any, numel: int) -> bool:
 
 
 def _map_sharded_state(opt: torch.optim.Optimizer, sd: dict[str, Any], fn: Any) -> dict[str, Any]:
-    """`sd` with `fn(value, param)` applied to every state tensor of every sharded parameter."""
+    """`sd` with `fn(value, param)` applied to every state tensor of every sharded parameter (a
+    BMTrain parameter, or a flat shard of `fbmt.compile`, which carries its group as `_fbmt_group`)."""
     params = [p for g in opt.param_groups for p in g["params"]]
     state = {}
     for index, entry in sd["state"].items():
         p = params[int(index)]
-        state[index] = {k: fn(v, p) for k, v in entry.items()} if is_distributed(p) else entry
+        sharded = is_distributed(p) or hasattr(p, "_fbmt_group")
+        state[index] = {k: fn(v, p) for k, v in entry.items()} if sharded else entry
     return {**sd, "state": state}
 
 
 def _gather(value: Any, p: torch.Tensor) -> Any:
     if not _per_element(value, p.numel()):
         return value
+    group = getattr(p, "_fbmt_group", None)
+    if group is not None:  # a flat shard: the whole group's buffer, without the padding
+        return distributed.gather_flat(value.detach().reshape(-1))[: group.numel].cpu()
     return gather_parts(value.detach(), p).cpu()
 
 
 def _localize(value: Any, p: torch.Tensor) -> Any:
+    group = getattr(p, "_fbmt_group", None)
+    if group is not None:
+        if not _per_element(value, group.numel) or value.numel() == p.numel():
+            return value
+        lo = distributed.rank() * group.shard_numel
+        part = torch.zeros(group.shard_numel, dtype=value.dtype)
+        piece = value.reshape(-1)[lo : lo + group.shard_numel]
+        part[: piece.numel()] = piece
+        return part
     full = p._original_shape.numel()
     if not _per_element(value, full) or full == p.numel():
         return value

@@ -44,7 +44,7 @@ def build_shards(
                 copy_into_shard(shard, g, rank, params)
                 shards.append(nn.Parameter(shard, requires_grad=g.requires_grad))
             for n in names:
-                _to_meta(params[n], refs)
+                _to_meta(params[n], refs, n)
             del params  # the block's full tensors die here, before the next block is materialized
     for m in module.modules():  # buffers are replicated: every rank keeps them whole, on the device
         for k, b in m._buffers.items():
@@ -72,16 +72,19 @@ def _param_refs(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return refs
 
 
-def _swap(p: torch.Tensor, new: nn.Parameter, refs: dict) -> None:
+def _swap(p: torch.Tensor, new: nn.Parameter, refs: dict, name: str) -> None:
+    # An optimizer built on the module before compiling still holds `p`, which nothing updates any
+    # more: the mark lets fbmt refuse such an optimizer at its first step (fbmt/compiled.py).
+    p._fbmt_moved = name
     owners = refs.pop(id(p))
     for m, k in owners:
         m._parameters[k] = new  # tied parameters stay tied: every owner gets the same object
     refs[id(new)] = owners
 
 
-def _to_meta(p: torch.Tensor, refs: dict) -> None:
+def _to_meta(p: torch.Tensor, refs: dict, name: str) -> None:
     if not p.is_meta:
-        _swap(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad), refs)
+        _swap(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad), refs, name)
 
 
 def _shared_seed() -> int:
@@ -109,7 +112,7 @@ def _materialize(
         path = n.rpartition(".")[0]
         owners[path] = module.get_submodule(path)
         p = params[n]
-        _swap(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad), refs)
+        _swap(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad), refs, n)
     for path, m in module.named_modules():
         if layout.block_of_module(path) == block and any(b is not None and b.is_meta for b in m._buffers.values()):
             owners[path] = m

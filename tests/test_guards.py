@@ -1,0 +1,169 @@
+"""A user's ordinary mistakes after (or around) `fbmt.compile`: each is either done right, as eager
+PyTorch would do it, or refused with a message that says what to do; never silently ignored."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fbmt
+from tests.dist import run_ranks
+from tests.models.reference import MLP, batch
+
+
+def _mlp() -> tuple[nn.Module, fbmt.CompiledModule]:
+    torch.manual_seed(0)
+    ref = MLP()
+    return ref, fbmt.compile(copy.deepcopy(ref), blocks=["fc1", "fc2", "fc3"])
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> list[float]:
+    losses = []
+    for step in range(steps):
+        (x,), _, y = batch("mlp", step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_compile_in_a_launched_job_before_init_distributed_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"one of 2 ranks.*fbmt.init_distributed\(\) before fbmt.compile"):
+        fbmt.compile(MLP())
+    fbmt.compile(MLP(), world_size=1)  # on purpose: allowed
+
+
+def test_optimizer_built_before_compile_is_refused_at_its_first_step():
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = fbmt.compile(net)
+    (x,), _, y = batch("mlp", 0)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"holds parameter 'fc1.weight'.*AdamW\(model.parameters\(\)\)"):
+        opt.step()
+    good = torch.optim.SGD(model.parameters(), lr=0.1)
+    good.step()  # the shards: fine, and checked once only
+
+
+def test_freezing_a_module_after_compile_freezes_its_shard():
+    ref, model = _mlp()
+    for m in (ref, model):
+        m.fc2.requires_grad_(False)  # on the compiled model: reaches the original's placeholders
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, model)]
+    losses = [_train(m, o) for m, o in zip((ref, model), opts)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), msg=n)
+    torch.testing.assert_close(full["fc2.weight"], _mlp()[0].fc2.weight.detach())  # untouched
+    model.fc2.requires_grad_(True)  # and back, at the next call
+    model(batch("mlp", 0)[0][0])
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_freezing_part_of_a_group_after_compile_is_refused():
+    _, model = _mlp()
+    model.fc2.weight.requires_grad_(False)  # fc2.bias shares the shard and still trains
+    with pytest.raises(RuntimeError, match=r"\['fc2.weight'\] of flat group 'fc2/float32' are frozen"):
+        model(batch("mlp", 0)[0][0])
+
+
+def test_a_parameter_deleted_or_replaced_after_compile_is_refused():
+    _, model = _mlp()
+    model.fc3.weight = nn.Parameter(torch.zeros(12, 24))
+    with pytest.raises(RuntimeError, match=r"parameter 'fc3.weight' was deleted or replaced after fbmt.compile"):
+        model(batch("mlp", 0)[0][0])
+    _, model = _mlp()
+    del model._orig.fc1.bias
+    with pytest.raises(RuntimeError, match=r"'fc1.bias' was deleted or replaced"):
+        model.state_dict()
+
+
+def test_compiling_a_module_twice_is_refused():
+    net = MLP()
+    fbmt.compile(net)
+    for again in (net, copy.deepcopy(net), net.fc1):
+        with pytest.raises(ValueError, match=r"was compiled before.*copy.deepcopy the model before compiling"):
+            fbmt.compile(again)
+
+
+def test_load_state_dict_refuses_a_buffer_of_another_shape():
+    class WithBuffer(MLP):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(3))
+
+    model = fbmt.compile(WithBuffer())
+    state = model.state_dict()
+    state["scale"] = torch.full((1,), 2.0)
+    with pytest.raises(RuntimeError, match=r"size mismatch for scale: checkpoint has \(1,\), model has \(3,\)"):
+        model.load_state_dict(state)
+
+
+class Printing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        print("sum", y.sum(), "rows", y.shape[0])
+        return y
+
+
+def test_print_in_forward_prints_real_values_on_every_call(capsys):
+    torch.manual_seed(0)
+    ref = Printing()
+    model = fbmt.compile(copy.deepcopy(ref))
+    for i in range(3):
+        x = torch.full((4, 3), float(i))
+        model(x).sum().backward()
+        with torch.no_grad():
+            ref(x)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and lines[0::2] == lines[1::2]  # compiled, then eager, at each step
+    assert "Fake" not in "".join(lines)
+
+
+def test_print_of_a_formatted_tensor_in_forward_is_refused():
+    class Formatting(Printing):
+        def forward(self, x):
+            y = self.fc(x)
+            print(f"y={y}")
+            return y
+
+    with pytest.raises(fbmt.TraceError, match=r"formats a tensor into a string.*print\('x =', x\)"):
+        fbmt.compile(Formatting())(torch.ones(2, 3))
+
+
+def _gathered_optimizer_state(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = fbmt.compile(MLP())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = fbmt.optim.OptimManager()
+    manager.add_optimizer(opt)
+    _train(model, opt, 2)
+    state = manager.state_dict(gather_opt=True)
+    mine = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
+    whole = state["optimizers"][0]["state"][0]["exp_avg"]
+    assert whole.numel() == sum(s.numel for s in model.layout.groups[0].slots)  # the whole group, unpadded
+    torch.manual_seed(0)
+    fresh = fbmt.compile(MLP())
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    manager2 = fbmt.optim.OptimManager()
+    manager2.add_optimizer(opt2)
+    manager2.load_state_dict(state)
+    got = opt2.state[next(iter(fresh.parameters()))]
+    for k, v in mine.items():
+        torch.testing.assert_close(got[k], v, msg=f"rank {rank}: {k}")
+
+
+def test_gathered_optimizer_state_of_a_compiled_model_resumes_every_rank():
+    run_ranks(2, _gathered_optimizer_state)
