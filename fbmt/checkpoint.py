@@ -1,31 +1,615 @@
-"""Checkpoint files written atomically: a crash mid-write never leaves a truncated file behind.
+"""Sharded checkpoints of a training run, written and read by `torch.distributed.checkpoint` (DCP).
 
-(BMTrain's `save`/`load` of a model's full state dict are in `fbmt/bmt/store.py`.)"""
+    fbmt.checkpoint.save("ckpt", step, model=model, optimizer=opt, state={"sched": sched})
+    resumed = fbmt.checkpoint.load("ckpt", model=model, optimizer=opt, state={"sched": sched})
+    start = resumed.step if resumed else 0
+
+Each rank writes only the parts of parameters and optimizer state its flat shards hold, in
+parallel; no rank gathers the model. A checkpoint is a folder `step-<step>` holding DCP's files and,
+once every rank's files are durable, `fbmt.json`: a folder without it is incomplete and never loaded.
+Loading on another number of ranks reshards model and optimizer state, because the files are
+keyed like plain PyTorch's (`model.<param>`, `optim.state.<param>.<key>`, `optim.param_groups`),
+with each parameter in its own shape: `torch.distributed.checkpoint.format_utils.dcp_to_torch_save`
+turns a checkpoint into one `torch.save` file that an unsharded model loads.
+
+NOTE: [Pieces of flat shards]
+A rank holds a contiguous range of each parameter's flattened elements (`layout.local_range`). DCP
+describes what a rank writes or reads as boxes of the parameter's shape (offsets and sizes per
+dimension), so a range becomes up to 2·ndim−1 boxes (a partial row, whole rows, a partial row, one
+dimension down at a time), each a view into the shard. DCP plans with `__create_write_items__` /
+`__create_chunk_list__` of `_Pieces`, and the planners below look the views up.
+
+What else a checkpoint holds: buffers (replicated), every rank's RNG states (torch, CUDA, Python,
+NumPy; restored when the number of ranks is the same, so a resumed run draws the same dropout masks),
+and `state`: objects with `state_dict()`/`load_state_dict()` (an lr scheduler, a data sampler),
+loaded in place, or plain values, returned in `Resumed.state` (rank 0's are saved).
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 import os
-import tempfile
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from fbmt import distributed
+from fbmt.compiled import CompiledModule
+from fbmt.files import fsync_dir, save_atomic, write_json_atomic
+from fbmt.layout import local_range
+
+__all__ = ["save", "load", "latest", "checkpoints", "Resumed", "CheckpointError", "save_atomic"]
+
+log = logging.getLogger("fbmt")
+
+MARKER = "fbmt.json"
+_NAME = re.compile(r"^step-(\d+)$")
 
 
-def save_atomic(obj: Any, path: str) -> None:
-    """`torch.save(obj, path)` through a temporary file in the same folder, fsync'ed, then renamed.
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which one, why, and what to do."""
 
-    A reader sees either the previous file or the complete new one, never a partial write.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+
+@dataclass
+class Resumed:
+    """What `load` restored: the step it was saved at, from where, on how many ranks."""
+
+    step: int
+    path: str
+    world_size: int
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- where checkpoints are ----
+
+
+def checkpoints(folder: str) -> list[tuple[int, str]]:
+    """The complete checkpoints under `folder`, as (step, path), oldest first."""
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for name in os.listdir(folder):
+        m = _NAME.match(name)
+        if m and os.path.isfile(os.path.join(folder, name, MARKER)):
+            found.append((int(m.group(1)), os.path.join(folder, name)))
+    return sorted(found)
+
+
+def latest(folder: str) -> str | None:
+    """The newest complete checkpoint under `folder`, or None."""
+    found = checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+# ---- saving ----
+
+
+def save(
+    folder: str,
+    step: int,
+    *,
+    model: CompiledModule,
+    optimizer: torch.optim.Optimizer | None = None,
+    state: dict[str, Any] | None = None,
+    keep: int | None = 3,
+) -> str:
+    """Write checkpoint `folder/step-<step>` (a collective: every rank calls it). Returns its path.
+
+    It is complete once this returns on any rank; a save that fails on any rank (a full disk, a
+    read-only folder) raises on every rank and leaves the existing checkpoints as they were. `keep`:
+    how many complete checkpoints to keep, the newest (None: all). The folder must be one that every
+    rank sees (on several machines: a shared filesystem)."""
+    _require_compiled(model, "save")
+    rank, world = distributed.rank(), distributed.world_size()
+    name = f"step-{int(step):08d}"
+    final, partial = os.path.join(folder, name), os.path.join(folder, f".{name}.partial")
+    started = time.perf_counter()
+
+    def prepare() -> None:
+        os.makedirs(folder, exist_ok=True)
+        for stale in os.listdir(folder):  # what a save killed midway left behind
+            if stale.endswith(".partial"):
+                shutil.rmtree(os.path.join(folder, stale), ignore_errors=True)
+        os.makedirs(partial)
+
+    _on_rank0(prepare, f"cannot create checkpoint {partial!r}")
+    sd: dict[str, Any] = {"model": _model_pieces(model)}
+    per_element: list[str] = []
+    if optimizer is not None:
+        sd["optim"] = _optimizer_pieces(model, optimizer)
+        per_element = sorted({k for per in sd["optim"]["state"].values() for k, v in per.items() if _is_pieces(v)})
+    sd[f"rng.rank{rank}"] = _rng_state()
+    for key, value in (state or {}).items():
+        sd[f"state.{key}"] = value.state_dict() if _stateful(value) else value
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        dcp.save(sd, checkpoint_id=partial, planner=_SavePlanner(), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
+        _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), "")
+        raise CheckpointError(
+            f"fbmt.checkpoint.save: writing {final!r} failed ({_first_line(e)}); the earlier checkpoints "
+            f"under {folder!r} are intact. Check free space and permissions of the folder"
+        ) from e
+
+    def finish() -> None:
+        _check_every_file_is_here(partial)
+        write_json_atomic(
+            dict(
+                step=int(step),
+                world_size=world,
+                per_element=per_element,  # optimizer states with one value per parameter element
+                fbmt=_version(),
+                saved=time.strftime("%Y-%m-%d %H:%M:%S"),
+            ),
+            os.path.join(partial, MARKER),
+        )
+        if os.path.exists(final):  # saving a step again: the old copy goes only once the new one is whole
+            old = os.path.join(folder, f".{name}.old")
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, final)
+        fsync_dir(folder)
+        if keep is not None:
+            for _, path in checkpoints(folder)[:-keep]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    _on_rank0(finish, f"cannot complete checkpoint {final!r}")
+    log.info("fbmt: saved %s in %.1fs", final, time.perf_counter() - started)
+    return final
+
+
+# ---- loading ----
+
+
+def load(
+    path: str,
+    *,
+    model: CompiledModule,
+    optimizer: torch.optim.Optimizer | None = None,
+    state: dict[str, Any] | None = None,
+) -> Resumed | None:
+    """Restore a checkpoint `save` wrote (a collective: every rank calls it with the same arguments).
+
+    `path`: a checkpoint (`.../step-00000100`), or a folder of them, whose newest complete one is
+    loaded; None when the folder holds none (a fresh start). The checkpoint may come from any number
+    of ranks; the RNG states are restored only from the same number."""
+    _require_compiled(model, "load")
+    chosen = _on_rank0(lambda: _resolve(path), "")
+    if chosen is None:
+        return None
+    marker = _on_rank0(lambda: _read_marker(chosen), "")
+    rank, world = distributed.rank(), distributed.world_size()
+    reader = dcp.FileSystemReader(chosen)
+    saved = reader.read_metadata().state_dict_metadata
+    sd: dict[str, Any] = {"model": _model_pieces(model)}
+    restore_optim = None
+    if optimizer is not None:
+        if not any(k.startswith("optim.") for k in saved):
+            raise CheckpointError(f"fbmt.checkpoint.load: {chosen!r} holds no optimizer state; pass optimizer=None")
+        sd["optim"], restore_optim = _optimizer_destination(model, optimizer, saved, marker.get("per_element", []))
+    same_world = marker["world_size"] == world
+    if same_world:
+        sd[f"rng.rank{rank}"] = _rng_state()  # the same structure: DCP loads into it
+    elif rank == 0:
+        log.warning(
+            "fbmt: %s was saved on %d ranks and this job has %d: resharded; random number streams start afresh",
+            chosen,
+            marker["world_size"],
+            world,
+        )
+    for key, value in (state or {}).items():
+        if f"state.{key}" not in saved and not any(s.startswith(f"state.{key}.") for s in saved):
+            raise CheckpointError(f"fbmt.checkpoint.load: {chosen!r} holds no state {key!r} (it has {_states(saved)})")
+        sd[f"state.{key}"] = value.state_dict() if _stateful(value) else value  # the structure to load into
+    try:
+        dcp.load(sd, checkpoint_id=chosen, planner=_LoadPlanner(), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(
+            f"fbmt.checkpoint.load: cannot load {chosen!r} into this {type(model._orig).__name__}: "
+            f"{_first_line(e)}. Is it a checkpoint of this model (same parameter names and shapes)?"
+        ) from e
+    if restore_optim is not None:
+        restore_optim(sd["optim"])
+    if same_world:
+        _set_rng_state(sd[f"rng.rank{rank}"])
+    values = {}
+    for key, value in (state or {}).items():
+        if _stateful(value):
+            value.load_state_dict(sd[f"state.{key}"])
+            values[key] = value
+        else:
+            values[key] = sd[f"state.{key}"]
+    log.info("fbmt: resumed from %s (step %d)", chosen, marker["step"])
+    return Resumed(step=marker["step"], path=chosen, world_size=marker["world_size"], state=values)
+
+
+def _resolve(path: str) -> str | None:
+    if os.path.isfile(os.path.join(path, MARKER)):
+        return path
+    if _NAME.match(os.path.basename(os.path.normpath(path))):
+        raise CheckpointError(
+            f"fbmt.checkpoint.load: {path!r} is incomplete (it has no {MARKER}: its save did not finish) "
+            f"or missing; complete checkpoints beside it: {[p for _, p in checkpoints(os.path.dirname(path))]}"
+        )
+    if os.path.isfile(path):
+        raise CheckpointError(
+            f"fbmt.checkpoint.load: {path!r} is a file; fbmt.checkpoint reads the folders fbmt.checkpoint.save "
+            "writes (for a single torch.save file, use model.load_state_dict(torch.load(path)) or fbmt.load)"
+        )
+    found = latest(path)
+    if found is None and os.path.isdir(path):
+        incomplete = sorted(n for n in os.listdir(path) if _NAME.match(n))
+        if incomplete:
+            log.warning(
+                "fbmt: %s holds only incomplete checkpoints %s (no %s): starting afresh", path, incomplete, MARKER
+            )
+    return found
+
+
+def _read_marker(path: str) -> dict[str, Any]:
+    import json
+
+    with open(os.path.join(path, MARKER)) as f:
+        return json.load(f)
+
+
+def _states(saved: dict[str, Any]) -> list[str]:
+    return sorted({k.split(".")[1] for k in saved if k.startswith("state.")})
+
+
+# ---- what a rank writes and reads ----
+
+
+class _Pieces:
+    """This rank's part of one parameter-shaped tensor, as boxes that view local storage (NOTE: [Pieces
+    of flat shards])."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, boxes: list[tuple[tuple, tuple, torch.Tensor]]):
+        self.shape, self.dtype, self.boxes = torch.Size(shape), dtype, boxes
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                    properties=TensorProperties.create_from_tensor(view),
+                    size=self.shape,
+                ),
+            )
+            for offsets, sizes, view in self.boxes
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in self.boxes]
+
+    def find(self, offsets: Any) -> torch.Tensor:
+        for o, _, view in self.boxes:
+            if torch.Size(o) == torch.Size(offsets):
+                return view
+        raise KeyError(offsets)
+
+
+def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, int, int]]:
+    """Elements [lo, hi) of a row-major tensor of `shape` as boxes: (offsets, sizes, flat lo, flat hi)."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,) if shape else (), (hi - lo,) if shape else (), lo, hi)]
+    inner = math.prod(shape[1:])
+
+    def row(r: int, a: int, b: int) -> list[tuple[tuple, tuple, int, int]]:
+        return [((r, *o), (1, *s), r * inner + x, r * inner + y) for o, s, x, y in _boxes(shape[1:], a, b)]
+
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return row(first, lo - first * inner, hi - first * inner)
+    out = []
+    if lo % inner:
+        out += row(first, lo % inner, inner)
+        first += 1
+    whole = hi // inner
+    if whole > first:
+        out.append(((first, *[0] * (len(shape) - 1)), (whole - first, *shape[1:]), first * inner, whole * inner))
+    if hi % inner:
+        out += row(whole, 0, hi % inner)
+    return out
+
+
+def _pieces(shape: tuple[int, ...], lo: int, local: torch.Tensor) -> _Pieces:
+    """`local` holds elements [lo, lo + local.numel()) of a flattened tensor of `shape`."""
+    flat = local.detach().reshape(-1)
+    boxes = [(o, s, flat[a - lo : b - lo].view(s)) for o, s, a, b in _boxes(shape, lo, lo + flat.numel())]
+    return _Pieces(shape, local.dtype, boxes)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Elements [a, b) of a flat tensor hold elements [start, start + b - a) of `slot` (of `group`)."""
+
+    group: Any
+    slot: Any
+    a: int
+    b: int
+    start: int
+
+    def of(self, tensor: torch.Tensor) -> Any:
+        if self.slot.numel == 0:  # nothing to shard: DCP keeps it as a (replicated) empty tensor
+            return torch.empty(self.slot.shape, dtype=tensor.dtype)
+        return _pieces(self.slot.shape, self.start, tensor.detach().reshape(-1)[self.a : self.b])
+
+
+def _parts(model: CompiledModule) -> dict[int, list[_Part]]:
+    """id(shard or view) -> the slots it holds elements of, on this rank."""
+    out: dict[int, list[_Part]] = {}
+    for group, shard in zip(model.layout.groups, model.flat_params):
+        base, parts = model.rank * group.shard_numel, []
+        for s in group.slots:
+            lo, hi = local_range(group, s, model.rank)
+            parts.append(_Part(group, s, lo - base, max(lo, hi) - base, lo - s.offset))
+        out[id(shard)] = parts
+        for s, view in zip(group.slots, model.views[group.index] if model.views is not None else []):
+            lo, hi = local_range(group, s, model.rank)
+            out[id(view)] = [_Part(group, s, 0, max(lo, hi) - lo, lo - s.offset)]
+    return out
+
+
+def _model_pieces(model: CompiledModule) -> dict[str, Any]:
+    pieces = {part.slot.name: part.of(shard) for shard in model.flat_params for part in _parts(model)[id(shard)]}
+    out: dict[str, Any] = {}
+    for k, v in model._orig.state_dict(keep_vars=True).items():  # every name, tied ones too, in torch's order
+        out[k] = pieces[model.layout.aliases[k]] if k in model.layout.aliases else v.detach()
+    return out
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _owners(model: CompiledModule, optimizer: torch.optim.Optimizer) -> list[list[_Part]]:
+    parts = _parts(model)
+    owners = []
+    for i, p in enumerate(_params(optimizer)):
+        if id(p) not in parts:
+            raise CheckpointError(
+                f"fbmt.checkpoint: parameter #{i} of the {type(optimizer).__name__} (shape {tuple(p.shape)}) is "
+                "not one of the model's; build the optimizer on model.parameters()"
+            )
+        owners.append(parts[id(p)])
+    return owners
+
+
+def _per_element(v: Any, p: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == p.numel()
+
+
+def _optimizer_pieces(model: CompiledModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state as torch's `get_optimizer_state_dict` keys it: by parameter name."""
+    owners, params = _owners(model, optimizer), _params(optimizer)
+    sd = optimizer.state_dict()
+    state: dict[str, dict[str, Any]] = {}
+    for index, entry in sd["state"].items():
+        for part in owners[int(index)]:
+            per = state.setdefault(part.slot.name, {})
+            for k, v in entry.items():
+                per[k] = part.of(v) if _per_element(v, params[int(index)]) else v  # "step": the same everywhere
+    groups = []
+    for g in sd["param_groups"]:
+        names = [part.slot.name for i in g["params"] for part in owners[i]]
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+    extra = {k: v for k, v in sd.items() if k not in ("state", "param_groups")}
+    return {"state": state, "param_groups": groups, **({"extra": extra} if extra else {})}
+
+
+def _optimizer_destination(
+    model: CompiledModule, optimizer: torch.optim.Optimizer, saved: dict[str, Any], per_element: list[str]
+) -> Any:
+    """Tensors for DCP to load this rank's optimizer state into, and the function that hands it on."""
+    owners = _owners(model, optimizer)
+    params = _params(optimizer)
+    keys: dict[str, list[str]] = {}
+    for fqn in saved:
+        if fqn.startswith("optim.state."):
+            name, _, k = fqn[len("optim.state.") :].rpartition(".")
+            keys.setdefault(name, []).append(k)
+    state: dict[str, dict[str, Any]] = {}
+    buffers: dict[int, dict[str, torch.Tensor]] = {}  # per optimizer parameter: its per-element states
+    for i, parts in enumerate(owners):
+        for part in parts:
+            per = state.setdefault(part.slot.name, {})
+            for k in keys.get(part.slot.name, []):
+                md = saved[f"optim.state.{part.slot.name}.{k}"]
+                if not isinstance(md, TensorStorageMetadata):
+                    per[k] = None  # bytes: DCP puts the saved value here
+                elif tuple(md.size) == part.slot.shape and (part.slot.shape or k in per_element):
+                    mine = buffers.setdefault(i, {})
+                    if k not in mine:
+                        mine[k] = torch.zeros(params[i].numel(), dtype=md.properties.dtype, device=params[i].device)
+                    per[k] = part.of(mine[k])
+                else:
+                    per[k] = torch.empty(md.size, dtype=md.properties.dtype)
+    mine = optimizer.state_dict()
+    groups = [{**g, "params": []} for g in mine["param_groups"]]  # the structure to load into
+    extra = {k: v for k, v in mine.items() if k not in ("state", "param_groups")}
+    dest = {"state": state, "param_groups": groups, **({"extra": extra} if extra else {})}
+
+    def restore(loaded: dict[str, Any]) -> None:
+        torch_state: dict[int, dict[str, Any]] = {}
+        for i, parts in enumerate(owners):
+            entry: dict[str, Any] = {}
+            for part in parts:
+                for k, v in loaded["state"].get(part.slot.name, {}).items():
+                    if k in buffers.get(i, {}):
+                        entry[k] = buffers[i][k]
+                    elif k not in entry:
+                        entry[k] = v
+            if entry:
+                torch_state[i] = entry
+        groups = loaded["param_groups"]
+        mine = optimizer.state_dict()["param_groups"]
+        if len(groups) != len(mine):
+            raise CheckpointError(
+                f"fbmt.checkpoint.load: the checkpoint's optimizer has {len(groups)} parameter groups, this "
+                f"{type(optimizer).__name__} {len(mine)}; build the optimizer as the saved run did"
+            )
+        torch_groups = []
+        for saved_g, g in zip(groups, mine):
+            want = [part.slot.name for i in g["params"] for part in owners[i]]
+            if sorted(saved_g["params"]) != sorted(want):
+                raise CheckpointError(
+                    "fbmt.checkpoint.load: the optimizer's parameter groups hold other parameters than the "
+                    f"checkpoint's (first group: {want[:3]}..., saved: {saved_g['params'][:3]}...)"
+                )
+            torch_groups.append({**{k: v for k, v in saved_g.items() if k != "params"}, "params": g["params"]})
+        optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups, **(loaded.get("extra") or {})})
+
+    return dest, restore
+
+
+# ---- random number streams ----
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        out["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return out
+
+
+def _set_rng_state(saved: dict[str, Any]) -> None:
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["python"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved["cuda"])
+    if "numpy" in saved:
+        import numpy as np
+
+        np.random.set_state(saved["numpy"])
+
+
+# ---- DCP's planners, taught where the pieces live ----
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.find(index.offset) if isinstance(obj, _Pieces) else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        # DCP's set-up rebuilds the state dict and drops values it does not know: hide the pieces
+        pieces: dict[tuple[str, ...], _Pieces] = {}
+
+        def hide(d: dict[str, Any], path: tuple[str, ...]) -> None:
+            for k, v in d.items():
+                if isinstance(v, _Pieces):
+                    pieces[(*path, k)], d[k] = v, "fbmt:pieces"
+                elif isinstance(v, dict):
+                    hide(v, (*path, k))
+
+        hide(state_dict, ())
+        super().set_up_planner(state_dict, *args, **kwargs)
+        for path, v in pieces.items():
+            d = self.original_state_dict
+            for k in path[:-1]:
+                d = d[k]
+            d[path[-1]] = v
+            self.state_dict[".".join(path)] = v
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.find(index.offset) if isinstance(obj, _Pieces) else super().lookup_tensor(index)
+
+
+# ---- helpers ----
+
+
+def _is_pieces(value: Any) -> bool:
+    return isinstance(value, _Pieces)
+
+
+def _stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _require_compiled(model: Any, what: str) -> None:
+    if not isinstance(model, CompiledModule):
+        raise TypeError(
+            f"fbmt.checkpoint.{what}(model=...): expected the module fbmt.compile returned, got "
+            f"{type(model).__name__} (for a BMTrain model, use fbmt.save / fbmt.load)"
+        )
+
+
+def _on_rank0(fn: Any, what: str) -> Any:
+    """Run `fn` on rank 0; every rank returns its result, or raises if it raised there."""
+    result: list[Any] = [None, None]
+    if distributed.rank() == 0:
+        try:
+            result = [fn(), None]
+        except Exception as e:
+            result = [None, e if isinstance(e, CheckpointError) else f"{what}: {_first_line(e)}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(result, src=0)
+    value, error = result
+    if isinstance(error, BaseException):
+        raise error
+    if error is not None:
+        raise CheckpointError(f"fbmt.checkpoint: {error} (on rank 0)")
+    return value
+
+
+def _check_every_file_is_here(path: str) -> None:
+    """Every rank's data file is in rank 0's folder: otherwise the ranks do not share it."""
+    meta = dcp.FileSystemReader(path).read_metadata()
+    files = {info.relative_path for info in (meta.storage_data or {}).values()}
+    missing = sorted(f for f in files if not os.path.exists(os.path.join(path, f)))
+    if missing:
+        raise CheckpointError(
+            f"fbmt.checkpoint.save: {missing} written by other ranks are not in rank 0's {path!r}; the "
+            "checkpoint folder must be on a filesystem every rank shares"
+        )
+
+
+def _first_line(e: BaseException) -> str:
+    if isinstance(e, CheckpointException):  # one line per failed rank, without the tracebacks
+        return "; ".join(f"rank {r}: {_first_line(exc)}" for r, (exc, _) in sorted(e.failures.items()))
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fbmt")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"

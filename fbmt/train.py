@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fbmt
-from fbmt.checkpoint import save_atomic
+from fbmt.files import save_atomic
 from fbmt.models import GPT, GPTConfig, init_weights
 from fbmt.passes import POLICIES, STRATEGIES
 

@@ -2,7 +2,7 @@
 between fbmt's modules must point down or sideways in the picture of docs/ARCHITECTURE.md, never up
 and never in a circle.
 
-    base      flags, distributed, checkpoint, kernels/ (numba), _C           imports only base
+    base      flags, distributed, files, kernels/ (numba), _C                imports only base
     ir        ops/, layout, program                                          + base
     trace     trace                                                          + ir
     sim       sim                                                            + ir
@@ -12,7 +12,7 @@ and never in a circle.
     bmt       bmt/ (BMTrain's names)    only through the compiler's public entry points (PUBLIC)
     optim     optim/                                                         + bmt (OptimManager)
     models    models/                                                        nothing of fbmt
-    top       fbmt/__init__.py, train                                        anything
+    top       fbmt/__init__.py, train, checkpoint                            anything
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent / "fbmt"
 GROUPS = [  # (module prefix, group); the longest matching prefix decides
     ("fbmt.flags", "base"),
     ("fbmt.distributed", "base"),
-    ("fbmt.checkpoint", "base"),
+    ("fbmt.files", "base"),
+    ("fbmt.checkpoint", "top"),
     ("fbmt.kernels", "base"),
     ("fbmt._C", "base"),
     ("fbmt.ops", "ir"),

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fbmt import distributed
 from fbmt.bmt.module import DistributedModule, gathering, is_lowered, lower
-from fbmt.checkpoint import save_atomic
+from fbmt.files import save_atomic
 
 
 def save(model: nn.Module, file_name: str, non_blocking: bool = False) -> None:

@@ -104,10 +104,10 @@ def test_load_a_torch_save_file_on_two_ranks(tmp_path):
 
 
 def _load_seen_by_rank0_only(rank: int, world: int, path: str, strict: bool) -> dict:
-    import fbmt.checkpoint
+    import fbmt.files
 
     if rank == 1:  # a multi-node job: the checkpoint is on node 0's disk only
-        fbmt.checkpoint.os.path.exists = lambda p: False
+        fbmt.files.os.path.exists = lambda p: False
     model = BNet()
     keys = bmt.load(model, path, strict=strict)
     return dict(params=full_params(model), missing=list(keys.missing_keys))
