@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import fbmt as bmt  # was: import bmtrain as bmt
-from fbmt.train import batches, load_corpus
+from fbmt.train import batch_at, load_corpus
 
 
 class Embedding(bmt.DistributedModule):
@@ -166,13 +166,15 @@ def main() -> None:
     optim_manager = bmt.optim.OptimManager(loss_scale=1024)
     optim_manager.add_optimizer(optimizer, lr_scheduler)
 
-    data = batches(load_corpus(4), args.batch, args.seq, seed=1 + bmt.rank(), device=device)
+    corpus = load_corpus(4)
     gen = torch.Generator().manual_seed(bmt.rank())
     avg = bmt.utils.AverageRecorder()
     losses = []
     started = time.perf_counter()
     for iteration in range(args.steps):
-        enc_input, targets = next(data)
+        enc_input, targets = batch_at(
+            corpus, iteration * bmt.world_size() + bmt.rank(), args.batch, args.seq, 1, device
+        )
         pos = torch.arange(args.seq, device=device).expand(args.batch, -1)
         enc_length = torch.randint(args.seq // 2, args.seq + 1, (args.batch,), generator=gen).to(device)
         targets = torch.where(pos < enc_length[:, None], targets, -100)  # padding predicts nothing

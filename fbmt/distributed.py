@@ -100,9 +100,12 @@ def init_distributed(
                     f"fbmt.init_distributed: RANK and WORLD_SIZE are set but {missing} are not; "
                     "launch with torchrun, or set them"
                 )
-            dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=wait)
-            )
+            limit = datetime.timedelta(seconds=wait)
+            if init_method == "env://" and "TORCHELASTIC_RESTART_COUNT" in env:
+                store = _attempt_store(env, rank, world, limit)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
+            else:
+                dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=limit)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     except RuntimeError as e:  # DistStoreError (a timeout) and connection errors are RuntimeErrors
@@ -115,6 +118,24 @@ def init_distributed(
         ) from e
     _fill_config()
     seed_everything(seed)
+
+
+def _attempt_store(env: Any, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, with this attempt's keys apart from earlier attempts'.
+
+    Under `torchrun --max-restarts`, the restarted ranks meet in the same store as the attempt before;
+    without a prefix a new rank can read a dead rank's gloo address before its successor overwrites
+    it, and fails to connect ("Gloo connectFullMesh failed ... Connection refused")."""
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent,
+    )
+    return dist.PrefixStore(f"fbmt/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def _fill_config() -> None:

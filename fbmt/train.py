@@ -6,12 +6,17 @@
 Without a launcher it starts itself under torchrun (`torch.distributed.run`) with one rank per GPU,
 or `--ranks` CPU ranks. The corpus is the standard library's .py files, read as bytes, so every
 machine has it and nothing is downloaded. Rank 0 prints loss, tokens/s and every rank's peak memory
-each step, evaluates on held-out files, samples some text, and writes an atomic checkpoint.
+each step, and appends them to `<checkpoints>/metrics.csv`. Every `--save-every` steps and at the
+end it writes a sharded checkpoint (`fbmt.checkpoint`); run it again, or let `torchrun
+--max-restarts` restart it, and it resumes from the newest complete one, drawing the same batches
+and dropout masks as an uninterrupted run. At the end it evaluates on held-out files, samples some
+text, and exports the model as one plain `torch.save` file.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import glob
 import os
@@ -42,37 +47,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ranks",
         type=int,
         default=torch.cuda.device_count() if gpu else 2,
-        help="ranks to launch (default: every GPU, else 2 CPU ranks)",
+        help="ranks to launch (every GPU, else 2 CPU ranks)",
     )
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps in all (a resumed run continues to it)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=512 if gpu else 128)
-    p.add_argument("--layers", type=int, default=12 if gpu else 4)
-    p.add_argument("--d-model", type=int, default=768 if gpu else 128)
-    p.add_argument("--heads", type=int, default=12 if gpu else 4)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=1e-3 if gpu else 2e-3)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16" if gpu else "float32")
-    p.add_argument("--zero", type=int, default=3, choices=[2, 3])
-    p.add_argument("--remat", default="block", choices=POLICIES)
+    p.add_argument("--seq-len", type=int, default=512 if gpu else 128, help="tokens (bytes) per sequence")
+    p.add_argument("--layers", type=int, default=12 if gpu else 4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=768 if gpu else 128, help="model width")
+    p.add_argument("--heads", type=int, default=12 if gpu else 4, help="attention heads (must divide --d-model)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    p.add_argument("--lr", type=float, default=1e-3 if gpu else 2e-3, help="AdamW's peak learning rate")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="bfloat16" if gpu else "float32", help="parameter dtype"
+    )
+    p.add_argument("--zero", type=int, default=3, choices=[2, 3], help="ZeRO stage (fbmt.compile(zero=...))")
+    p.add_argument("--remat", default="block", choices=POLICIES, help="what the backward recomputes")
     p.add_argument(
         "--backend",
         default="eager",
         choices=["eager", "inductor"],
         help="inductor: compile the compute between collectives (see README)",
     )
-    p.add_argument("--schedule", default="prefetch", choices=sorted(STRATEGIES))
+    p.add_argument(
+        "--schedule", default="prefetch", choices=sorted(STRATEGIES), help="the communication schedule strategy"
+    )
     p.add_argument(
         "--cuda-graph",
         action="store_true",
         help="GPU only: replay each step's forward and backward as CUDA graphs after 2 warm-up steps",
     )
     p.add_argument("--corpus-mb", type=float, default=16.0, help="how much of the stdlib to read")
-    p.add_argument("--out", default="checkpoints/gpt-stdlib.pt", help="checkpoint written at the end")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--checkpoints",
+        default="checkpoints/gpt-stdlib",
+        help="folder of this run's sharded checkpoints, its metrics.csv and the exported model",
+    )
+    p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept, the newest")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto: continue from the newest complete checkpoint in --checkpoints if there is one; "
+        "no: start afresh (refused where --checkpoints holds an earlier run's); or a checkpoint folder",
+    )
+    p.add_argument(
+        "--export",
+        default=None,
+        help="the final model as one torch.save file for fbmt.models.GPT (default: <checkpoints>/model.pt)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batches and dropout")
     args = p.parse_args(argv)
     if args.cuda_graph and not gpu:
         p.error("--cuda-graph needs GPUs (CUDA graphs), and this machine has none")
+    if args.ranks < 1:
+        p.error(f"--ranks {args.ranks}: at least one rank is needed")
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: at least one step is needed")
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} does not divide into --heads {args.heads}")
+    if min(args.batch_size, args.seq_len, args.layers) < 1 or args.save_every < 0 or args.keep < 1:
+        p.error("--batch-size, --seq-len, --layers and --keep must be at least 1, --save-every at least 0")
+    args.export = args.export or os.path.join(args.checkpoints, "model.pt")
     return args
 
 
@@ -94,7 +129,8 @@ def launch(args: argparse.Namespace) -> int:
     ]
     threads = max(1, (os.cpu_count() or 2) // args.ranks)  # CPU ranks share the cores instead of oversubscribing
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
-    print(f"fbmt.train: launching {args.ranks} ranks: {' '.join(cmd[1:])}", flush=True)
+    ranks = f"{args.ranks} rank{'s' if args.ranks > 1 else ''}"
+    print(f"fbmt.train: launching {ranks}: {' '.join(cmd[1:])}", flush=True)
     return subprocess.call(cmd, env=env)
 
 
@@ -115,15 +151,17 @@ def load_corpus(megabytes: float) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
 
 
-def batches(data: torch.Tensor, batch: int, seq: int, seed: int, device: torch.device):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
-        yield window[:, :-1].to(device), window[:, 1:].to(device)
+def batch_at(data: torch.Tensor, step: int, batch: int, seq: int, seed: int, device: torch.device):
+    """Step `step`'s sequences: a function of (seed, step) only, so a resumed run draws what an
+    uninterrupted one would."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+    window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+    return window[:, :-1].to(device), window[:, 1:].to(device)
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """The CUDA allocator's peak on GPU; on CPU, the process's peak resident set (RSS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -163,21 +201,25 @@ def main(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     corpus = load_corpus(args.corpus_mb)
     split = int(0.95 * len(corpus))
-    train = batches(corpus[:split], args.batch_size, args.seq_len, args.seed + 1 + rank, device)
     log = print if rank == 0 else (lambda *a, **k: None)
+    done = resume(args, model, opt, log)
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
     log(
-        f"fbmt.train: GPT {n_params / 1e6:.2f}M params ({args.dtype}), {world} ranks on {device.type}, "
+        f"fbmt.train: GPT {n_params / 1e6:.2f}M params ({args.dtype}), {ranks} on {device.type}, "
         f"zero={args.zero} remat={args.remat} schedule={args.schedule} backend={args.backend}, "
         f"corpus {len(corpus) / 2**20:.1f} MB of stdlib source, "
         f"{args.batch_size}x{args.seq_len} tokens per rank per step",
         flush=True,
     )
+    metrics = Metrics(os.path.join(args.checkpoints, "metrics.csv"), done) if rank == 0 else None
     tty = sys.stdout.isatty()
     first_loss = last_loss = float("nan")
     tokens = args.batch_size * args.seq_len * world
-    for step in range(1, args.steps + 1):
+    memory = "peak mem" if device.type == "cuda" else "peak RSS"
+    for step in range(done + 1, args.steps + 1):
         start = time.perf_counter()
-        x, y = next(train)
+        # each rank its own sequences of the step's global batch
+        x, y = batch_at(corpus[:split], step * world + rank, args.batch_size, args.seq_len, args.seed + 1, device)
         lr = args.lr * min(1.0, step / 20)  # short warm-up
         for group in opt.param_groups:
             group["lr"] = lr
@@ -191,7 +233,7 @@ def main(args: argparse.Namespace) -> None:
         dist.all_gather(gathered, stats)
         elapsed = time.perf_counter() - start
         last_loss = sum(float(s[0]) for s in gathered) / world
-        if step == 1:
+        if step == done + 1:
             first_loss = last_loss
             log(
                 f"fbmt.train: compile + first step {time.perf_counter() - t0:.1f}s "
@@ -201,32 +243,84 @@ def main(args: argparse.Namespace) -> None:
         mems = " ".join(f"r{r}:{float(s[1]):.0f}MB" for r, s in enumerate(gathered))
         line = (
             f"step {step:4d}/{args.steps} {progress(step, args.steps)} loss {last_loss:.4f} | "
-            f"{tokens / elapsed / 1e3:7.1f}k tok/s | peak mem {mems}"
+            f"{tokens / elapsed / 1e3:7.1f}k tok/s | {memory} {mems}"
         )
         if tty:
             log("\r" + line, end="\n" if step % 10 == 0 or step == args.steps else "", flush=True)
         else:
             log(line, flush=True)
+        if metrics is not None:
+            metrics.write(step, last_loss, tokens / elapsed, max(float(s[1]) for s in gathered), lr)
+        if step == args.steps or (args.save_every and step % args.save_every == 0):
+            path = fbmt.checkpoint.save(args.checkpoints, step, model=model, optimizer=opt, keep=args.keep)
+            log(f"fbmt.train: checkpoint {path}", flush=True)
     val = evaluate(model, corpus[split:], args, device)
-    log(f"fbmt.train: loss {first_loss:.3f} -> {last_loss:.3f} (train), {val:.3f} (held-out)", flush=True)
+    if done < args.steps:
+        log(f"fbmt.train: loss {first_loss:.3f} -> {last_loss:.3f} (train), {val:.3f} (held-out)", flush=True)
+    else:
+        log(f"fbmt.train: {val:.3f} held-out loss", flush=True)
     sample = generate(model, b"def ", 80, cfg.seq_len, device)
     log("fbmt.train: sample: " + repr(sample.decode("utf-8", errors="replace")), flush=True)
     state = model.state_dict()
     if rank == 0:
         save_atomic(
-            {
-                "model": state,
-                "config": dataclasses.asdict(cfg),
-                "dtype": args.dtype,
-                "steps": args.steps,
-                "loss": last_loss,
-            },
-            args.out,
+            {"model": state, "config": dataclasses.asdict(cfg), "dtype": args.dtype, "steps": args.steps},
+            args.export,
         )
-        log(f"fbmt.train: saved {args.out} (loads into fbmt.models.GPT with load_state_dict)", flush=True)
+        log(f"fbmt.train: exported {args.export} (loads into fbmt.models.GPT with load_state_dict)", flush=True)
     dist.barrier()  # nobody leaves while a peer may still be mid-collective
     model.release_graphs()  # NCCL waits for CUDA graphs that captured its collectives
     dist.destroy_process_group()
+
+
+def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, log) -> int:
+    """The step the run continues after (0: a fresh start), having loaded the checkpoint if any."""
+    if args.resume == "no":
+        found = fbmt.checkpoint.latest(args.checkpoints)
+        if found is not None:
+            raise SystemExit(
+                f"fbmt.train: {args.checkpoints} holds an earlier run's checkpoints (newest: {found}); "
+                "continue it with --resume auto (the default), or pass another --checkpoints folder"
+            )
+        return 0
+    where = args.checkpoints if args.resume == "auto" else args.resume
+    resumed = fbmt.checkpoint.load(where, model=model, optimizer=opt)
+    if resumed is None:
+        return 0
+    log(f"fbmt.train: resumed from {resumed.path} (step {resumed.step} of {args.steps})", flush=True)
+    if resumed.step >= args.steps:
+        log(f"fbmt.train: already trained to step {resumed.step}; pass a larger --steps to go on", flush=True)
+    return resumed.step
+
+
+class Metrics:
+    """Rank 0's per-step metrics as CSV; a resumed run first drops the rows after its checkpoint."""
+
+    FIELDS = ("step", "loss", "tokens_per_s", "peak_memory_mb", "lr", "time")
+
+    def __init__(self, path: str, resumed_step: int):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        rows = []
+        if os.path.exists(path):
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resumed_step]
+        self.file = open(path, "w", newline="")  # noqa: SIM115 (kept open for the whole run)
+        self.writer = csv.DictWriter(self.file, fieldnames=self.FIELDS)
+        self.writer.writeheader()
+        self.writer.writerows(rows)
+
+    def write(self, step: int, loss: float, tokens_per_s: float, memory: float, lr: float) -> None:
+        self.writer.writerow(
+            dict(
+                step=step,
+                loss=f"{loss:.6f}",
+                tokens_per_s=f"{tokens_per_s:.1f}",
+                peak_memory_mb=f"{memory:.1f}",
+                lr=f"{lr:.6g}",
+                time=f"{time.time():.3f}",
+            )
+        )
+        self.file.flush()
 
 
 @torch.no_grad()
@@ -234,10 +328,9 @@ def evaluate(
     model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace, device: torch.device, n: int = 4
 ) -> float:
     model.eval()
-    it = batches(data, args.batch_size, args.seq_len, 12345, device)
     losses = []
-    for _ in range(n):
-        x, y = next(it)
+    for i in range(n):
+        x, y = batch_at(data, i, args.batch_size, args.seq_len, 12345, device)
         losses.append(F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1)))
     model.train()
     mean = torch.stack(losses).mean()

@@ -20,5 +20,19 @@ if [ "${1:-}" = "--test" ]; then
   # The numba-CUDA kernels are tested under numba's CUDA simulator on machines without a GPU.
   "$PY" -c "import numba.cuda" 2>/dev/null || pip_install numba-cuda
 fi
-pip_install --no-build-isolation --no-deps -e .
+# fbmt itself, in editable mode: skipped where this folder is what `import fbmt` finds and the native
+# extension is newer than its sources (a reinstall rebuilds the extension, which takes minutes).
+ROOT=$(pwd)
+if ! (cd / && "$PY" - "$ROOT" 2>/dev/null <<'EOF'
+import glob, os, sys
+import fbmt, fbmt._C
+root = sys.argv[1]
+assert os.path.dirname(os.path.abspath(fbmt.__file__)) == os.path.join(root, "fbmt")
+built = os.path.getmtime(fbmt._C.__file__)
+sources = glob.glob(os.path.join(root, "fbmt", "csrc", "*")) + [os.path.join(root, f) for f in ("setup.py", "pyproject.toml")]
+assert all(os.path.getmtime(f) <= built for f in sources if os.path.isfile(f))
+EOF
+); then
+  pip_install --no-build-isolation --no-deps -e .
+fi
 "$PY" -c "import torch, fbmt; print(f'install: fbmt {fbmt.__version__} on torch {torch.__version__}')"

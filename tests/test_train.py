@@ -1,4 +1,4 @@
-"""The main job end to end: `python -m fbmt.train` launches ranks, trains, saves a usable checkpoint."""
+"""The main job end to end: `python -m fbmt.train` launches ranks, trains, checkpoints, exports a usable model."""
 
 import os
 import socket
@@ -10,8 +10,7 @@ import torch
 from fbmt.models import GPT, GPTConfig
 
 
-def test_main_job_trains_and_saves_a_plain_checkpoint(tmp_path):
-    out = tmp_path / "ck.pt"
+def test_main_job_trains_checkpoints_and_exports_a_plain_model(tmp_path):
     cmd = [
         sys.executable,
         "-m",
@@ -30,8 +29,8 @@ def test_main_job_trains_and_saves_a_plain_checkpoint(tmp_path):
         "64",
         "--corpus-mb",
         "1",
-        "--out",
-        str(out),
+        "--checkpoints",
+        str(tmp_path),
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -39,10 +38,21 @@ def test_main_job_trains_and_saves_a_plain_checkpoint(tmp_path):
     assert len(lines) == 30 and "tok/s" in lines[-1] and "r1:" in lines[-1]
     losses = [float(line.split("loss ")[1].split()[0]) for line in lines]
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses  # the loss falls
-    ck = torch.load(out, weights_only=False)
+    ck = torch.load(tmp_path / "model.pt", weights_only=False)
     model = GPT(GPTConfig(**ck["config"]))
     model.load_state_dict(ck["model"])  # a plain nn.Module loads it: full tensors, original keys
-    assert not list(tmp_path.glob(".tmp-*")), "no temporary file left behind"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "model.pt", "step-00000030"]
+    assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 31  # a header and a row per step
+
+
+def test_main_job_options_that_cannot_work_are_refused_before_anything_starts():
+    for bad, says in [
+        (["--ranks", "0"], "at least one rank"),
+        (["--heads", "3"], "does not divide into --heads 3"),
+        (["--steps", "0"], "at least one step"),
+    ]:
+        run = subprocess.run([sys.executable, "-m", "fbmt.train", *bad], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and says in run.stderr, (bad, run.stderr[-500:])
 
 
 def test_bmtrain_example_runs_under_torchrun_and_its_loss_falls(tmp_path):
