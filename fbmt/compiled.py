@@ -15,11 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fbmt import pipeline
+from fbmt import distributed, pipeline
 from fbmt.layout import Layout, copy_into_shard, local_range
 from fbmt.ops import record
 from fbmt.options import CompileOptions
@@ -72,7 +71,6 @@ class CompiledModule(nn.Module):
         self.layout, self.options, self.device, self.rank = layout, options, device, rank
         self.programs: dict[Any, Program] = {}
         self._executables: dict[Any, Executable] = {}
-        self._checked: set[str] = set()
         self.program: Program | None = None
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
         self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
@@ -270,18 +268,21 @@ class CompiledModule(nn.Module):
         return [feeders[r.kind](r.key) for r in exe.fwd_inputs]
 
     def _check_ranks_agree(self, exe: Executable) -> None:
-        """Ranks that traced different programs would deadlock in mismatched collectives: fail instead."""
-        if exe.signature in self._checked:
-            return
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            sigs: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(sigs, exe.signature)
-            if len(set(sigs)) > 1:
-                raise RuntimeError(
-                    f"fbmt: ranks compiled different programs (collective signatures {sigs}); every rank "
-                    "must call the model with the same input shapes, dtypes, train/eval mode and grad mode"
-                )
-        self._checked.add(exe.signature)
+        """Ranks about to run different programs (one compiled a new one, one runs a cached one) would
+        deadlock in mismatched collectives, or pair the wrong ones: fail instead. Every call, on the
+        host, so that a rank that stalls is named too (`distributed.agree`)."""
+        digests = distributed.agree(int(exe.signature[:15], 16), "a call of the compiled model")
+        if len(set(digests)) > 1:
+            by_program: dict[int, list[int]] = {}
+            for r, d in enumerate(digests):
+                by_program.setdefault(d, []).append(r)
+            raise RuntimeError(
+                "fbmt: ranks compiled different programs (ranks by program: "
+                f"{list(by_program.values())}); every rank must call the model with the same input shapes, "
+                "dtypes, train/eval mode and grad mode, and the same calls in the same order (a call on "
+                "some ranks only, under no_grad on one rank, or after an exception caught on one rank "
+                "breaks this)"
+            )
 
     # ---- module protocol ----
     def train(self, mode: bool = True) -> CompiledModule:

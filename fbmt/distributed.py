@@ -53,6 +53,7 @@ def init_distributed(
     *,
     backend: str | None = None,
     timeout: float | None = None,
+    collective_timeout: float | None = None,
 ) -> None:
     """Join the job described by torchrun's environment (or run alone as rank 0 of 1).
 
@@ -60,8 +61,9 @@ def init_distributed(
     come from the environment). `backend` defaults to "nccl" when CUDA is available, else "gloo".
     Every rank seeds torch, random and numpy with `seed`, so modules built after this call have the
     same weights everywhere. `timeout` (seconds; default $FBMT_INIT_TIMEOUT or 300) bounds the wait
-    for the other ranks: a rank that cannot reach them fails with a message naming the address,
-    instead of hanging. `fbmt.config` describes the job afterwards.
+    for the other ranks at start-up: a rank that cannot reach them fails with a message naming the
+    address, instead of hanging. `collective_timeout` (default $FBMT_TIMEOUT or 600) bounds each
+    wait in a collective afterwards. `fbmt.config` describes the job afterwards.
     """
     if not isinstance(init_method, str):
         raise TypeError(
@@ -92,6 +94,7 @@ def init_distributed(
             )
         torch.cuda.set_device(local_rank)
     wait = float(timeout if timeout is not None else flags.INIT_TIMEOUT.get())
+    running = datetime.timedelta(seconds=float(collective_timeout or flags.TIMEOUT.get()))
     try:
         if launched:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in env]
@@ -101,9 +104,9 @@ def init_distributed(
                     "launch with torchrun, or set them"
                 )
             limit = datetime.timedelta(seconds=wait)
-            if init_method == "env://" and "TORCHELASTIC_RESTART_COUNT" in env:
-                store = _attempt_store(env, rank, world, limit)
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
+            if init_method == "env://":  # the store with the start-up timeout, the group with the running one
+                _agreement["store"] = store = _job_store(env, rank, world, limit)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=running)
             else:
                 dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=limit)
         else:
@@ -120,8 +123,9 @@ def init_distributed(
     seed_everything(seed)
 
 
-def _attempt_store(env: Any, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's store, with this attempt's keys apart from earlier attempts'.
+def _job_store(env: Any, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The job's key-value store at MASTER_ADDR:MASTER_PORT; under torchrun, with this attempt's keys
+    apart from earlier attempts'.
 
     Under `torchrun --max-restarts`, the restarted ranks meet in the same store as the attempt before;
     without a prefix a new rank can read a dead rank's gloo address before its successor overwrites
@@ -135,7 +139,45 @@ def _attempt_store(env: Any, rank: int, world: int, timeout: datetime.timedelta)
         timeout=timeout,
         multi_tenant=not agent,
     )
-    return dist.PrefixStore(f"fbmt/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
+    return dist.PrefixStore(f"fbmt/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+
+
+# The per-call agreement check: a gloo group on the host (no GPU sync), the store, the call count.
+_agreement: dict[str, Any] = {"group": None, "store": None, "calls": 0}
+
+
+def agree(value: int, what: str) -> list[int]:
+    """Every rank's `value` (a host collective, bounded by $FBMT_TIMEOUT; call it on every rank).
+
+    A rank that does not arrive in time is named: each rank notes its count of calls in the job's
+    store first, so the ones that waited can say who is behind and by how much."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    st = _agreement
+    if st["group"] is None:
+        st["group"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=flags.TIMEOUT.get()))
+    st["calls"] += 1
+    me, world, store = dist.get_rank(), dist.get_world_size(), st["store"]
+    if store is not None:
+        store.set(f"fbmt/calls/{me}", str(st["calls"]))
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    try:
+        dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=st["group"])
+    except RuntimeError as e:
+        behind = ""
+        if store is not None:
+            counts = {
+                r: int(store.get(f"fbmt/calls/{r}")) if store.check([f"fbmt/calls/{r}"]) else 0 for r in range(world)
+            }
+            late = [f"rank {r} (at call {c})" for r, c in counts.items() if c < st["calls"]]
+            behind = f"; behind: {', '.join(late) or 'none (one went elsewhere)'}"
+        raise RuntimeError(
+            f"fbmt: rank {me} waited {flags.TIMEOUT.get():.0f}s at {what} (call {st['calls']}) for the other "
+            f"ranks{behind}. A rank stalled, died, or is in another collective: a call made on some ranks "
+            "only (state_dict(), evaluation or sampling on one rank) hangs the others. Raise FBMT_TIMEOUT "
+            f"if a step can take longer ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from e
+    return [int(t.item()) for t in out]
 
 
 def _fill_config() -> None:

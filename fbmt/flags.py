@@ -71,6 +71,13 @@ INIT_TIMEOUT = Flag(
     300.0,
     "seconds init_distributed waits for the other ranks (init_distributed(timeout=...))",
 )
+TIMEOUT = Flag(
+    "FBMT_TIMEOUT",
+    float,
+    600.0,
+    "seconds a rank waits for the others in a collective once the job has started; a rank that stalls "
+    "longer is reported by rank (init_distributed(collective_timeout=...))",
+)
 NARROW_WIRE: Flag[bool | None] = Flag(
     "FBMT_NARROW_WIRE",
     _bool,
@@ -94,7 +101,18 @@ SUM_BLOCK = Flag(
 )
 SUM_WARPS = Flag("FBMT_SUM_WARPS", _power_of_two, 16, "warps per thread block of that sum kernel")
 
-FLAGS = (CHECKS, DUMP_DIR, INIT_TIMEOUT, NARROW_WIRE, COPY_PROGRAMS, COPY_BLOCK, COPY_WARPS, SUM_BLOCK, SUM_WARPS)
+FLAGS = (
+    CHECKS,
+    DUMP_DIR,
+    INIT_TIMEOUT,
+    TIMEOUT,
+    NARROW_WIRE,
+    COPY_PROGRAMS,
+    COPY_BLOCK,
+    COPY_WARPS,
+    SUM_BLOCK,
+    SUM_WARPS,
+)
 
 
 if __name__ == "__main__":

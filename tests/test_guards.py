@@ -167,3 +167,49 @@ def _gathered_optimizer_state(rank: int, world: int) -> None:
 
 def test_gathered_optimizer_state_of_a_compiled_model_resumes_every_rank():
     run_ranks(2, _gathered_optimizer_state)
+
+
+def _one_rank_without_grad(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = fbmt.compile(MLP())
+    x = batch("mlp", 0)[0][0]
+    model(x).sum().backward()  # both ranks: the training program, cached from here on
+    try:
+        if rank == 0:
+            with torch.no_grad():  # a new program on rank 0, the cached one on rank 1
+                model(x)
+        else:
+            model(x).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_a_rank_running_a_cached_program_while_another_compiles_fails_on_both():
+    for message in run_ranks(2, _one_rank_without_grad):
+        assert "ranks compiled different programs (ranks by program: [[0], [1]])" in message, message
+
+
+def _one_rank_stalls(rank: int, world: int) -> str:
+    import time
+
+    torch.manual_seed(0)
+    model = fbmt.compile(MLP())
+    x = batch("mlp", 0)[0][0]
+    model(x)
+    if rank == 1:
+        time.sleep(4.5)  # stalled (a slow data loader, a hung disk) past FBMT_TIMEOUT
+        return ""
+    started = time.perf_counter()
+    try:
+        model(x)
+    except RuntimeError as e:
+        return f"{time.perf_counter() - started:.1f}s {e}"
+    return "no error"
+
+
+def test_a_stalled_rank_is_named_within_the_timeout():
+    message = run_ranks(2, _one_rank_stalls, env={"FBMT_TIMEOUT": "3"})[0]
+    seconds, _, text = message.partition(" ")
+    assert float(seconds.rstrip("s")) < 6, message
+    assert "rank 0 waited 3s at a call of the compiled model (call 2)" in text and "behind: rank 1 (at call 1)" in text
