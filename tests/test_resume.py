@@ -31,7 +31,9 @@ def _run(cmd: list[str], env: dict | None = None) -> str:
 
 
 def _train(folder, steps: int, *extra: str) -> str:
-    return _run([sys.executable, "-m", "fbmt.train", "--steps", str(steps), *RUN, "--checkpoints", str(folder), *extra])
+    # one thread per rank everywhere: another thread count sums in another order, and bits differ
+    cmd = [sys.executable, "-m", "fbmt.train", "--steps", str(steps), *RUN, "--checkpoints", str(folder), *extra]
+    return _run(cmd, env={"OMP_NUM_THREADS": "1"})
 
 
 def _exported(folder) -> dict[str, torch.Tensor]:
