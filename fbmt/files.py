@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 from typing import Any
 
@@ -16,27 +17,83 @@ import torch
 def save_atomic(obj: Any, path: str) -> None:
     """`torch.save(obj, path)` through a temporary file in the same folder, fsync'ed, then renamed.
 
-    A reader sees either the previous file or the complete new one, never a partial write.
+    A reader sees either the previous file or the complete new one, never a partial write. The file
+    gets the usual permissions (0666 less the umask, as `open` gives), and temporaries that killed
+    writers on this machine left behind are removed.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    _remove_orphans(folder)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would hide a checkpoint from its group
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(folder)
+
+
+# A temporary's name says who writes it, so a later save can tell a dead writer's leftover from a
+# live writer's file: .tmp-<host>-<pid>-<random>.pt
+_TMP_PREFIX = f".tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def _remove_orphans(folder: str) -> None:
+    host = f".tmp-{socket.gethostname()}-"
+    for name in os.listdir(folder):
+        if not name.startswith(host):
+            continue
+        pid = name[len(host) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def describe_unreadable(path: str, e: BaseException) -> str:
+    """Why `torch.load(path)` failed, in words a user can act on."""
+    size = os.path.getsize(path) if os.path.exists(path) else None
+    if size == 0:
+        return f"{path!r} is empty (0 bytes): a save that never finished, or a full disk"
+    if "Unsupported global" in str(e):  # the weights-only unpickler met a class
+        return (
+            f"{path!r} holds Python objects besides tensors; fbmt.load reads state dicts (fbmt.save, "
+            "torch.save(model.state_dict()))"
+        )
+    first = (str(e).strip().splitlines() or [""])[0]
+    return (
+        f"{path!r} ({size} bytes) is not a checkpoint torch can read ({type(e).__name__}: {first[:200]}); "
+        "it may be truncated or another kind of file"
+    )
 
 
 def write_json_atomic(obj: Any, path: str) -> None:
     """`obj` as JSON at `path`, through a temporary file, fsync'ed, renamed, the folder fsync'ed."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".json", dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)

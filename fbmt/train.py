@@ -19,6 +19,7 @@ import argparse
 import csv
 import dataclasses
 import glob
+import math
 import os
 import resource
 import socket
@@ -233,6 +234,12 @@ def main(args: argparse.Namespace) -> None:
         dist.all_gather(gathered, stats)
         elapsed = time.perf_counter() - start
         last_loss = sum(float(s[0]) for s in gathered) / world
+        if not math.isfinite(last_loss):  # every rank sees the same mean: all stop together
+            raise SystemExit(
+                f"fbmt.train: the loss is {last_loss} at step {step}: training diverged. The newest complete "
+                f"checkpoint ({fbmt.checkpoint.latest(args.checkpoints) or 'none yet'}) is intact; run again "
+                f"with a lower --lr (now {args.lr:g}) to resume from it"
+            )
         if step == done + 1:
             first_loss = last_loss
             log(

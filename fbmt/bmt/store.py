@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fbmt import distributed
 from fbmt.bmt.module import DistributedModule, gathering, is_lowered, lower
-from fbmt.files import save_atomic
+from fbmt.files import describe_unreadable, save_atomic
 
 
 def save(model: nn.Module, file_name: str, non_blocking: bool = False) -> None:
@@ -22,11 +22,20 @@ def save(model: nn.Module, file_name: str, non_blocking: bool = False) -> None:
     calls it; rank 0 gathers to its CPU and writes atomically; the others hold nothing."""
     with gathering(rank0_cpu=True):
         state = model.state_dict()
+    failure: list[Any] = [None]
     if distributed.rank() == 0:
-        save_atomic(OrderedDict((k, v.detach().cpu()) for k, v in state.items()), file_name)
+        try:
+            save_atomic(OrderedDict((k, v.detach().cpu()) for k, v in state.items()), file_name)
+        except Exception as e:  # every rank learns it: a save that failed on rank 0 failed
+            failure = [f"{type(e).__name__}: {e}"]
+            error = e
     del state
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # the file exists for every rank once save returns
+        dist.broadcast_object_list(failure, src=0)  # also: the file exists for every rank once save returns
+    if failure[0] is not None:
+        if distributed.rank() == 0:
+            raise error
+        raise RuntimeError(f"fbmt.save: rank 0 could not write {file_name!r} ({failure[0]}); the file is unchanged")
 
 
 def load(model: nn.Module, file_name: str, strict: bool = True) -> Any:
@@ -52,11 +61,20 @@ def load(model: nn.Module, file_name: str, strict: bool = True) -> Any:
 
 def _read(file_name: str) -> dict[str, torch.Tensor]:
     try:
-        return torch.load(file_name, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):  # legacy (pre-zipfile) files cannot be memory-mapped
-            raise
-        return torch.load(file_name, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(file_name, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # legacy (pre-zipfile) files cannot be memory-mapped
+                raise
+            state = torch.load(file_name, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"fbmt.load: {describe_unreadable(file_name, e)}") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise RuntimeError(
+            f"fbmt.load: {file_name!r} holds a {type(state).__name__}, not a state dict of tensors "
+            "(fbmt.save, torch.save(model.state_dict()))"
+        )
+    return state
 
 
 def _on_every_rank(flag: bool) -> list[bool]:
@@ -69,9 +87,17 @@ def _on_every_rank(flag: bool) -> list[bool]:
 
 def _load_broadcast(model: nn.Module, file_name: str, strict: bool, chunk_bytes: int = 256 << 20) -> Any:
     """Rank 0 reads; every rank receives the tensors chunk by chunk and loads each chunk."""
-    state = _read(file_name) if dist.get_rank() == 0 else {}
-    meta = [[(k, tuple(v.shape), v.dtype) for k, v in state.items()]]
+    state: dict[str, torch.Tensor] = {}
+    meta: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            state = _read(file_name)
+            meta = [[(k, tuple(v.shape), v.dtype) for k, v in state.items()]]
+        except RuntimeError as e:
+            meta = [str(e)]  # the other ranks would wait for tensors that never come
     dist.broadcast_object_list(meta, src=0)
+    if isinstance(meta[0], str):
+        raise RuntimeError(meta[0] + (" (read on rank 0)" if dist.get_rank() else ""))
     device = distributed.local_device()
     loaded: list[str] = []
     chunk: dict[str, torch.Tensor] = {}
