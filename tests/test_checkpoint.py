@@ -96,31 +96,36 @@ def _train_steps(model, opt, sched, steps, first, world, rank, name="gpt"):
             sched.step()
 
 
-def _fresh(dropout=0.0, lr=1e-2):
+def _fresh(dropout=0.0, lr=1e-2, optimizer="adamw"):
     import fbmt
     from tests.models.reference import gpt
 
     torch.manual_seed(0)
     model = fbmt.compile(gpt(dropout=dropout))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    make = {
+        "adamw": torch.optim.AdamW,
+        "fbmt-adam": fbmt.optim.AdamOptimizer,
+        "fbmt-offload": fbmt.optim.AdamOffloadOptimizer,
+    }[optimizer]
+    opt = make(model.parameters(), lr=lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched
 
 
-def _save_after(rank, world, folder, steps, dropout):
+def _save_after(rank, world, folder, steps, dropout, optimizer="adamw"):
     import fbmt
 
-    model, opt, sched = _fresh(dropout)
+    model, opt, sched = _fresh(dropout, optimizer=optimizer)
     _train_steps(model, opt, sched, steps, 0, world, rank)
     fbmt.checkpoint.save(folder, steps, model=model, optimizer=opt, state={"sched": sched, "data": {"next": steps}})
     _train_steps(model, opt, sched, steps, steps, world, rank)
     return model.full_parameters()
 
 
-def _resume(rank, world, folder, steps, dropout):
+def _resume(rank, world, folder, steps, dropout, optimizer="adamw"):
     import fbmt
 
-    model, opt, sched = _fresh(dropout)
+    model, opt, sched = _fresh(dropout, optimizer=optimizer)
     torch.manual_seed(1234 + rank)  # the streams a fresh job would draw: the checkpoint replaces them
     resumed = fbmt.checkpoint.load(folder, model=model, optimizer=opt, state={"sched": sched, "data": {"next": 0}})
     assert resumed.step == steps and resumed.state["data"] == {"next": steps}, resumed
@@ -155,6 +160,17 @@ def test_a_checkpoint_of_two_ranks_resumes_on_another_number_of_ranks(tmp_path, 
 
 def _single(fn, *args):
     return fn(0, 1, *args, 0.0)
+
+
+@pytest.mark.parametrize("optimizer", ["fbmt-adam", "fbmt-offload"])
+def test_fbmt_adams_state_reshards_too(tmp_path, optimizer):
+    from tests.dist import run_ranks
+
+    folder = str(tmp_path / "ck")
+    straight = run_ranks(2, _save_after, folder, 3, 0.0, optimizer)[0]
+    resumed = run_ranks(4, _resume, folder, 3, 0.0, optimizer)[0]
+    for k, v in straight.items():  # as for AdamW above
+        torch.testing.assert_close(resumed[k], v, rtol=1e-5, atol=1e-5, msg=k)
 
 
 def test_a_checkpoint_is_plain_pytorch_state_under_the_original_names(tmp_path):

@@ -98,3 +98,40 @@ def test_starting_afresh_over_an_earlier_run_is_refused(tmp_path):
         timeout=300,
     )
     assert run.returncode != 0 and "holds an earlier run's checkpoints" in run.stdout + run.stderr
+
+
+def test_two_torchrun_agents_as_two_nodes_train_as_one_node_does(tmp_path, uninterrupted):
+    """Multi-node as users launch it (one agent per machine, here both on this one), ending with the
+    one-node run's parameters."""
+    port = _port()
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc_per_node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=fbmt-test",
+                "-m",
+                "fbmt.train",
+                "--steps",
+                "12",
+                *RUN,
+                "--checkpoints",
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+        )
+        for node in (0, 1)
+    ]
+    outs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    assert "2 ranks on cpu" in "".join(outs)
+    _assert_identical(_exported(tmp_path), uninterrupted)
