@@ -27,12 +27,14 @@ loaded in place, or plain values, returned in `Resumed.state` (rank 0's are save
 
 from __future__ import annotations
 
+import copy as copy_module
 import logging
 import math
 import os
 import random
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +57,17 @@ from fbmt.compiled import CompiledModule
 from fbmt.files import fsync_dir, save_atomic, write_json_atomic
 from fbmt.layout import local_range
 
-__all__ = ["save", "load", "latest", "checkpoints", "Resumed", "CheckpointError", "save_atomic"]
+__all__ = [
+    "save",
+    "load",
+    "latest",
+    "checkpoints",
+    "wait_for_pending",
+    "Resumed",
+    "PendingSave",
+    "CheckpointError",
+    "save_atomic",
+]
 
 log = logging.getLogger("fbmt")
 
@@ -109,14 +121,20 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     state: dict[str, Any] | None = None,
     keep: int | None = 3,
-) -> str:
+    blocking: bool = True,
+) -> Any:
     """Write checkpoint `folder/step-<step>` (a collective: every rank calls it). Returns its path.
 
     It is complete once this returns on any rank; a save that fails on any rank (a full disk, a
     read-only folder) raises on every rank and leaves the existing checkpoints as they were. `keep`:
     how many complete checkpoints to keep, the newest (None: all). The folder must be one that every
-    rank sees (on several machines: a shared filesystem)."""
+    rank sees (on several machines: a shared filesystem).
+
+    `blocking=False`: copy this rank's state to host memory, write it in a background thread (over a
+    gloo group of its own, so training's collectives go on), and return a `PendingSave` at once; its
+    `wait()` returns the path. The next `save` or `load` waits for it first."""
     _require_compiled(model, "save")
+    wait_for_pending()
     rank, world = distributed.rank(), distributed.world_size()
     name = f"step-{int(step):08d}"
     final, partial = os.path.join(folder, name), os.path.join(folder, f".{name}.partial")
@@ -130,22 +148,26 @@ def save(
         os.makedirs(partial)
 
     _on_rank0(prepare, f"cannot create checkpoint {partial!r}")
-    sd: dict[str, Any] = {"model": _model_pieces(model)}
+    copy = not blocking  # a background write must not read what the next steps change
+    sd: dict[str, Any] = {"model": _model_pieces(model, copy)}
     per_element: list[str] = []
     if optimizer is not None:
-        sd["optim"] = _optimizer_pieces(model, optimizer)
+        sd["optim"] = _optimizer_pieces(model, optimizer, copy)
         per_element = sorted({k for per in sd["optim"]["state"].values() for k, v in per.items() if _is_pieces(v)})
     sd[f"rng.rank{rank}"] = _rng_state()
     for key, value in (state or {}).items():
-        sd[f"state.{key}"] = value.state_dict() if _stateful(value) else value
-    try:
-        dcp.save(sd, checkpoint_id=partial, planner=_SavePlanner(), no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
-        _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), "")
-        raise CheckpointError(
-            f"fbmt.checkpoint.save: writing {final!r} failed ({_first_line(e)}); the earlier checkpoints "
-            f"under {folder!r} are intact. Check free space and permissions of the folder"
-        ) from e
+        sd[f"state.{key}"] = copy_module.deepcopy(value.state_dict() if _stateful(value) else value)
+
+    def write(group: Any = None) -> None:
+        try:
+            dcp.save(sd, checkpoint_id=partial, planner=_SavePlanner(), process_group=group, no_dist=world == 1)
+        except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(
+                f"fbmt.checkpoint.save: writing {final!r} failed ({_first_line(e)}); the earlier checkpoints "
+                f"under {folder!r} are intact. Check free space and permissions of the folder"
+            ) from e
 
     def finish() -> None:
         _check_every_file_is_here(partial)
@@ -170,10 +192,73 @@ def save(
         if keep is not None:
             for _, path in checkpoints(folder)[:-keep]:
                 shutil.rmtree(path, ignore_errors=True)
+        log.info("fbmt: saved %s in %.1fs", final, time.perf_counter() - started)
 
+    if not blocking:
+        group = _background_group()
+
+        def background() -> None:
+            write(group)  # returns on every rank only once every rank's files are written
+            if rank == 0:
+                finish()
+
+        _pending.append(PendingSave(final, background))
+        return _pending[-1]
+    try:
+        write()
+    finally:
+        if world > 1:
+            dist.barrier()  # rank 0 removed the partial folder before anyone goes on
     _on_rank0(finish, f"cannot complete checkpoint {final!r}")
-    log.info("fbmt: saved %s in %.1fs", final, time.perf_counter() - started)
     return final
+
+
+class PendingSave:
+    """A checkpoint `save(blocking=False)` is writing; `wait()` returns its path or raises its error.
+
+    Rank 0 completes the checkpoint (writes its marker), so an error in that last step is raised by
+    rank 0's `wait()` only."""
+
+    def __init__(self, path: str, work: Any):
+        self.path, self._error = path, None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="fbmt-checkpoint", daemon=False)
+        self._thread.start()
+
+    def _run(self, work: Any) -> None:
+        try:
+            work()
+        except BaseException as e:  # handed to wait()
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        self._thread.join()
+        if self in _pending:
+            _pending.remove(self)
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+
+_pending: list[PendingSave] = []
+_group: list[Any] = []
+
+
+def wait_for_pending() -> None:
+    """Wait for a `save(blocking=False)` still writing (raises its error, if it failed)."""
+    while _pending:
+        _pending[0].wait()
+
+
+def _background_group() -> Any:
+    """A gloo group for background writes' collectives, made once (a collective itself)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if not _group:
+        _group.append(dist.new_group(backend="gloo"))
+    return _group[0]
 
 
 # ---- loading ----
@@ -192,6 +277,7 @@ def load(
     loaded; None when the folder holds none (a fresh start). The checkpoint may come from any number
     of ranks; the RNG states are restored only from the same number."""
     _require_compiled(model, "load")
+    wait_for_pending()
     chosen = _on_rank0(lambda: _resolve(path), "")
     if chosen is None:
         return None
@@ -355,10 +441,11 @@ class _Part:
     b: int
     start: int
 
-    def of(self, tensor: torch.Tensor) -> Any:
+    def of(self, tensor: torch.Tensor, copy: bool = False) -> Any:
         if self.slot.numel == 0:  # nothing to shard: DCP keeps it as a (replicated) empty tensor
             return torch.empty(self.slot.shape, dtype=tensor.dtype)
-        return _pieces(self.slot.shape, self.start, tensor.detach().reshape(-1)[self.a : self.b])
+        local = tensor.detach().reshape(-1)[self.a : self.b]
+        return _pieces(self.slot.shape, self.start, local.to("cpu", copy=True) if copy else local)
 
 
 def _parts(model: CompiledModule) -> dict[int, list[_Part]]:
@@ -376,11 +463,15 @@ def _parts(model: CompiledModule) -> dict[int, list[_Part]]:
     return out
 
 
-def _model_pieces(model: CompiledModule) -> dict[str, Any]:
-    pieces = {part.slot.name: part.of(shard) for shard in model.flat_params for part in _parts(model)[id(shard)]}
+def _model_pieces(model: CompiledModule, copy: bool = False) -> dict[str, Any]:
+    parts = _parts(model)
+    pieces = {part.slot.name: part.of(shard, copy) for shard in model.flat_params for part in parts[id(shard)]}
     out: dict[str, Any] = {}
     for k, v in model._orig.state_dict(keep_vars=True).items():  # every name, tied ones too, in torch's order
-        out[k] = pieces[model.layout.aliases[k]] if k in model.layout.aliases else v.detach()
+        if k in model.layout.aliases:
+            out[k] = pieces[model.layout.aliases[k]]
+        else:
+            out[k] = v.detach().to("cpu", copy=True) if copy else v.detach()
     return out
 
 
@@ -405,7 +496,7 @@ def _per_element(v: Any, p: torch.Tensor) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == p.numel()
 
 
-def _optimizer_pieces(model: CompiledModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _optimizer_pieces(model: CompiledModule, optimizer: torch.optim.Optimizer, copy: bool = False) -> dict[str, Any]:
     """The optimizer's state as torch's `get_optimizer_state_dict` keys it: by parameter name."""
     owners, params = _owners(model, optimizer), _params(optimizer)
     sd = optimizer.state_dict()
@@ -414,7 +505,10 @@ def _optimizer_pieces(model: CompiledModule, optimizer: torch.optim.Optimizer) -
         for part in owners[int(index)]:
             per = state.setdefault(part.slot.name, {})
             for k, v in entry.items():
-                per[k] = part.of(v) if _per_element(v, params[int(index)]) else v  # "step": the same everywhere
+                if _per_element(v, params[int(index)]):
+                    per[k] = part.of(v, copy)
+                else:  # "step": the same on every rank
+                    per[k] = v.to("cpu", copy=True) if copy and isinstance(v, torch.Tensor) else v
     groups = []
     for g in sd["param_groups"]:
         names = [part.slot.name for i in g["params"] for part in owners[i]]

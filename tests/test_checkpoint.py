@@ -250,3 +250,36 @@ def test_loading_another_models_checkpoint_says_so(tmp_path):
     other = fbmt.compile(MLP())
     with pytest.raises(fbmt.checkpoint.CheckpointError, match=r"cannot load .* into this MLP.*same parameter names"):
         fbmt.checkpoint.load(str(tmp_path), model=other)
+
+
+def _async_save(rank, world, folder):
+    import fbmt
+
+    model, opt, sched = _fresh()
+    _train_steps(model, opt, sched, 2, 0, world, rank)
+    at_save = model.full_parameters()
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    write = dcp.FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):  # the disk is slow: the next steps run before the write
+        time.sleep(1.0)
+        return write(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = slow_write
+    pending = fbmt.checkpoint.save(folder, 2, model=model, optimizer=opt, blocking=False)
+    _train_steps(model, opt, sched, 2, 2, world, rank)  # training goes on while it writes
+    assert pending.wait().endswith("step-00000002")
+    model2, opt2, _ = _fresh()
+    assert fbmt.checkpoint.load(folder, model=model2, optimizer=opt2).step == 2
+    loaded = model2.full_parameters()
+    for k, v in at_save.items():
+        assert torch.equal(loaded[k], v), k  # what the model was at the save, not after
+
+
+def test_a_background_save_holds_the_state_at_the_call_while_training_goes_on(tmp_path):
+    from tests.dist import run_ranks
+
+    run_ranks(2, _async_save, str(tmp_path / "ck"))
