@@ -231,9 +231,11 @@ class PendingSave:
             self._error = e
 
     def done(self) -> bool:
+        """Has the write ended (finished or failed)."""
         return not self._thread.is_alive()
 
     def wait(self) -> str:
+        """Block until the checkpoint is written; its path, or the error that stopped it."""
         self._thread.join()
         if self in _pending:
             _pending.remove(self)

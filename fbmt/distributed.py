@@ -12,10 +12,12 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree
 
 from fbmt import flags
 
@@ -95,6 +97,7 @@ def init_distributed(
         torch.cuda.set_device(local_rank)
     wait = float(timeout if timeout is not None else flags.INIT_TIMEOUT.get())
     running = datetime.timedelta(seconds=float(collective_timeout or flags.TIMEOUT.get()))
+    began = time.monotonic()
     try:
         if launched:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in env]
@@ -114,8 +117,9 @@ def init_distributed(
     except RuntimeError as e:  # DistStoreError (a timeout) and connection errors are RuntimeErrors
         where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
         raise RuntimeError(
-            f"fbmt.init_distributed: rank {rank} of {world} could not join the job at {where} within "
-            f"{wait:.0f}s ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check that all "
+            f"fbmt.init_distributed: rank {rank} of {world} could not join the job at {where}: it gave up "
+            f"after {time.monotonic() - began:.0f}s (timeout {wait:.0f}s; the store retries a connection once) "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check that all "
             f"{world} ranks were started, that MASTER_ADDR/MASTER_PORT agree and are reachable, or raise "
             "FBMT_INIT_TIMEOUT."
         ) from e
@@ -213,14 +217,17 @@ def seed_everything(seed: int) -> None:
 
 
 def rank() -> int:
+    """This process's rank in the job (0 without a process group)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def world_size() -> int:
+    """The number of ranks in the job (1 without a process group)."""
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def is_initialized() -> bool:
+    """Has this process joined a job (`init_distributed`, or torch.distributed directly)."""
     return dist.is_initialized()
 
 
@@ -249,6 +256,25 @@ def ranks_per_node(world: int | None = None) -> int:
     whole job (`world`, default the process group's size)."""
     world = world or world_size()
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def local_part(batch: Any, dim: int = 0) -> Any:
+    """This rank's part of a global batch: every tensor in `batch` (a tensor, or tuples, lists and
+    dicts of them) cut into `world_size()` equal parts along `dim`, part `rank()` kept. Every rank
+    draws the same global batch (same seed) and trains on its own part, so together they train on the
+    whole of it, as one process would."""
+    world, me = world_size(), rank()
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[dim]
+        if n % world:
+            raise ValueError(
+                f"fbmt.local_part: a global batch of {n} (dim {dim} of a tensor of shape {tuple(t.shape)}) does "
+                f"not split into {world} equal parts; use a global batch size that {world} divides"
+            )
+        return t.narrow(dim, me * (n // world), n // world)
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, cut, batch)
 
 
 def gather_flat(t: torch.Tensor) -> torch.Tensor:

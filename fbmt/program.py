@@ -74,21 +74,26 @@ class Program:
 
     # ---- structure helpers passes share -------------------------------------------------
     def placeholders(self) -> list[fx.Node]:
+        """The graph's inputs, in the order of `self.inputs`."""
         return [n for n in self.graph.nodes if n.op == "placeholder"]
 
     def placeholder(self, kind: str, key: Any) -> fx.Node | None:
+        """The input node with role (`kind`, `key`), e.g. ("param", "fc.weight"); None if absent."""
         for node, role in zip(self.placeholders(), self.inputs):
             if role.kind == kind and role.key == key:
                 return node
         return None
 
     def output_node(self) -> fx.Node:
+        """The graph's output node (the last)."""
         return next(iter(reversed(self.graph.nodes)))
 
     def output_values(self) -> list[Any]:
+        """What the program returns, in the order of `self.outputs`."""
         return list(self.output_node().args[0])
 
     def set_outputs(self, values: list[Any], roles: list[Role]) -> None:
+        """Replace what the program returns, with the role of each value."""
         out = self.output_node()
         out.args = (list(values),)
         self.outputs = list(roles)

@@ -85,3 +85,23 @@ def test_bad_op_is_named():
 
     with pytest.raises(ValueError, match="op='mean'"):
         D.all_reduce(torch.ones(2), "mean")
+
+
+def _parts(rank: int, world: int) -> list:
+    import fbmt
+
+    x, y = torch.arange(24.0).reshape(8, 3), {"labels": torch.arange(8)}
+    mine = fbmt.local_part((x, y))
+    try:
+        fbmt.local_part(torch.zeros(5, 2))
+    except ValueError as e:
+        error = str(e)
+    return [mine, error]
+
+
+def test_local_part_gives_each_rank_its_own_part_of_the_global_batch():
+    got = run_ranks(2, _parts)
+    x = torch.cat([g[0][0] for g in got])
+    assert torch.equal(x, torch.arange(24.0).reshape(8, 3))
+    assert torch.equal(torch.cat([g[0][1]["labels"] for g in got]), torch.arange(8))
+    assert "a global batch of 5 (dim 0 of a tensor of shape (5, 2)) does not split into 2 equal parts" in got[0][1]

@@ -105,10 +105,12 @@ class InspectTensor:
         self._pending_grads: dict[str, list[int]] = {}
 
     def on_value(self, name: str, x: torch.Tensor) -> None:
+        """Record the value of the tensor named `name` (its summary statistics)."""
         self._pending_grads.setdefault(name, []).append(len(self.records))
         self.records.append(dict(name=name, shape=tuple(x.shape), stats=_stats(x), grad=None))
 
     def on_grad(self, name: str, g: torch.Tensor) -> None:
+        """Record the gradient of the tensor named `name`."""
         waiting = self._pending_grads.get(name)
         if waiting:  # gradients arrive in reverse order of the values
             self.records[waiting.pop()]["grad"] = _stats(g)

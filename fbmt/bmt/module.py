@@ -350,6 +350,8 @@ _context = _GatherContext()
 
 @contextmanager
 def gathering(rank0_cpu: bool = False) -> Iterator[None]:
+    """Within it, parameters read whole are gathered once per group and remembered (`rank0_cpu`: onto
+    rank 0's CPU only, as a save needs); outside it nothing is remembered."""
     previous = _context.rank0_cpu
     _context.depth += 1
     _context.rank0_cpu = rank0_cpu or previous

@@ -22,6 +22,7 @@ class AverageRecorder:
         self.alpha, self._value, self._steps = alpha, start_value, 0
 
     def record(self, v: float) -> None:
+        """Add one value to the running average."""
         self._value = self._value * self.alpha + v * (1 - self.alpha)
         self._steps += 1
 

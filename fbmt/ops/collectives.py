@@ -101,11 +101,14 @@ class Reduction(NamedTuple):
 
 
 def gather_args(node: fx.Node) -> Gather:
+    """The arguments of an `all_gather` node, by name."""
     shard, world, *dtype = node.args
     return Gather(shard, world, dtype[0] if dtype else None)
 
 
 def reduction_args(node: fx.Node) -> Reduction:
+    """The arguments of a `reduce_scatter` or `all_to_all_reduce` node, by name, with the
+    dtypes it sends, reduces in and returns."""
     pieces, world, padded, average, *dtypes = node.args
     piece = pieces[0].meta["val"].dtype
     if node.target is all_to_all_reduce:

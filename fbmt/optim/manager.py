@@ -22,6 +22,9 @@ from fbmt.optim._adam_base import AdamBase
 
 
 class OptimManager:
+    """BMTrain's training-step driver: loss scaling, gradient clipping over all ranks, and stepping
+    its optimizers and lr schedulers together (the rules are in this module's docstring)."""
+
     def __init__(
         self,
         loss_scale: float | None = None,
@@ -48,16 +51,20 @@ class OptimManager:
         self.lr_schedulers: list[Any] = []
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> None:
+        """Step `optimizer` (and `lr_scheduler`, after it) in every `step()`."""
         self.optimizers.append(optimizer)
         self.lr_schedulers.append(lr_scheduler)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the loss scale, divided by `grad_scale` (the world size): what `backward` differentiates."""
         return loss * (self.loss_scale / self.grad_scale)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate the scaled loss (`scale_loss`)."""
         self.scale_loss(loss).backward()
 
     def zero_grad(self) -> None:
+        """Zero every optimizer's gradients in place (BMTrain keeps the buffers)."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=False)
 
