@@ -284,6 +284,18 @@ class CompiledModule(nn.Module):
                 "breaks this)"
             )
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        # DistributedDataParallel reads this first thing in its constructor: before its start-up
+        # broadcast would overwrite every rank's shards with rank 0's, and its all-reduce would sum
+        # gradients that fbmt has already reduced.
+        raise RuntimeError(
+            "fbmt: torch.nn.parallel.DistributedDataParallel wraps a model fbmt.compile already distributes "
+            "(each rank holds its own shard of every parameter, and the compiled backward reduces the "
+            "gradients); its start-up broadcast would overwrite the shards. Use the compiled model as it is "
+            "(with HF Trainer/accelerate, do not let it wrap the model in DDP)"
+        )
+
     # ---- module protocol ----
     def train(self, mode: bool = True) -> CompiledModule:
         super().train(mode)

@@ -19,7 +19,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: tuple, barrier: bool = True) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -37,7 +37,8 @@ def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: t
     torch.save(fn(rank, world, *args), os.path.join(folder, f"{rank}.pt"))
     # No rank tears down while a peer may still have gloo socket I/O in flight from the last
     # collective (seen once as a SIGABRT, "terminate called without an active exception").
-    dist.barrier()
+    if barrier:  # (a test that breaks the group on purpose cannot meet in it again)
+        dist.barrier()
     dist.destroy_process_group()
     # The result is on disk and the group is gone: skip interpreter finalization. Under load, gloo's
     # worker threads can still hold work objects while Python tears down, which aborts the process
@@ -47,17 +48,24 @@ def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: t
     os._exit(0)
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
+def run_ranks(
+    world: int, fn: Callable, *args: Any, env: dict[str, str] | None = None, barrier: bool = True
+) -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` spawned gloo ranks; raise if any rank raised.
 
-    `env` is added to the ranks' environment (read by their C libraries at start-up).
+    `env` is added to the ranks' environment (read by their C libraries at start-up). `barrier=False`:
+    the ranks do not meet before they exit (for tests whose process group ends broken).
     """
     saved = dict(os.environ)
     os.environ.update(env or {})
     try:
         with tempfile.TemporaryDirectory() as folder:
             mp.start_processes(
-                _worker, args=(world, _free_port(), folder, fn, args), nprocs=world, join=True, start_method="spawn"
+                _worker,
+                args=(world, _free_port(), folder, fn, args, barrier),
+                nprocs=world,
+                join=True,
+                start_method="spawn",
             )
             return [torch.load(os.path.join(folder, f"{r}.pt"), weights_only=False) for r in range(world)]
     finally:

@@ -213,3 +213,49 @@ def test_a_stalled_rank_is_named_within_the_timeout():
     seconds, _, text = message.partition(" ")
     assert float(seconds.rstrip("s")) < 6, message
     assert "rank 0 waited 3s at a call of the compiled model (call 2)" in text and "behind: rank 1 (at call 1)" in text
+
+
+def _wrapped_in_ddp(rank: int, world: int) -> str:
+    model = fbmt.compile(MLP())
+    try:
+        torch.nn.parallel.DistributedDataParallel(model)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_wrapping_a_compiled_model_in_ddp_is_refused_before_it_overwrites_shards():
+    for message in run_ranks(2, _wrapped_in_ddp):
+        assert "DistributedDataParallel wraps a model fbmt.compile already distributes" in message, message
+
+
+class _SlowOnRank1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        print("between the blocks")  # runs inside the program, on every call
+        return self.b(h)
+
+
+def _stall_inside_the_program(rank: int, world: int) -> str:
+    import builtins
+    import time
+
+    model = fbmt.compile(_SlowOnRank1(), blocks=["a", "b"], schedule="none")
+    x = torch.ones(2, 4)
+    model(x)
+    if rank == 1:
+        builtins.print = lambda *a, **k: time.sleep(4.5)  # stalls between two collectives
+    try:
+        model(x)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_a_rank_stalled_inside_the_program_is_reported_with_the_collective_waited_in():
+    message = run_ranks(2, _stall_inside_the_program, env={"FBMT_TIMEOUT": "3"}, barrier=False)[0]
+    assert "rank 0 waited in an all-gather of 20 torch.float32 of the compiled program" in message, message

@@ -51,7 +51,7 @@ from fbmt.runtime import copies
 class Pending:
     """An issued collective: its output tensor, the work handle to wait on, what to do after."""
 
-    __slots__ = ("tensor", "work", "divisor", "out_dtype", "keep", "then")
+    __slots__ = ("tensor", "work", "divisor", "out_dtype", "keep", "then", "what")
 
     def __init__(
         self,
@@ -61,8 +61,10 @@ class Pending:
         out_dtype: torch.dtype | None = None,
         keep: Any = None,
         then: Any = None,
+        what: str = "a collective",
     ):
         self.tensor, self.work, self.divisor, self.out_dtype = tensor, work, divisor, out_dtype
+        self.what = what  # for the message when a peer never joins it
         self.keep = keep  # side-stream temporaries, alive until the wait (NOTE: [Copy stream])
         self.then = then  # what computes `tensor` once the work is done (gloo, NOTE: [Narrow wire])
 
@@ -125,7 +127,7 @@ def all_gather(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None =
         if cast:
             shard = copies.copy_(torch.empty(shard.numel(), dtype=dtype, device=shard.device), shard)
         work = all_gather_into(out, shard, async_op=True)
-    return Pending(out, work, keep=shard if cast else None)
+    return Pending(out, work, keep=shard if cast else None, what=f"an all-gather of {out.numel()} {out.dtype}")
 
 
 def reduce_scatter(
@@ -156,7 +158,14 @@ def reduce_scatter(
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
         work = reduce_scatter_into(out, flat, op=op, async_op=True)
     keep = (flat, _guard(pieces, side))
-    return Pending(out, work, divisor=world_size if average and not avg else 1, out_dtype=out_dtype, keep=keep)
+    return Pending(
+        out,
+        work,
+        divisor=world_size if average and not avg else 1,
+        out_dtype=out_dtype,
+        keep=keep,
+        what=f"a reduce-scatter into {out.numel()} {out.dtype}",
+    )
 
 
 def all_to_all_reduce(
@@ -188,7 +197,9 @@ def all_to_all_reduce(
         return (torch.mean if average else torch.sum)(got, 0, dtype=out.dtype, out=out)
 
     if side is None:  # gloo: sum after the wait, on the host
-        return Pending(out, work, out_dtype=out_dtype, keep=(flat, received), then=reduce)
+        return Pending(
+            out, work, out_dtype=out_dtype, keep=(flat, received), then=reduce, what="an all-to-all gradient reduction"
+        )
     held = _guard(pieces, side)
     stream = _reduce_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))  # `out` is the compute stream's memory
@@ -229,7 +240,14 @@ def _fill(flat: torch.Tensor, pieces: list[torch.Tensor], copy: Any) -> None:
 
 def wait(pending: Pending) -> torch.Tensor:
     if pending.work is not None:
-        pending.work.wait()
+        try:
+            pending.work.wait()
+        except RuntimeError as e:  # gloo: a peer that never joined within the group's timeout
+            raise RuntimeError(
+                f"fbmt: rank {dist.get_rank()} waited in {pending.what} of the compiled program, and a peer "
+                "never joined it: another rank stalled, died, or left the program (its log says which). "
+                f"Raise FBMT_TIMEOUT if its steps take longer ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            ) from e
     if pending.then is not None:
         pending.then()
     pending.keep = None
