@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -91,6 +93,7 @@ class CompiledModule(nn.Module):
         ]
         self._flags_seen = self._flags()
         _refuse_optimizers_of_moved_parameters()
+        _global_gradient_norms(shards if views is None else [v for vs in views for v in vs])
         self.train(module.training)
 
     # ---- calling ----
@@ -409,3 +412,58 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "the compiled model: torch.optim.AdamW(model.parameters())"
                 )
     optimizer._fbmt_checked = count
+
+
+# NOTE: [Global gradient norms]
+# `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, which nearly every training script
+# calls, would clip each rank's shard by that shard's norm: each rank a different factor, none the
+# true one. Its norm comes from `torch.nn.utils.clip_grad._get_total_norm`, looked up at every call,
+# so fbmt replaces that one function (which also serves scripts that imported clip_grad_norm_
+# before fbmt): where the gradients are those of compiled models' shards, it adds up every rank's
+# part (an all-reduce; call it on every rank, as one does), and elsewhere it is torch's own.
+_SHARDS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _global_gradient_norms(leaves: list[torch.Tensor]) -> None:
+    _SHARDS.update(leaves)
+    import torch.nn.utils.clip_grad as clip_grad
+
+    if getattr(clip_grad, "_get_total_norm", None) is None:  # a torch without it: say so, never be silent
+        raise RuntimeError(
+            f"fbmt: torch {torch.__version__} has no torch.nn.utils.clip_grad._get_total_norm, through which fbmt "
+            "makes clip_grad_norm_ use the norm over every rank's shards; use a torch fbmt supports (2.11+)"
+        )
+    if not getattr(clip_grad._get_total_norm, "_fbmt", False):
+        clip_grad._get_total_norm = _total_norm(clip_grad._get_total_norm)
+
+
+def _total_norm(torch_norm: Callable) -> Callable:
+    def total_norm(
+        tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        sharded = {id(p.grad) for p in list(_SHARDS) if p.grad is not None}
+        mine = [id(t) in sharded for t in tensors]
+        if not any(mine) or not dist.is_initialized() or dist.get_world_size() == 1:
+            return torch_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        if not all(mine):
+            raise RuntimeError(
+                "fbmt: clip_grad_norm_ got gradients of a compiled model's shards together with others; the "
+                "shards' norm sums over ranks and the others' does not: clip them in separate calls"
+            )
+        norm_type = float(norm_type)
+        local = torch_norm(tensors, norm_type, False, foreach)
+        total = local.float() if norm_type == float("inf") else local.float() ** norm_type
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)
+        if norm_type != float("inf"):
+            total = total ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+                "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        return total.to(local.dtype)
+
+    total_norm._fbmt = True
+    return total_norm
