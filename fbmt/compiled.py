@@ -274,6 +274,8 @@ class CompiledModule(nn.Module):
         """Ranks about to run different programs (one compiled a new one, one runs a cached one) would
         deadlock in mismatched collectives, or pair the wrong ones: fail instead. Every call, on the
         host, so that a rank that stalls is named too (`distributed.agree`)."""
+        if self.layout.world_size == 1:  # compiled for one rank (world_size=1): no collectives to pair
+            return
         digests = distributed.agree(int(exe.signature[:15], 16), "a call of the compiled model")
         if len(set(digests)) > 1:
             by_program: dict[int, list[int]] = {}

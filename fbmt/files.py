@@ -21,13 +21,18 @@ def save_atomic(obj: Any, path: str) -> None:
     gets the usual permissions (0666 less the umask, as `open` gives), and temporaries that killed
     writers on this machine left behind are removed.
     """
+    _write_atomic(path, ".pt", "wb", lambda f: torch.save(obj, f))
+
+
+def _write_atomic(path: str, suffix: str, mode: str, write: Any) -> None:
+    """`write(file)` into a temporary beside `path`, flushed, fsync'ed, renamed over `path`."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     _remove_orphans(folder)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(), suffix=suffix, dir=folder)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would hide a checkpoint from its group
             os.fsync(f.fileno())
@@ -39,9 +44,10 @@ def save_atomic(obj: Any, path: str) -> None:
     fsync_dir(folder)
 
 
-# A temporary's name says who writes it, so a later save can tell a dead writer's leftover from a
-# live writer's file: .tmp-<host>-<pid>-<random>.pt
-_TMP_PREFIX = f".tmp-{socket.gethostname()}-{os.getpid()}-"
+def _tmp_prefix() -> str:
+    """A temporary's name says who writes it, so a later save can tell a dead writer's leftover from a
+    live writer's file: .tmp-<host>-<pid>-<random>.pt (the pid of now: a forked child is not its parent)."""
+    return f".tmp-{socket.gethostname()}-{os.getpid()}-"
 
 
 def _remove_orphans(folder: str) -> None:
@@ -92,19 +98,7 @@ def describe_unreadable(path: str, e: BaseException) -> str:
 
 def write_json_atomic(obj: Any, path: str) -> None:
     """`obj` as JSON at `path`, through a temporary file, fsync'ed, renamed, the folder fsync'ed."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(folder)
+    _write_atomic(path, ".json", "w", lambda f: json.dump(obj, f, indent=1))
 
 
 def fsync_dir(folder: str) -> None:
