@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fbmt import ops
+from fbmt import objects, ops
 from fbmt.layout import Layout
 
 # NOTE: [Phases]
@@ -44,7 +44,8 @@ FWD, BWD = "fwd", "bwd"
 class Role:
     """What a placeholder or output slot is. `key` is a name or an index, by kind."""
 
-    kind: str  # param | buffer | input | tangent | shard | output | grad | input_grad | shard_grad
+    # param | buffer | input | constant | tangent | shard | output | grad | input_grad | shard_grad
+    kind: str
     key: Any
 
     def __str__(self) -> str:
@@ -62,14 +63,50 @@ class PassRecord:
 
 
 @dataclass
+class Results:
+    """How a call's result is put together from a program's outputs (NOTE: [Objects in a call]).
+
+    Output slots are keyed `i` (leaf `i` of the result is that tensor), `("object", i, j)` (the
+    j-th tensor of the object at leaf `i`, one the forward made) and `("state", a, j)` (the j-th
+    tensor of the argument object at input leaf `a`, as the forward leaves it)."""
+
+    n_leaves: int
+    constants: dict[int, Any] = field(default_factory=dict)  # leaves that are no tensor: as traced
+    objects: dict[int, Any] = field(default_factory=dict)  # leaf -> the traced object, the template
+    returned: dict[int, int] = field(default_factory=dict)  # leaf -> input leaf of the object returned
+    states: dict[int, Any] = field(default_factory=dict)  # input leaf -> that object after the forward
+    notes: list[str] = field(default_factory=list)  # what tracing left out, for the program's summary
+
+    def assemble(self, values: dict[Any, Any], inputs: list[Any]) -> list[Any]:
+        """The result's leaves from the program's outputs by key; brings every argument object
+        (`inputs`: the call's input leaves) to the state the forward leaves it in."""
+
+        def held(where: str, i: int, template: Any) -> list[Any]:
+            return [values[(where, i, j)] for j in range(len(objects.tensors_in(template)))]
+
+        for a, template in self.states.items():
+            objects.update_in_place(inputs[a], objects.rebuild(template, held("state", a, template)))
+        leaves: list[Any] = [values.get(i) for i in range(self.n_leaves)]
+        for i, v in self.constants.items():
+            leaves[i] = v
+        for i, template in self.objects.items():
+            leaves[i] = objects.rebuild(template, held("object", i, template))
+        for i, a in self.returned.items():
+            leaves[i] = inputs[a]
+        return leaves
+
+
+@dataclass
 class Program:
     graph: fx.Graph
     inputs: list[Role]  # one per placeholder, in order
     outputs: list[Role]  # one per slot of the output node's flat list
     layout: Layout
-    out_spec: Any  # pytree spec of the user's output (its leaves are the "output" slots)
-    out_constants: dict[int, Any]  # non-tensor leaves of the user's output, by leaf index
+    out_spec: Any  # pytree spec of the user's output
+    results: Results  # how the "output" slots and the traced values make that output's leaves
     needs_grad: bool  # False: a forward-only (inference) program, no tangents, no backward
+    # tensors the forward made from Python values (placeholders of kind "constant"), by name
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
     history: list[PassRecord] = field(default_factory=list)
 
     # ---- structure helpers passes share -------------------------------------------------

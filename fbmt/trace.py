@@ -18,6 +18,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,11 +32,62 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+from fbmt import objects
 from fbmt.layout import Layout
 from fbmt.ops import record
-from fbmt.program import BWD, FWD, Program, Role
+from fbmt.program import BWD, FWD, Program, Results, Role
 
 aten = torch.ops.aten
+
+
+# NOTE: [Ops whose schema hides a mutation]
+# `aten.native_batch_norm` (what nn.BatchNorm runs in training) updates the running statistics in
+# place, but its schema does not say so: functionalization keeps it as it is, and a copy of it
+# that recompute places in the backward updates the statistics a second time. Traced as the op
+# torch introduced to say what it mutates (`_native_batch_norm_legit`, torch's own decomposition,
+# which AOTAutograd uses too), the update becomes a value, written back once, in the forward.
+def _native_batch_norm(*args: Any) -> Any:
+    from torch._decomp.decompositions import native_batch_norm_decomposition
+
+    return native_batch_norm_decomposition(*args)
+
+
+_DECOMPOSITIONS = {aten.native_batch_norm.default: _native_batch_norm}
+
+
+def _grouped_mm_of_any_dtype() -> None:
+    """`aten._grouped_mm` (Hugging Face's default mixture-of-experts kernel) runs in float32 on CPU and
+    CUDA, but its meta kernel, which tracing runs, accepts only bfloat16 (torch 2.11-2.13): a fake
+    kernel of fbmt's answers the shapes for the other dtypes, as the real kernel computes them."""
+
+    def applies(func: Any) -> bool:
+        return func is aten._grouped_mm.default
+
+    applies._fbmt = True
+
+    def fake(
+        mode: FakeTensorMode, func: Any, a: Any, b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None
+    ):
+        if a.dtype == torch.bfloat16 or bias is not None:
+            return NotImplemented  # the meta kernel's own checks and shapes
+        if a.dim() == 2 and b.dim() == 2:
+            shape = [offs.shape[0], a.shape[0], b.shape[1]]
+        elif a.dim() == 2:
+            shape = [a.shape[0], b.shape[-1]]
+        elif b.dim() == 2:
+            shape = [a.shape[1], b.shape[1]]
+        else:
+            shape = [a.shape[0], a.shape[1], b.shape[-1]]
+        with mode:
+            return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
+
+    from torch._subclasses import fake_impls
+
+    if not any(getattr(check, "_fbmt", False) for check, _ in fake_impls.op_implementations_checks):
+        fake_impls.register_op_impl(applies)(fake)
+
+
+_grouped_mm_of_any_dtype()
 
 
 class TraceError(RuntimeError):
@@ -76,6 +128,7 @@ def trace(
 
     `trainable[k]` says whether group k's parameters get gradients (default: `group.requires_grad`).
     """
+    started = time.perf_counter()
     fake_mode = FakeTensorMode()
     rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
     params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]
@@ -84,42 +137,50 @@ def trace(
     fake_buffers = [fake_mode.from_tensor(b) for b in buffers.values()]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    fake_inputs = [fake_mode.from_tensor(leaves[i]) for i in tensor_pos]
-    input_rg = [needs_grad and leaves[i].requires_grad for i in tensor_pos]
+    in_objects = {i: objects.tensors_in(x) for i, x in enumerate(leaves) if objects.is_object(x)}
+    real_inputs = objects.input_tensors(leaves)
+    fake_inputs = [fake_mode.from_tensor(x) for x in real_inputs]
+    input_rg = [needs_grad and x.requires_grad for x in real_inputs]
     names = [p[0] for p in params] + list(buffers)
     param_rg = [needs_grad and p[3] for p in params]
 
-    def call(ps: list, bs: list, xs: list) -> Any:
+    def call(ps: list, bs: list, xs: list) -> tuple[Any, dict[int, Any]]:
+        """The forward on these tensors, and the copies of the argument objects it was given."""
         full = list(leaves)
         for i, x in zip(tensor_pos, xs):
             full[i] = x
+        at, copies = len(tensor_pos), {}
+        for i, held in in_objects.items():  # a copy holding fakes: the caller's object is never touched
+            full[i] = copies[i] = objects.rebuild(leaves[i], xs[at : at + len(held)])
+            at += len(held)
         a, kw = pytree.tree_unflatten(full, in_spec)
-        return functional_call(module, dict(zip(names, [*ps, *bs])), a, kw)
+        return functional_call(module, dict(zip(names, [*ps, *bs])), a, kw), copies
 
-    # A fake forward first: the shapes of the outputs the backward will receive gradients for.
+    # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
+    # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
     with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode:
         with torch.enable_grad() if needs_grad else torch.no_grad():
-            probe = call(
+            probe, copies = call(
                 [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)],
                 [b.clone() for b in fake_buffers],
                 [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)],
             )
     out_leaves, out_spec = pytree.tree_flatten(probe)
-    tensor_out = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
-    out_constants = {i: o for i, o in enumerate(out_leaves) if not isinstance(o, torch.Tensor)}
-    diff_out = [i for i in tensor_out if needs_grad and out_leaves[i].requires_grad]
+    results = _Results(out_leaves, copies, drop_caches=needs_grad and kwargs.get("use_cache") is not True)
+    probe_outs = results.tensors(out_leaves, copies)
+    diff_out = [k for k, o in zip(results.keys, probe_outs) if needs_grad and o.requires_grad]
     wrt_params = [i for i, rg in enumerate(param_rg) if rg]
     wrt_inputs = [i for i, rg in enumerate(input_rg) if rg]
     needs_grad = needs_grad and bool(diff_out) and bool(wrt_params or wrt_inputs)
+    if not needs_grad:
+        diff_out = []
     with fake_mode:
-        fake_tangents = (
-            [torch.empty(out_leaves[i].shape, dtype=out_leaves[i].dtype, device=out_leaves[i].device) for i in diff_out]
-            if needs_grad
-            else []
-        )
-    del probe, out_leaves
+        by_key = dict(zip(results.keys, probe_outs))
+        fake_tangents = [torch.empty(by_key[k].shape, dtype=by_key[k].dtype, device=by_key[k].device) for k in diff_out]
+    del probe, copies, probe_outs, by_key
 
     n_p, n_b, n_x = len(fake_params), len(fake_buffers), len(fake_inputs)
+    diff_pos = [results.keys.index(k) for k in diff_out]
 
     def joint(*flat: torch.Tensor) -> list:
         ps, bs = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
@@ -128,29 +189,31 @@ def trace(
             ps = [p.detach().requires_grad_(rg) for p, rg in zip(ps, param_rg)]
             xs = [x.detach().requires_grad_(rg) for x, rg in zip(xs, input_rg)]
         with torch.enable_grad() if needs_grad else torch.no_grad():
-            outs = pytree.tree_leaves(call(ps, bs, xs))
-        tensors = [outs[i] for i in tensor_out]
+            out, copies = call(ps, bs, xs)
+        tensors = results.tensors(pytree.tree_leaves(out), copies)
         if not needs_grad:
             return tensors
         wrt = [ps[i] for i in wrt_params] + [xs[i] for i in wrt_inputs]
-        grads = torch.autograd.grad([outs[i] for i in diff_out], wrt, ts, allow_unused=True)
+        grads = torch.autograd.grad([tensors[i] for i in diff_pos], wrt, ts, allow_unused=True)
         return [*tensors, *grads]
 
     flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
     with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
-        first = make_fx(joint, tracing_mode="fake")(*flat_in)
+        first = make_fx(joint, tracing_mode="fake", decomposition_table=_DECOMPOSITIONS)(*flat_in)
     with _translate_errors(module):
         gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
             *flat_in
         )
 
+    constants = _lift_constants(gm, before=n_p + n_b + n_x)
     inputs = (
         [Role("param", p[0]) for p in params]
         + [Role("buffer", b) for b in buffers]
         + [Role("input", i) for i in range(n_x)]
+        + [Role("constant", k) for k in constants]
         + [Role("tangent", i) for i in diff_out]
     )
-    outputs = [Role("output", i) for i in tensor_out] + (
+    outputs = [Role("output", k) for k in results.keys] + (
         [Role("grad", params[i][0]) for i in wrt_params] + [Role("input_grad", i) for i in wrt_inputs]
         if needs_grad
         else []
@@ -161,11 +224,98 @@ def trace(
         outputs=outputs,
         layout=layout,
         out_spec=out_spec,
-        out_constants=out_constants,
+        results=results.plan,
         needs_grad=needs_grad,
+        constants=constants,
     )
     _canonicalize(program)
+    notes = [f"lifted {len(constants)} tensor constants as inputs: {', '.join(constants)}"] if constants else []
+    notes += results.plan.notes
+    if notes:  # what a reader of print(program) should know about the trace itself
+        program.record("trace", time.perf_counter() - started, "; ".join(notes))
     return program
+
+
+# NOTE: [Objects in a call]
+# A call's arguments and results are pytrees (`ModelOutput` is one), but some leaves are objects
+# that hold tensors: a Hugging Face cache. An argument object's tensors become inputs of the
+# program, and the forward runs on a copy holding fakes (`fbmt.objects`). A result's leaves are
+# then one of: a tensor (an output), an argument object (its state after the forward is a set of
+# outputs, `Results.states`; at run time the caller's object is brought to that state and
+# returned itself, as eager returns the object it mutated), an object the forward made (its
+# tensors are outputs, rebuilt around the traced object), or a plain value (returned as traced).
+# A training call drops a cache its forward made, unless called with use_cache=True: every
+# layer's keys and values would be outputs with gradients, a zero tensor each in the backward,
+# for a cache no training step reads. It returns a `DroppedCache` that raises on any use instead,
+# and says so in the program's summary.
+
+
+class _Results:
+    """Which tensors of a traced call are the program's outputs, and their keys (`Results`)."""
+
+    def __init__(self, leaves: list[Any], copies: dict[int, Any], *, drop_caches: bool):
+        self.plan = Results(n_leaves=len(leaves))
+        self.sources: list[tuple[str, int]] = []
+        self.keys: list[Any] = []
+        argument = {id(c): a for a, c in copies.items()}
+        for i, o in enumerate(leaves):
+            if isinstance(o, torch.Tensor):
+                self.sources.append(("tensor", i))
+                self.keys.append(i)
+            elif id(o) in argument:
+                self.plan.returned[i] = argument[id(o)]
+            elif objects.is_object(o) and objects.tensors_in(o):
+                if drop_caches and type(o).__name__.endswith("Cache"):
+                    self.plan.constants[i] = objects.DroppedCache(type(o).__name__)
+                    self.plan.notes.append(
+                        f"dropped the {type(o).__name__} the forward built (result leaf {i}): a training call "
+                        "keeps it only when called with use_cache=True"
+                    )
+                    continue
+                self.plan.objects[i] = o
+                self.sources.append(("object", i))
+                self.keys += [("object", i, j) for j in range(len(objects.tensors_in(o)))]
+            else:
+                self.plan.constants[i] = o
+        for a, c in copies.items():
+            self.plan.states[a] = c
+            self.sources.append(("state", a))
+            self.keys += [("state", a, j) for j in range(len(objects.tensors_in(c)))]
+
+    def tensors(self, leaves: list[Any], copies: dict[int, Any]) -> list[torch.Tensor]:
+        """The output tensors of one call of the forward, in the order of `keys`."""
+        out: list[torch.Tensor] = []
+        for kind, i in self.sources:
+            out += [leaves[i]] if kind == "tensor" else objects.tensors_in(leaves[i] if kind == "object" else copies[i])
+        if len(out) != len(self.keys):
+            raise TraceError(
+                f"fbmt.compile: the forward returned {len(out)} tensors where its first run returned "
+                f"{len(self.keys)}; a forward must return the same structure each time it runs"
+            )
+        return out
+
+
+def _lift_constants(gm: fx.GraphModule, before: int) -> dict[str, torch.Tensor]:
+    """Tensors the forward makes from Python values (`torch.tensor([])` in a cache's set-up, the
+    scalar of `x[:, 0] = 1.0`) are attributes of the traced module (`_tensor_constant0`); the
+    program is a graph alone, so each becomes an input of kind "constant" (placed before the
+    tangents, the `before`-th placeholder on), and the Program keeps its value."""
+    constants: dict[str, torch.Tensor] = {}
+    anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][before - 1] if before else None
+    for n in list(gm.graph.nodes):
+        if n.op != "get_attr":
+            continue
+        value = getattr(gm, n.target)
+        if not isinstance(value, torch.Tensor):
+            raise TraceError(f"fbmt.compile: the traced forward reads a non-tensor attribute {n.target!r}")
+        with gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before():
+            lifted = gm.graph.placeholder(n.target)
+        lifted.meta.update(n.meta)
+        n.replace_all_uses_with(lifted)
+        gm.graph.erase_node(n)
+        constants[n.target] = value.detach()
+        anchor = lifted
+    return constants
 
 
 def _canonicalize(program: Program) -> None:
@@ -307,6 +457,18 @@ def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
             kind,
             "see the original error above; if the module is fine in eager mode, please report it with this message",
         )
+        experts = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if kind in ("DynamicOutputShapeException", "DataDependentOutputException") and experts not in (
+            None,
+            "grouped_mm",
+        ):
+            hint = (
+                f"this model's mixture-of-experts layers run transformers' {experts!r} experts, which choose "
+                'the experts to run by value; build or load it with experts_implementation="grouped_mm" '
+                "(transformers' default), e.g. AutoModelForCausalLM.from_config(config, "
+                'experts_implementation="grouped_mm") or from_pretrained(path, experts_implementation='
+                '"grouped_mm"), which fbmt traces'
+            )
         at = _user_frame(e)
         msg = (
             f"fbmt.compile could not trace module '{path}' ({mod})"

@@ -198,3 +198,19 @@ def test_a_copy_or_sum_tile_that_is_not_a_power_of_two_is_a_named_error(monkeypa
         tile.cache_clear()
     defaults = (flags.COPY_BLOCK, flags.COPY_WARPS) if "COPY" in var else (flags.SUM_BLOCK, flags.SUM_WARPS)
     assert tile() == tuple(f.default for f in defaults)
+
+
+def test_autocast_is_part_of_the_program_key():
+    """A call under torch.autocast computes as eager autocast does, and a later call without it does not
+    reuse that program."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = fbmt.compile(copy.deepcopy(ref))
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = ref(x), model(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    plain = model(x)
+    assert plain.dtype == torch.float32
+    torch.testing.assert_close(plain, ref(x))

@@ -35,6 +35,7 @@ GROUPS = [  # (module prefix, group); the longest matching prefix decides
     ("fbmt.ops", "ir"),
     ("fbmt.layout", "ir"),
     ("fbmt.program", "ir"),
+    ("fbmt.objects", "ir"),
     ("fbmt.trace", "trace"),
     ("fbmt.sim", "sim"),
     ("fbmt.passes", "passes"),

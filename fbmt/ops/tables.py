@@ -130,7 +130,7 @@ ATTENTION_BACKWARD = frozenset(
     }
 )
 # What remat="selective" saves instead of recomputing, and what no min-cut recomputes (NOTE: [Selective]).
-EXPENSIVE = MATMULS | ATTENTION_FORWARD | {"convolution", "_scaled_mm"}
+EXPENSIVE = MATMULS | ATTENTION_FORWARD | {"convolution", "_scaled_mm", "_grouped_mm"}
 
 
 def expensive(node: fx.Node) -> bool:
@@ -158,6 +158,13 @@ def _attention(node: fx.Node) -> float:
     return work * (2.5 if op_name(node.target) in ATTENTION_BACKWARD else 1.0)
 
 
+def _grouped_mm(node: fx.Node) -> float:
+    a, b, out = _val(node.args[0]), _val(node.args[1]), _val(node)
+    if a.dim() == 2 and b.dim() == 2:  # groups along the contraction (a weight gradient)
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2.0 * out.numel() * a.shape[-1]
+
+
 def _convolution(node: fx.Node) -> float:
     out, w = _val(node), _val(node.args[1])
     return 2.0 * out.numel() * w[0].numel() if out is not None else 0.0
@@ -167,6 +174,7 @@ FLOPS: dict[str, Callable[[fx.Node], float]] = {
     **dict.fromkeys(MATMULS, _matmul),
     **dict.fromkeys(ATTENTION_FORWARD | ATTENTION_BACKWARD, _attention),
     "convolution": _convolution,
+    "_grouped_mm": _grouped_mm,
 }
 
 

@@ -127,7 +127,7 @@ class Graphed:
         started = time.perf_counter()
         exe = self.exe
         self.inputs = [
-            x if role.kind in ("shard", "buffer") else _captured_copy(x, role.key)
+            x if role.kind in ("shard", "buffer", "constant") else _captured_copy(x, role.key)
             for role, x in zip(exe.fwd_inputs, args)
         ]
         pool = torch.cuda.graph_pool_handle()

@@ -45,6 +45,8 @@ class Executable:
     grad_slots: list[tuple[int, int]]  # (forward argument index, backward result index) of each gradient
     signature: str  # digest of the collective sequence, compared across ranks before the first run
     records: bool  # its graphs report to a recorder from the host (NOTE in fbmt/ops/record.py)
+    constants: dict[str, torch.Tensor]  # what to feed the inputs of kind "constant", by name
+    updated_buffers: list[str]  # the buffers the forward writes (BatchNorm's running statistics)
 
     def run_forward(self, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
         """The user's outputs, and the values saved for the backward."""
@@ -131,6 +133,8 @@ def partition(program: Program) -> Executable:
         grad_slots=grad_slots,
         signature=program.collective_signature(),
         records=record.holds_records(g),
+        constants=program.constants,
+        updated_buffers=[roles[n].key for n in program.placeholders() if n in mutated and roles[n].kind == "buffer"],
     )
 
 
@@ -145,13 +149,33 @@ def take(box: list, i: int) -> Any:
     return value
 
 
+# NOTE: [Ops that need grad mode]
+# Both graphs run with autograd off (inside an autograd.Function, and inside autograd's backward),
+# and one kernel reads the mode rather than its arguments: oneDNN's LSTM layer on CPU
+# (`mkldnn_rnn_layer`) returns no workspace under no_grad even with train=True, and its backward
+# then fails on the missing workspace. Such an op runs with autograd on; its inputs require no
+# gradient, so nothing is recorded.
+def _with_grad_mode(op: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.enable_grad():
+            return op(*args, **kwargs)
+
+    run.__name__ = f"{op.overloadpacket.__name__}_with_grad_mode"
+    return run
+
+
+_NEEDS_GRAD_MODE = {aten.mkldnn_rnn_layer.default: _with_grad_mode(aten.mkldnn_rnn_layer.default)}
+
+
 def _lower(g: fx.Graph) -> None:
     """Drop dead pure nodes and the `release` markers; collective nodes call their implementations
-    (NOTE: [Lowering the IR])."""
+    (NOTE: [Lowering the IR]), and the ops of NOTE: [Ops that need grad mode] run with autograd on."""
     for n in reversed(list(g.nodes)):
         if n.op == "call_function" and (n.target is ops.release or not n.users and not ops.effectful(n.target)):
             g.erase_node(n)
     for n in g.nodes:
         if n.op == "call_function" and n.target in IMPLEMENTATIONS:
             n.target = IMPLEMENTATIONS[n.target]
+        elif n.op == "call_function" and n.target in _NEEDS_GRAD_MODE:
+            n.target = _NEEDS_GRAD_MODE[n.target]
     g.lint()

@@ -1,0 +1,138 @@
+"""Objects in a call's arguments and results that hold tensors without being pytrees.
+
+torch's pytree flattens tuples, lists, dicts and registered classes (Hugging Face's `ModelOutput`
+is one); anything else is a leaf. Some leaves hold tensors all the same, the one that matters most
+being a Hugging Face cache (`DynamicCache` -> `layers` -> `keys`, `values`): `generate()` passes
+one in, the forward grows it, and the output returns it. A program sees only tensors, so fbmt
+treats such an object as its tensors plus a template:
+
+- `tensors_in(obj)`: the tensors reachable through its attributes, lists, tuples and dicts, each
+  once, in a fixed order (attribute order, then item order), so two objects built the same way
+  give their tensors in the same order.
+- `fingerprint(obj)`: what a program built for this object depends on: its types, every tensor's
+  shape, dtype, device and requires_grad, and every plain value (ints, bools, strings). Two calls
+  whose objects share a fingerprint run the same program.
+- `rebuild(template, tensors)`: a deep copy of `template` with its tensors (in `tensors_in`
+  order) replaced by `tensors`: what tracing calls the forward with (fake tensors, so the caller's
+  object is never touched), and what the compiled model returns (the program's real outputs).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import types
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
+_OPAQUE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, nn.Module)
+
+
+def is_object(x: Any) -> bool:
+    """A pytree leaf that is neither a tensor nor a plain value, and has attributes to look into."""
+    return not isinstance(x, (torch.Tensor, *_PLAIN, *_OPAQUE)) and hasattr(x, "__dict__")
+
+
+def _children(x: Any) -> list[Any]:
+    if isinstance(x, dict):
+        return list(x.values())
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if is_object(x):
+        return list(vars(x).values())
+    return []
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor reachable from `obj`, once each, in a fixed order."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            found.setdefault(id(x), x)
+        elif id(x) not in seen:
+            seen.add(id(x))
+            for c in _children(x):
+                walk(c)
+
+    walk(obj)
+    return list(found.values())
+
+
+def fingerprint(obj: Any) -> Any:
+    """A hashable summary of `obj` that decides the program a call with it runs (module docstring)."""
+    seen: dict[int, int] = {}
+
+    def fp(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.dtype, x.device, x.requires_grad)
+        if isinstance(x, _PLAIN):
+            return x
+        if isinstance(x, _OPAQUE):
+            return ("opaque", id(x))
+        if id(x) in seen:  # shared or cyclic: the structure says where it was seen first
+            return ("seen", seen[id(x)])
+        seen[id(x)] = len(seen)
+        if isinstance(x, dict):
+            return (type(x), tuple((k, fp(v)) for k, v in x.items()))
+        if isinstance(x, (list, tuple)):
+            return (type(x), tuple(fp(v) for v in x))
+        if is_object(x):
+            return (type(x), tuple((k, fp(v)) for k, v in vars(x).items()))
+        return (type(x), repr(x))
+
+    return fp(obj)
+
+
+def rebuild(template: Any, tensors: list[torch.Tensor]) -> Any:
+    """A deep copy of `template` whose tensors (in `tensors_in` order) are `tensors`."""
+    old = tensors_in(template)
+    if len(old) != len(tensors):
+        raise ValueError(f"{type(template).__name__} holds {len(old)} tensors, {len(tensors)} were given")
+    return copy.deepcopy(template, {id(t): n for t, n in zip(old, tensors)})
+
+
+def update_in_place(target: Any, source: Any) -> None:
+    """Make `target` (the caller's object) hold what `source` holds, attribute by attribute."""
+    state = vars(target)
+    state.clear()
+    state.update(vars(source))
+
+
+def input_tensors(leaves: list[Any]) -> list[torch.Tensor]:
+    """A call's tensors in the order a program takes them: the tensor leaves, then each object's."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    for x in leaves:
+        if is_object(x):
+            tensors += tensors_in(x)
+    return tensors
+
+
+class DroppedCache:
+    """What a training call returns for a cache its forward built (a Hugging Face `DynamicCache`),
+    unless `use_cache=True` is passed: keeping it would make every layer's keys and values outputs
+    of the program, each with a gradient buffer in the backward. Any use of it raises."""
+
+    def __init__(self, what: str):
+        self._what = what
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"fbmt: this training call did not keep the {self._what} its forward built (a program output "
+            "for every layer's keys and values, and their gradients); pass use_cache=True in the call to "
+            "get it, or use_cache=False to say it is not needed"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_what":
+            raise AttributeError(name)
+        self._refuse()
+
+    __bool__ = __len__ = __iter__ = __getitem__ = __call__ = _refuse
+
+    def __repr__(self) -> str:
+        return f"<{self._what} not kept by fbmt in a training call: pass use_cache=True to keep it>"
