@@ -8,8 +8,11 @@ stays plain PyTorch and autograd accumulates each shard's gradient into `shard.g
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 import time
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fbmt import distributed, pipeline
+from fbmt import distributed, objects, pipeline
 from fbmt.layout import Layout, copy_into_shard, local_range
 from fbmt.ops import record
 from fbmt.options import CompileOptions
@@ -34,7 +37,21 @@ from fbmt.runtime.regions import RegionCache
 log = logging.getLogger("fbmt")
 
 
-class CompiledModule(nn.Module):
+class _Wrapping(type):
+    """The class of each compiled module forwards class-level lookups to the wrapped module's class
+    (HF's `generate` runs `getattr(type(self), "_sample")`): NOTE: [The wrapped model's methods]."""
+
+    def __getattr__(cls, name: str) -> Any:
+        wrapped = cls.__dict__.get("_fbmt_wraps")
+        if wrapped is None or name.startswith("__"):
+            raise AttributeError(f"type object {cls.__name__!r} has no attribute {name!r}")
+        return getattr(wrapped, name)
+
+
+_classes: dict[type, type] = {}
+
+
+class CompiledModule(nn.Module, metaclass=_Wrapping):
     """A module compiled by `fbmt.compile`; see that function for the options.
 
     View mode (`views`, used by fbmt's BMTrain layer): for each group, one leaf Parameter per slot,
@@ -42,6 +59,15 @@ class CompiledModule(nn.Module):
     then accumulates a slice of the shard gradient into each view's `.grad`, so optimizers and
     `named_parameters()` see ordinary per-parameter tensors; the flat shards hold no gradients.
     """
+
+    def __new__(cls, module: nn.Module, *args: Any, **kwargs: Any) -> CompiledModule:
+        if cls is CompiledModule:  # one class per wrapped class, to forward class-level lookups
+            wrapped = type(module)
+            if wrapped not in _classes:
+                name = f"CompiledModule[{wrapped.__qualname__}]"
+                _classes[wrapped] = _Wrapping("CompiledModule", (cls,), {"_fbmt_wraps": wrapped, "__qualname__": name})
+            cls = _classes[wrapped]
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -92,9 +118,21 @@ class CompiledModule(nn.Module):
             for name in [f"{path}.{k}" if path else k]
         ]
         self._flags_seen = self._flags()
+        self._shards = list(shards)  # what the flat shards must stay (FSDP around the model would replace them)
         _refuse_optimizers_of_moved_parameters()
         _global_gradient_norms(shards if views is None else [v for vs in views for v in vs])
         self.train(module.training)
+        self.__dict__["forward"] = _presenting_signature(self, module)
+
+    # NOTE: [The wrapped model's methods]
+    # Libraries read the model they are given: HF's Trainer keeps only the dataset columns that
+    # `inspect.signature(model.forward)` names, and `generate()` validates its arguments the same
+    # way, so `forward` presents the original signature (an instance attribute over the class's
+    # method). A method of the original model (`generate`, `prepare_inputs_for_generation`, a
+    # property) is looked up on the original's class and bound to this module, so that inside it
+    # `self(...)` runs the compiled program and `self.parameters()`/`self.device` are the shards';
+    # bound to the original, it would run the original forward on meta placeholders. Attributes
+    # that are not methods (`config`, submodules) are the original's.
 
     # ---- calling ----
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -104,7 +142,7 @@ class CompiledModule(nn.Module):
                 torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, (args, kwargs)
             )
         leaves, _ = pytree.tree_flatten((args, kwargs))
-        inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        inputs = objects.input_tensors(leaves)
         for i, x in enumerate(inputs):
             if x.device != self.device:
                 raise ValueError(
@@ -118,6 +156,8 @@ class CompiledModule(nn.Module):
         if exe is None:
             exe = self._build(key, args, kwargs, needs_grad, trainable)
         self._check_ranks_agree(exe)
+        if exe.updated_buffers and needs_grad and self.options.broadcast_buffers and self.layout.world_size > 1:
+            self._broadcast_buffers(exe.updated_buffers)
         feed = self._feed(exe, inputs)
         if exe.backward is None:
             with torch.no_grad():
@@ -131,11 +171,7 @@ class CompiledModule(nn.Module):
             else:
                 outs = RunProgram.apply(exe, runner, self._routes, *feed, *(v for vs in self.views for v in vs))
         program = self.programs[key]
-        flat: list[Any] = [None] * (len(program.out_constants) + exe.n_outputs)
-        for k, v in program.out_constants.items():
-            flat[k] = v
-        for k, v in zip(exe.output_keys, outs):
-            flat[k] = v
+        flat = program.results.assemble(dict(zip(exe.output_keys, outs)), leaves)
         return pytree.tree_unflatten(flat, program.out_spec)
 
     def trace(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> Program:
@@ -167,6 +203,13 @@ class CompiledModule(nn.Module):
     def _check_parameters(self) -> None:
         """The module's parameters are still the placeholders compile left, and `requires_grad_` on
         one (`model.fc.weight.requires_grad_(False)`) or on a shard applies to the shard's group."""
+        current = list(self.flat_params._parameters.values())
+        if len(current) != len(self._shards) or any(a is not b for a, b in zip(current, self._shards)):
+            raise RuntimeError(
+                "fbmt: the compiled model's flat shards were replaced after fbmt.compile (FSDP's fully_shard or "
+                "FullyShardedDataParallel around a compiled model does this): fbmt already shards the parameters "
+                "and reduces the gradients; use the compiled model as it is, without FSDP or DDP around it"
+            )
         for m, k, p, name, _ in self._placeholders:
             if m._parameters.get(k) is not p:
                 raise RuntimeError(
@@ -199,9 +242,27 @@ class CompiledModule(nn.Module):
     def _key(self, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...]) -> tuple:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         sig = tuple(
-            (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves
+            (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+            if isinstance(x, torch.Tensor)
+            else objects.fingerprint(x)
+            if objects.is_object(x)
+            else x
+            for x in leaves
         )
-        return (spec, sig, tuple(m.training for m in self._submodules), needs_grad, trainable, record.active())
+        # autocast changes what the forward computes, and tracing records its casts: a program per state
+        autocast = tuple(
+            (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) if torch.is_autocast_enabled(d) else False
+            for d in ("cpu", self.device.type)
+        )
+        return (
+            spec,
+            sig,
+            tuple(m.training for m in self._submodules),
+            needs_grad,
+            trainable,
+            record.active(),
+            autocast,
+        )
 
     def _build(
         self,
@@ -267,8 +328,22 @@ class CompiledModule(nn.Module):
             "shard": shards.__getitem__,
             "buffer": buffer,
             "input": inputs.__getitem__,
+            "constant": exe.constants.__getitem__,
         }
         return [feeders[r.kind](r.key) for r in exe.fwd_inputs]
+
+    def _broadcast_buffers(self, names: list[str]) -> None:
+        """Rank 0's values of these buffers on every rank (`broadcast_buffers`), one broadcast per dtype."""
+        buffers = dict(self._orig.named_buffers())
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for name in names:
+            by_dtype.setdefault(buffers[name].dtype, []).append(buffers[name])
+        with torch.no_grad():
+            for tensors in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                dist.broadcast(flat, src=0)
+                for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+                    t.copy_(v.view_as(t))
 
     def _check_ranks_agree(self, exe: Executable) -> None:
         """Ranks about to run different programs (one compiled a new one, one runs a cached one) would
@@ -301,6 +376,25 @@ class CompiledModule(nn.Module):
             "(with HF Trainer/accelerate, do not let it wrap the model in DDP)"
         )
 
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        # accelerate (under HF Trainer) wraps a model it has not prepared in DDP, and runs its forward
+        # under autocast for bf16=True/fp16=True: the first is refused (above), the second would trace
+        # the autocast casts into the program. A compiled model needs neither: it is prepared.
+        state = sys.modules.get("accelerate.state")
+        precision = state.AcceleratorState._shared_state.get("_mixed_precision") if state is not None else None
+        if precision not in (None, "no"):
+            raise RuntimeError(
+                f"fbmt: accelerate is set to mixed precision {str(precision)!r} (TrainingArguments(bf16=True) or "
+                "fp16=True), which runs the forward under autocast; fbmt compiles mixed precision into the program "
+                "instead: leave bf16/fp16 off and compile with fbmt.compile(model, param_dtype=torch.bfloat16)"
+            )
+        return True
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        pass  # accelerate marks what it prepared; a compiled model stays prepared
+
     # ---- module protocol ----
     def train(self, mode: bool = True) -> CompiledModule:
         super().train(mode)
@@ -318,7 +412,10 @@ class CompiledModule(nn.Module):
             orig = self.__dict__.get("_orig")
             if orig is None:
                 raise
-            return getattr(orig, name)
+        found = inspect.getattr_static(type(orig), name, None)  # NOTE: [The wrapped model's methods]
+        if isinstance(found, (types.FunctionType, property)) and name not in vars(orig):
+            return found.fget(self) if isinstance(found, property) else types.MethodType(found, self)
+        return getattr(orig, name)
 
     def gather(self, group: int) -> torch.Tensor:
         """The whole flat buffer of flat group `group` (a collective: call it on every rank)."""
@@ -383,6 +480,20 @@ class CompiledModule(nn.Module):
                         )
                     b.copy_(v)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _presenting_signature(compiled: CompiledModule, module: nn.Module) -> Callable:
+    """`compiled.forward`, with `module.forward`'s signature and docstring (NOTE: [The wrapped
+    model's methods]). Holds the compiled module weakly: it lives in that module's own __dict__."""
+    ref = weakref.ref(compiled)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return CompiledModule.forward(ref(), *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(module.forward)
+    forward.__doc__, forward.__name__ = module.forward.__doc__, "forward"
+    forward.__qualname__ = f"{type(module).__qualname__}.forward (compiled by fbmt)"
+    return forward
 
 
 _hook_installed = False

@@ -67,8 +67,12 @@ class CompileOptions:
     device: torch.device | str | None = None
     """Where the shards live and the program runs (default: this rank's device)."""
     init_fn: Callable[[nn.Module], None] | None = None
-    """How to initialize a model built on the meta device, module by module (default: each module's
-    `reset_parameters()`)."""
+    """How to initialize a model built on the meta device, module by module (default: a Hugging Face
+    model's `_init_weights`, else each module's `reset_parameters()`)."""
+    broadcast_buffers: bool = True
+    """As DDP's option of that name: before each training call (grad enabled) whose program updates
+    buffers (BatchNorm's running statistics), every rank takes rank 0's values of those buffers, so
+    the ranks' buffers never drift apart. False: each rank keeps its own (as DDP with False)."""
 
     block_policies: tuple[tuple[str, int, str], ...] = field(init=False, default=())
     """(block path, zero, remat) of each block whose policy `blocks` sets; derived."""

@@ -229,6 +229,23 @@ def test_wrapping_a_compiled_model_in_ddp_is_refused_before_it_overwrites_shards
         assert "DistributedDataParallel wraps a model fbmt.compile already distributes" in message, message
 
 
+def _wrapped_in_fsdp(rank: int, world: int) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    model = fbmt.compile(MLP())
+    fully_shard(model)  # shards the shards again, as DTensors
+    try:
+        model(torch.randn(2, 12))
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_a_compiled_model_wrapped_in_fsdp_is_refused_at_its_next_call():
+    for message in run_ranks(2, _wrapped_in_fsdp):
+        assert "flat shards were replaced after fbmt.compile (FSDP's fully_shard" in message, message
+
+
 class _SlowOnRank1(nn.Module):
     def __init__(self):
         super().__init__()

@@ -2,12 +2,13 @@
 
 NOTE: [Materializing shard by shard]
 A model built under `torch.device("meta")` has no storage. For each block in turn, its parameters
-(and the buffers of its modules) get real, uninitialized storage on the target device; each module
-that owns them is initialized with `init_fn(module)` if given, else its `reset_parameters()`; this
-rank copies its slice into the shards; the block goes back to `meta`. Every rank draws the same
-random numbers (one seed broadcast from rank 0), so the slices agree, and no rank holds more than
-one block of full parameters at a time. A module that owns meta state and has neither an init_fn
-nor `reset_parameters()` is an error: its values would be uninitialized memory.
+(and the buffers of its modules) get real storage on the target device, filled with a value no
+initializer writes (NaN); each module that owns them is initialized (`_initializer`: an init_fn, a
+Hugging Face model's own `_init_weights`, or the module's `reset_parameters()`); a tensor the
+initializer left unset is an error, not uninitialized memory; this rank copies its slice into the
+shards; the block goes back to `meta`. Every rank draws the same random numbers (one seed
+broadcast from rank 0), so the slices agree, and no rank holds more than one block of full
+parameters at a time.
 """
 
 from __future__ import annotations
@@ -107,28 +108,76 @@ def _materialize(
     seed: int,
 ) -> None:
     owners: dict[str, nn.Module] = {}
+    fresh: dict[str, torch.Tensor] = {}  # what was materialized, each filled with a value no init writes
     params = dict(module.named_parameters())
     for n in names:
         path = n.rpartition(".")[0]
         owners[path] = module.get_submodule(path)
         p = params[n]
-        _swap(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad), refs, n)
+        fresh[n] = _unset_like(p, device)
+        _swap(p, nn.Parameter(fresh[n], requires_grad=p.requires_grad), refs, n)
     for path, m in module.named_modules():
         if layout.block_of_module(path) == block and any(b is not None and b.is_meta for b in m._buffers.values()):
             owners[path] = m
             for k, b in m._buffers.items():
                 if b is not None and b.is_meta:
-                    m._buffers[k] = torch.empty_like(b, device=device)
+                    m._buffers[k] = fresh[f"{path}.{k}" if path else k] = _unset_like(b, device)
+    initialize = _initializer(module, init_fn)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed + layout.blocks.index(block))
         for path, m in owners.items():
-            if init_fn is not None:
-                init_fn(m)
-            elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-            else:
-                raise ValueError(
-                    f"module '{path or '<root>'}' ({type(m).__name__}) was built on the meta device "
-                    "and has no reset_parameters(); pass fbmt.compile(..., init_fn=fn) where "
-                    "fn(module) initializes the parameters and buffers the module owns directly"
-                )
+            initialize(path, m)
+    # An initializer that skips a tensor (a Hugging Face _init_weights that does not know a module, a
+    # reset_parameters that forgets a buffer) would leave uninitialized memory: refuse instead.
+    unset = [n for n, t in fresh.items() if _still_unset(t)]
+    if unset:
+        raise ValueError(
+            f"fbmt.compile: the model was built on the meta device, and initializing it left {unset[:4]} without "
+            "values (its module's reset_parameters(), or the model's _init_weights, does not set them); pass "
+            "fbmt.compile(..., init_fn=fn) where fn(module) initializes what each module owns directly"
+        )
+
+
+def _unset_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Storage for `t` on `device`, filled with NaN (floating point) or the smallest integer."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return torch.full_like(t, float("nan"), device=device)
+    if t.dtype == torch.bool:
+        return torch.zeros_like(t, device=device)  # no value marks a bool as unset
+    return torch.full_like(t, torch.iinfo(t.dtype).min, device=device)
+
+
+def _still_unset(t: torch.Tensor) -> bool:
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return bool(t.isnan().all()) and t.numel() > 0
+    if t.dtype == torch.bool:
+        return False
+    return bool((t == torch.iinfo(t.dtype).min).all()) and t.numel() > 0
+
+
+def _initializer(root: nn.Module, init_fn: InitFn | None) -> Callable[[str, nn.Module], None]:
+    """How each module that owns meta state gets its values: `init_fn(module)`; in a Hugging Face
+    model, the model's own `_init_weights(module)` (what `from_config` runs); else the module's
+    `reset_parameters()` (torch's modules) or `_reset_parameters()` (nn.MultiheadAttention, and
+    modules written after it)."""
+    hf_init = getattr(root, "_init_weights", None) if hasattr(root, "config") else None
+
+    def initialize(path: str, m: nn.Module) -> None:
+        if init_fn is not None:
+            init_fn(m)
+        elif callable(hf_init):
+            hf_init(m)
+        elif callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+        elif callable(getattr(m, "_reset_parameters", None)):
+            m._reset_parameters()
+        else:
+            owned = [k for k, v in [*m._parameters.items(), *m._buffers.items()] if v is not None]
+            raise ValueError(
+                f"module '{path or '<root>'}' ({type(m).__name__}) was built on the meta device and owns "
+                f"{owned} directly, but has no reset_parameters() to give them values; add a "
+                "reset_parameters() to it that initializes what it owns (torch's own modules have one), or "
+                "pass fbmt.compile(..., init_fn=fn) where fn(module) does"
+            )
+
+    return initialize

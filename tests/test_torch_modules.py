@@ -1,0 +1,158 @@
+"""torch.nn modules beyond linear layers, compiled as users write them and compared with eager PyTorch
+(DDP where ranks matter): recurrent layers, BatchNorm's buffers, and modules built on the meta device."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import fbmt
+from tests.dist import run_ranks
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type[nn.RNNBase]):
+        super().__init__()
+        self.rnn = cell(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(x)
+        return self.head(y).square().mean()
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.fc(x)))).square().mean()
+
+
+def _as_ddp(rank: int, world: int, build, shape: tuple, broadcast_buffers: bool) -> None:
+    """3 SGD steps, each rank on its own batch, against DDP: parameters and buffers on every rank."""
+    torch.manual_seed(0)
+    ref = build()
+    model = fbmt.compile(copy.deepcopy(ref), broadcast_buffers=broadcast_buffers)
+    ddp = DistributedDataParallel(ref, broadcast_buffers=broadcast_buffers)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, model)]
+    for step in range(3):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(100 * step + rank))
+        want, got = ddp(x), model(x)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, msg=f"rank {rank} step {step}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    for (n, want), (_, got) in zip(ref.named_buffers(), model.named_buffers()):
+        torch.testing.assert_close(got, want, msg=f"buffer {n} on rank {rank}")
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_recurrent_layers_train_as_eager(cell):
+    run_ranks(2, _as_ddp, functools.partial(Recurrent, cell), (3, 5, 8), True)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_batchnorm_buffers_follow_ddps_broadcast_buffers(broadcast):
+    ranks = run_ranks(2, _as_ddp, Normed, (5, 6), broadcast)
+    same = torch.equal(ranks[0]["bn.running_mean"], ranks[1]["bn.running_mean"])
+    assert not same  # the last step's update is each rank's own, in DDP as here
+    assert ranks[0]["bn.num_batches_tracked"] == 3
+
+
+def test_multihead_attention_built_on_meta_is_initialized_by_its_reset_parameters():
+    with torch.device("meta"):
+        mha = nn.MultiheadAttention(8, 2)
+    model = fbmt.compile(mha)
+    full = model.full_parameters()
+    assert torch.equal(full["in_proj_bias"], torch.zeros(24))  # what _reset_parameters sets
+    assert full["in_proj_weight"].std() > 0.1
+    x = torch.randn(3, 1, 8)
+    eager = nn.MultiheadAttention(8, 2)
+    eager.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(x, x, x)[0], eager(x, x, x)[0])
+
+
+class RootOwned(nn.Module):
+    def __init__(self, with_reset: bool):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(4))
+        self.register_buffer("shift", torch.empty(4))
+        self.fc = nn.Linear(4, 4)
+        if with_reset:
+            self.reset_parameters = lambda: (nn.init.ones_(self.scale), self.shift.fill_(0.5))
+
+    def forward(self, x):
+        return (self.fc(x) * self.scale + self.shift).sum()
+
+
+def test_root_level_parameters_and_buffers_built_on_meta():
+    with torch.device("meta"):
+        model = RootOwned(with_reset=True)
+    model = fbmt.compile(model)
+    state = model.state_dict()
+    assert torch.equal(state["scale"], torch.ones(4)) and torch.equal(state["shift"], torch.full((4,), 0.5))
+    with torch.device("meta"):
+        bare = RootOwned(with_reset=False)
+    with pytest.raises(ValueError, match=r"'<root>' \(RootOwned\) .* owns \['scale', 'shift'\] directly"):
+        fbmt.compile(bare)
+
+
+def test_an_initializer_that_skips_a_parameter_is_refused():
+    def forgetful(m):
+        if isinstance(m, nn.Linear):
+            nn.init.zeros_(m.weight)  # the bias stays unset
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match=r"left \['0.bias'\] without values"):
+        fbmt.compile(model, init_fn=forgetful)
+
+
+class NormedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.fc(x)))
+
+
+class NormedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([NormedBlock(), NormedBlock()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("remat", ["block", "selective", "mincut", "none"])
+def test_batchnorm_statistics_are_updated_once_per_step_under_every_recompute(remat):
+    """A recomputed BatchNorm in the backward must not update the running statistics again."""
+    torch.manual_seed(0)
+    ref = NormedStack()
+    model = fbmt.compile(copy.deepcopy(ref), remat=remat)
+    for step in range(2):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        ref(x).backward()
+        model(x).backward()
+    for (n, want), (_, got) in zip(ref.named_buffers(), model.named_buffers()):
+        torch.testing.assert_close(got, want, msg=n)
