@@ -19,6 +19,9 @@ if [ "${1:-}" = "--test" ]; then
   "$PY" -m ruff --version 2>/dev/null | grep -qx "ruff 0.17.6" || pip_install ruff==0.17.6
   # The numba-CUDA kernels are tested under numba's CUDA simulator on machines without a GPU.
   "$PY" -c "import numba.cuda" 2>/dev/null || pip_install numba-cuda
+  # Hugging Face models as users run them (tests/test_transformers.py, examples/hf_trainer.py); pinned, since
+  # their modeling code changes between releases. A machine with its own (a GPU image) keeps it.
+  "$PY" -c "import transformers, accelerate" 2>/dev/null || pip_install transformers==5.24.0 accelerate==1.15.0
 fi
 # fbmt itself, in editable mode: skipped where this folder is what `import fbmt` finds and the native
 # extension is newer than its sources (a reinstall rebuilds the extension, which takes minutes).

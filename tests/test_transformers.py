@@ -1,0 +1,194 @@
+"""Hugging Face `transformers` models as users run them, compiled by fbmt and compared with eager.
+
+Every model is called exactly as its documentation writes it (`model(input_ids=..., labels=...)`,
+`use_cache` left at the config's default), from tiny random configs (`tests/models/hf.py`)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fbmt
+from fbmt.objects import DroppedCache
+from tests.dist import run_ranks
+from tests.models import hf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _local(kwargs: dict, rank: int, world: int) -> dict:
+    return {k: fbmt.local_part(v) if v.dim() else v for k, v in kwargs.items()}
+
+
+def _trains_as_eager(rank: int, world: int, name: str, dtype: torch.dtype) -> None:
+    ref = hf.build(name).to(dtype)
+    model = fbmt.compile(copy.deepcopy(ref))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for step in range(3):
+        kwargs = hf.inputs(name, step)
+        want = ref(**kwargs).loss  # the whole batch
+        got = model(**_local(kwargs, rank, world)).loss  # this rank's part of it
+        want.backward()
+        got.backward()
+        mean = got.detach().clone()
+        torch.distributed.all_reduce(mean)
+        torch.testing.assert_close(mean / world, want.detach(), **tol, msg=f"{name} step {step} loss")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[model.layout.aliases.get(n, n)], p.detach(), **tol, msg=f"{name}: {n}")
+
+
+@pytest.mark.parametrize("name", hf.NAMES)
+def test_each_model_called_as_documented_trains_as_eager_on_two_ranks(name):
+    run_ranks(2, _trains_as_eager, name, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "llama"])
+def test_bf16_models_train_as_eager(name):
+    """Mixture of experts with transformers' default grouped_mm experts, in bf16 as in fp32."""
+    run_ranks(2, _trains_as_eager, name, torch.bfloat16)
+
+
+def _generates(rank: int, world: int, name: str) -> None:
+    ref = hf.build(name).eval()
+    model = fbmt.compile(copy.deepcopy(ref)).eval()
+    prompt = hf.inputs(name, 0, batch=2, seq=5)["input_ids"]
+    want = ref.generate(prompt, max_new_tokens=4, do_sample=False)
+    got = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_generate_runs_the_compiled_program_and_gives_the_eager_tokens(name):
+    run_ranks(2, _generates, name)
+
+
+def test_the_cache_of_an_inference_call_holds_the_real_keys_and_values():
+    ref = hf.build("llama").eval()
+    model = fbmt.compile(copy.deepcopy(ref)).eval()
+    ids = hf.inputs("llama", 0)["input_ids"]
+    with torch.no_grad():
+        want, got = ref(input_ids=ids), model(input_ids=ids)
+    assert type(got.past_key_values) is type(want.past_key_values)
+    for a, b in zip(want.past_key_values.layers, got.past_key_values.layers):
+        assert type(b.keys) is torch.Tensor  # not a fake left from tracing
+        torch.testing.assert_close(b.keys, a.keys)
+        torch.testing.assert_close(b.values, a.values)
+    # fed back, as generate() does: the caller's cache grows in place, and the logits are eager's
+    step = torch.randint(3, hf.VOCAB, (ids.shape[0], 1))
+    cache = got.past_key_values
+    with torch.no_grad():
+        want2 = ref(input_ids=step, past_key_values=want.past_key_values)
+        got2 = model(input_ids=step, past_key_values=cache)
+    assert got2.past_key_values is cache and cache.get_seq_length() == ids.shape[1] + 1
+    torch.testing.assert_close(got2.logits, want2.logits)
+
+
+def test_a_training_call_drops_the_cache_it_built_and_says_so():
+    model = fbmt.compile(hf.build("llama"))
+    kwargs = hf.inputs("llama", 0)
+    out = model(**kwargs)
+    assert isinstance(out.past_key_values, DroppedCache)
+    with pytest.raises(RuntimeError, match="pass use_cache=True"):
+        out.past_key_values.get_seq_length()
+    assert "dropped the DynamicCache" in str(model.program)
+    out.loss.backward()
+
+
+def test_use_cache_true_in_a_training_call_keeps_a_differentiable_cache():
+    ref = hf.build("llama")
+    model = fbmt.compile(copy.deepcopy(ref))
+    kwargs = hf.inputs("llama", 0)
+    want, got = ref(**kwargs, use_cache=True), model(**kwargs, use_cache=True)
+    # a gradient through the cache's keys reaches the parameters, as in eager
+    (want.loss + want.past_key_values.layers[1].keys.sum()).backward()
+    (got.loss + got.past_key_values.layers[1].keys.sum()).backward()
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_tensors_made_inside_forward_are_inputs_of_the_program():
+    class Shift(nn.Module):  # what T5's _shift_right does: an in-place write of a Python scalar
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = x.clone()
+            x[:, 0] = 1.5
+            return self.fc(x).sum()
+
+    torch.manual_seed(0)
+    ref = Shift()
+    model = fbmt.compile(copy.deepcopy(ref))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), ref(x))
+    assert "input constant[_tensor_constant0]" in str(model.program)
+    assert "lifted 1 tensor constants" in model.program.summary("trace")
+
+
+def test_forward_presents_the_models_signature():
+    ref = hf.build("llama")
+    model = fbmt.compile(copy.deepcopy(ref))
+    assert inspect.signature(model.forward) == inspect.signature(ref.forward)
+    assert "input_ids" in inspect.signature(model.forward).parameters
+    assert model.config is model._orig.config and model.device == torch.device("cpu")
+    assert model.main_input_name == "input_ids" and model.can_generate()
+
+
+def test_the_trainer_example_matches_eager_ddp():
+    """examples/hf_trainer.py: transformers.Trainer on 2 ranks; --check trains eager DDP and compares."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/hf_trainer.py"]
+    run = subprocess.run(
+        [*cmd, "--steps", "6", "--check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "check: max loss difference" in run.stdout, run.stdout[-2000:]
+
+
+def test_accelerate_mixed_precision_is_refused_with_what_to_do():
+    accelerate = pytest.importorskip("accelerate")
+    model = fbmt.compile(hf.build("llama"))
+    assert model._is_accelerate_prepared  # so accelerate does not wrap it in DDP
+    accelerate.state.AcceleratorState._reset_state()
+    try:
+        accelerate.Accelerator(mixed_precision="bf16", cpu=True)
+        with pytest.raises(RuntimeError, match="param_dtype=torch.bfloat16"):
+            accelerate.Accelerator().prepare_model(model)
+    finally:
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_eager_experts_name_the_setting_fbmt_can_trace():
+    model = fbmt.compile(hf.build("mixtral", experts_implementation="eager"))
+    with pytest.raises(fbmt.TraceError, match='experts_implementation="grouped_mm"'):
+        model(**hf.inputs("mixtral", 0))
+
+
+@pytest.mark.parametrize("name", ["llama", "bert-mlm", "t5"])
+def test_a_model_built_on_meta_is_initialized_by_its_own_init_weights(name):
+    ref = hf.build(name)
+    with torch.device("meta"):
+        meta = hf.build(name)
+    model = fbmt.compile(meta)
+    for (n, a), (_, b) in zip(ref.named_buffers(), model.named_buffers()):  # rotary inv_freq, position_ids
+        assert torch.equal(a, b), n
+    for n, p in model.full_parameters().items():
+        assert torch.isfinite(p).all(), n
+    model.load_state_dict(ref.state_dict())
+    kwargs = hf.inputs(name, 0)
+    torch.testing.assert_close(model(**kwargs).loss, ref(**kwargs).loss)
