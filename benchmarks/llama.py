@@ -21,13 +21,15 @@ class LlamaConfig:
     max_seq: int = 2048
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_kv_heads: int | None = None  # grouped-query attention (read by gpu_train.py --hf; this Llama has none)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     def n_params(self) -> int:
-        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        kv = (self.n_kv_heads or self.n_heads) * self.head_dim
+        per_layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim + 2 * self.dim
         return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
 
     def flops_per_token(self, seq: int) -> float:
@@ -41,6 +43,7 @@ CONFIGS = {
     "6.7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
     "13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824),
     "30b": LlamaConfig(dim=6656, n_layers=60, n_heads=52, ffn_dim=17920),
+    "0.89b": LlamaConfig(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, n_kv_heads=8),  # issue 20's HF model
     "tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, ffn_dim=352, vocab_size=512, max_seq=256),
 }
 

@@ -1,5 +1,26 @@
-"""Reference models written in plain PyTorch (used by the main job, the tests and the benchmarks)."""
+"""Models written in plain PyTorch: the reference GPT (main job, tests, benchmarks), and the zoo, which
+loads and saves Hugging Face checkpoint folders (ModelCenter's role; `fbmt.models.pretrained`)."""
 
+from fbmt.models.bert import Bert, BertClassifier, BertConfig, BertMLM
 from fbmt.models.gpt import GPT, GPTConfig, init_weights
+from fbmt.models.gpt2 import GPT2, GPT2Config
+from fbmt.models.llama import Llama, LlamaConfig, Output
+from fbmt.models.pretrained import CheckpointError, PretrainedModel, load_tokenizer
 
-__all__ = ["GPT", "GPTConfig", "init_weights"]
+__all__ = [
+    "GPT",
+    "GPT2",
+    "Bert",
+    "BertClassifier",
+    "BertConfig",
+    "BertMLM",
+    "CheckpointError",
+    "GPT2Config",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "Output",
+    "PretrainedModel",
+    "init_weights",
+    "load_tokenizer",
+]
