@@ -8,6 +8,8 @@
 #   1.36b-block  1.36B with block recompute: fbmt as CUDA graphs against FSDP2 + compile, interleaved
 #   6.7b         6.7B with block recompute against FSDP2 + compile, interleaved
 #   13b          13B with block recompute against FSDP2 + compile, one after the other (two do not fit)
+#   hf-0.89b     transformers' LlamaForCausalLM of 0.89B, unmodified: fbmt (mincut, ZeRO-3 and ZeRO-2) against
+#                FSDP2 + compile (called with use_cache=False, its best), interleaved
 #   restructure  1.36B with block recompute: this commit against the one before the restructuring
 #                (70a60a9, written as fbmt_base by base_package.sh), interleaved; then the checks
 # Every stage installs fbmt into the machine's own python3 first.
@@ -41,6 +43,10 @@ case $stage in
   1.36b-none)
     run 1.36_none 230 benchmarks/gpu_train.py $b136 --remat none --warmup 2 --steps 30 --interleave \
       --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-nomerge,fsdp2-compile --out "$out/1.36_none.json" ;;
+  hf-0.89b)
+    run hf_0.89b 420 benchmarks/gpu_train.py --config 0.89b --hf --batch 4 --seq 2048 --remat mincut --warmup 3 \
+      --steps 20 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile \
+      --out "$out/hf_0.89b.json" ;;
   1.36b-block)
     run 1.36_block 150 benchmarks/gpu_train.py $b136 --remat block --warmup 3 --steps 20 --interleave \
       --methods fbmt-inductor-graph,fsdp2-compile --out "$out/1.36_block.json" ;;

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 benchmarks/gpu_train.py --config 1.36b --batch 8 --seq 2048 --remat none
     torchrun --nproc_per_node=2 benchmarks/gpu_train.py --config 6.7b --batch 4 --seq 2048 --remat block
+    torchrun --nproc_per_node=1 benchmarks/gpu_train.py --config 0.89b --hf --batch 4 --remat mincut --zero 2
 
 Every method trains the same Llama-style model (benchmarks/llama.py) from the same initial weights
 (each parameter drawn from a generator seeded by its name) on the same tokens, with bf16 compute,
@@ -65,6 +66,35 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ---- methods: each returns (model, optimizer) ready to train ----
 
 
+def init_buffers(model: nn.Module, m: nn.Module) -> None:
+    """HF's buffers of a module built on meta (the rotary frequencies), as HF's own init computes them."""
+    if hasattr(model, "_init_weights") and any(True for _ in m.buffers(recurse=False)):
+        model._init_weights(m)
+
+
+def build_model(cfg: LlamaConfig, args: argparse.Namespace) -> nn.Module:
+    """This file's Llama, or with --hf transformers' LlamaForCausalLM of the same shape, unmodified (called
+    as HF documents: `model(input_ids=x, labels=x).loss`, the labels shifted inside)."""
+    if not args.hf:
+        return (LlamaWithLoss if args.loss_in_model else Llama)(cfg)
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
+        max_position_embeddings=cfg.max_seq,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(config)
+
+
 def build_fbmt(
     cfg: LlamaConfig,
     args: argparse.Namespace,
@@ -82,10 +112,11 @@ def build_fbmt(
     fbmt = importlib.import_module(package)
 
     with torch.device("meta"):
-        model = (LlamaWithLoss if args.loss_in_model else Llama)(cfg)
+        model = build_model(cfg, args)
     paths = {id(m): name for name, m in model.named_modules()}
 
     def init(m: nn.Module) -> None:
+        init_buffers(model, m)
         for pname, p in m.named_parameters(recurse=False):
             full = f"{paths[id(m)]}.{pname}" if paths[id(m)] else pname
             with torch.no_grad():
@@ -117,9 +148,10 @@ def build_fsdp2(
     from torch.distributed.tensor import distribute_tensor
 
     with torch.device("meta"):
-        model = (LlamaWithLoss if args.loss_in_model else Llama)(cfg)
+        model = build_model(cfg, args)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for i, layer in enumerate(model.layers):
+    layers = model.model.layers if args.hf else model.layers
+    for i, layer in enumerate(layers):
         if args.remat == "block":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -127,9 +159,14 @@ def build_fsdp2(
         if compile_blocks:
             layer = torch.compile(layer)
         fully_shard(layer, mp_policy=mp)
-        model.layers[i] = layer
+        layers[i] = layer
     fully_shard(model, mp_policy=mp)
+    if args.hf:  # the peer at its best: HF's default call passes a cache through the layers, and torch.compile
+        # recompiles each layer for it until its recompile limit sends the rest to eager
+        model.__dict__["peer_call"] = {"use_cache": False}
     model.to_empty(device=device)
+    for m in model.modules():
+        init_buffers(model, m)
     with torch.no_grad():
         for name, p in model.named_parameters():
             clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -214,7 +251,10 @@ def train_step(
     inputs: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     x, y = inputs or batch(step, args, cfg, device)
-    loss = model(x, y) if args.loss_in_model else loss_fn(model(x), y)
+    if args.hf:
+        loss = model(input_ids=x, labels=x, **model.__dict__.get("peer_call", {})).loss
+    else:
+        loss = model(x, y) if args.loss_in_model else loss_fn(model(x), y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -606,6 +646,9 @@ def paired(ours: dict[str, Any], peer: dict[str, Any], warmup: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="1.36b")
+    ap.add_argument(
+        "--hf", action="store_true", help="train transformers' LlamaForCausalLM of this shape (loss inside, labels=)"
+    )
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument(
