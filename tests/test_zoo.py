@@ -7,16 +7,21 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 import fbmt
-from fbmt.models import GPT2, BertClassifier, BertMLM, CheckpointError, Llama, load_tokenizer
+from fbmt.models import GPT2, BertClassifier, BertConfig, BertMLM, CheckpointError, Llama, load_tokenizer
 from tests.dist import run_ranks
 from tests.models import hf
 
+ROOT = Path(__file__).resolve().parents[1]
 ZOO = {"llama": Llama, "gpt2": GPT2, "bert-mlm": BertMLM, "bert-cls": BertClassifier}
 
 
@@ -150,3 +155,25 @@ def test_a_zoo_model_trains_under_compile_as_eager(tmp_path):
         for opt in opts:
             opt.step()
             opt.zero_grad()
+
+
+def test_a_zoo_model_built_from_its_config_is_initialized_as_hf_initializes():
+    model = BertMLM(BertConfig(vocab_size=hf.VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+    assert abs(model.embeddings.word.weight.std().item() - 0.02) < 0.005  # not nn.Embedding's N(0, 1)
+    assert torch.equal(model.embeddings.word.weight[0], torch.zeros(32))  # the padding row
+    kwargs = hf.inputs("bert-mlm", 0)
+    assert abs(model(**kwargs).loss.item() - torch.log(torch.tensor(float(hf.VOCAB))).item()) < 0.5
+
+
+def test_the_fine_tuning_example_beats_the_majority_class(tmp_path):
+    """examples/finetune_bert.py on 2 ranks: pretrained folder made, loaded on meta, fine-tuned, evaluated."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(ROOT / "examples/finetune_bert.py")]
+    args = ["--out", str(tmp_path / "bert"), "--pretrain-steps", "150", "--epochs", "6"]
+    run = subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    found = re.search(r"held-out accuracy ([\d.]+)% after \d+ steps; the majority class alone: ([\d.]+)%", run.stdout)
+    assert found, run.stdout[-2000:]
+    accuracy, majority = map(float, found.groups())
+    assert accuracy > majority + 15, run.stdout[-2000:]
+    assert (tmp_path / "bert" / "model.safetensors").exists() and (tmp_path / "bert" / "tokenizer.json").exists()

@@ -158,6 +158,7 @@ class BertMLM(Bert):
         self.transform = nn.Linear(d, d)
         self.transform_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.decoder_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.init_weights()
 
     def forward(
         self,
@@ -206,6 +207,7 @@ class BertClassifier(Bert):
         super().__init__(config)
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights()
 
     def forward(
         self,

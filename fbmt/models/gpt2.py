@@ -88,6 +88,7 @@ class GPT2(PretrainedModel):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.init_weights()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Output:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)

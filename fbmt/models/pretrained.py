@@ -13,6 +13,7 @@ layouts differ (GPT-2's Conv1D). `save_pretrained` writes the inverse, so HF loa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -115,6 +116,14 @@ class PretrainedModel(nn.Module):
         raise NotImplementedError
 
     # ---- initialization: random, or from a checkpoint, module by module ----
+    def init_weights(self) -> None:
+        """Random values for every module, as HF initializes a model built from its config (subclasses call
+        it at the end of __init__; on the meta device it waits for fbmt.compile or from_pretrained)."""
+        if not any(t.is_meta for t in [*self.parameters(), *self.buffers()]):
+            with torch.no_grad():
+                for m in self.modules():
+                    self.init_module(m)
+
     def _init_weights(self, module: nn.Module) -> None:
         """Give `module`'s own parameters and buffers their values (fbmt.compile calls this for each module
         of a model built on the meta device, as it does a Hugging Face model's)."""
@@ -144,12 +153,21 @@ class PretrainedModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, folder: str, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        cls,
+        folder: str,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **config: Any,
     ) -> PretrainedModel:
         """The model of a Hugging Face folder. Built on the meta device (under `torch.device("meta")`, or
         `device="meta"`), it reads only the config and the index: `fbmt.compile` then loads each block's
-        tensors as it materializes the block. Elsewhere it loads every tensor now."""
-        config = cls.config_class.from_hf(read_config(folder))
+        tensors as it materializes the block. Elsewhere it loads every tensor now. Keywords replace
+        config fields, as HF's do (`num_labels=4` for a new classification head)."""
+        unknown = sorted(set(config) - set(cls.config_class.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"{cls.__name__}.from_pretrained: {unknown} are not fields of {cls.config_class.__name__}")
+        config = dataclasses.replace(cls.config_class.from_hf(read_config(folder)), **config)
         checkpoint = Checkpoint(folder)
         with torch.device("meta"):
             model = cls(config)
@@ -208,7 +226,8 @@ class PretrainedModel(nn.Module):
                 f"{checkpoint.folder!r} holds {len(unused)} tensors {type(self).__name__} has no place for, e.g. "
                 f"{unused[:5]}; a head or a feature this model does not implement would be dropped silently"
             )
-        if fresh:  # a new task head on a pretrained body, as HF's from_pretrained allows, said out loud
+        quiet = torch.distributed.is_initialized() and torch.distributed.get_rank() != 0  # rank 0 says it
+        if fresh and not quiet:  # a new task head on a pretrained body, as HF's from_pretrained allows, said out loud
             log.warning(
                 "fbmt.models: %s: %d parameters of its head are not in %r and start from random values: %s",
                 type(self).__name__,
@@ -216,7 +235,7 @@ class PretrainedModel(nn.Module):
                 checkpoint.folder,
                 ", ".join(fresh),
             )
-        if foreign:
+        if foreign and not quiet:
             log.warning(
                 "fbmt.models: %s: not using another head's tensors: %s", type(self).__name__, ", ".join(foreign)
             )
