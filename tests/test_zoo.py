@@ -17,12 +17,12 @@ import torch
 import transformers
 
 import fbmt
-from fbmt.models import GPT2, BertClassifier, BertConfig, BertMLM, CheckpointError, Llama, load_tokenizer
+from fbmt.models import GPT2, T5, BertClassifier, BertConfig, BertMLM, CheckpointError, Llama, load_tokenizer
 from tests.dist import run_ranks
 from tests.models import hf
 
 ROOT = Path(__file__).resolve().parents[1]
-ZOO = {"llama": Llama, "gpt2": GPT2, "bert-mlm": BertMLM, "bert-cls": BertClassifier}
+ZOO = {"llama": Llama, "gpt2": GPT2, "bert-mlm": BertMLM, "bert-cls": BertClassifier, "t5": T5}
 
 
 def _saved(name: str, folder, **config) -> torch.nn.Module:
@@ -32,11 +32,7 @@ def _saved(name: str, folder, **config) -> torch.nn.Module:
 
 
 def _hf_logits(model, name: str, kwargs: dict) -> torch.Tensor:
-    return model(**{k: v for k, v in kwargs.items() if k != "labels"}).logits
-
-
-def _zoo_out(model, kwargs: dict):
-    return model(**kwargs)
+    return model(**{k: v for k, v in kwargs.items() if k != "labels" or name == "t5"}).logits  # T5's decoder reads them
 
 
 @pytest.mark.parametrize("name", list(ZOO))
@@ -69,6 +65,31 @@ def test_llama_variants_grouped_query_rope_scaling_bias_and_tied_embeddings(tmp_
         model = Llama.from_pretrained(str(folder)).eval()
         ids = hf.inputs("llama", i)["input_ids"]
         torch.testing.assert_close(model(ids).logits, ref(input_ids=ids).logits, rtol=0, atol=1e-5, msg=str(extra))
+
+
+def test_t5_v1_1_gated_gelu_untied_with_a_padding_mask(tmp_path):
+    c = transformers.T5Config(
+        num_layers=2,
+        num_decoder_layers=1,
+        d_model=32,
+        d_ff=64,
+        num_heads=4,
+        d_kv=8,
+        dropout_rate=0.0,
+        vocab_size=hf.VOCAB,
+        feed_forward_proj="gated-gelu",
+        decoder_start_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    ref = transformers.T5ForConditionalGeneration(c).eval()
+    ref.save_pretrained(tmp_path)
+    model = T5.from_pretrained(str(tmp_path)).eval()
+    kwargs = hf.inputs("t5", 0)
+    mask = torch.ones_like(kwargs["input_ids"])
+    mask[0, -3:] = 0
+    want, got = ref(**kwargs, attention_mask=mask), model(**kwargs, attention_mask=mask)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-5)
 
 
 def _compiled_from_meta(rank: int, world: int, folder: str) -> None:

@@ -6,6 +6,7 @@ from fbmt.models.gpt import GPT, GPTConfig, init_weights
 from fbmt.models.gpt2 import GPT2, GPT2Config
 from fbmt.models.llama import Llama, LlamaConfig, Output
 from fbmt.models.pretrained import CheckpointError, PretrainedModel, load_tokenizer
+from fbmt.models.t5 import T5, T5Config
 
 __all__ = [
     "GPT",
@@ -21,6 +22,8 @@ __all__ = [
     "LlamaConfig",
     "Output",
     "PretrainedModel",
+    "T5",
+    "T5Config",
     "init_weights",
     "load_tokenizer",
 ]
