@@ -524,7 +524,30 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "this optimizer would never change the model. Build the optimizer after compiling, on "
                     "the compiled model: torch.optim.AdamW(model.parameters())"
                 )
+    _refuse_a_decay_split_that_cannot_see_into_shards(optimizer)
     optimizer._fbmt_checked = count
+
+
+def _refuse_a_decay_split_that_cannot_see_into_shards(optimizer: torch.optim.Optimizer) -> None:
+    """HF Trainer (and scripts written like it) split parameters by name into a decayed group and a
+    weight_decay=0 group for biases and norm weights. On a compiled model the names are the flat
+    shards', so the second group comes out empty and biases and norms decay: unlike eager, silently."""
+    groups = optimizer.param_groups
+    if not any(g.get("weight_decay", 0) == 0 and not g["params"] for g in groups):
+        return
+    for g in groups:
+        if g.get("weight_decay", 0) > 0:
+            for p in g["params"]:
+                group = getattr(p, "_fbmt_group", None)
+                exempt = [s.name for s in group.slots if "bias" in s.name or "norm" in s.name.lower()] if group else []
+                if exempt:
+                    raise RuntimeError(
+                        f"fbmt: this {type(optimizer).__name__} decays flat shard '{group.name}', which holds "
+                        f"{exempt[:2]}, while its weight_decay=0 group (meant for biases and norm weights) is empty: "
+                        "a split by parameter name (HF Trainer's) cannot see inside flat shards. Decay every "
+                        "parameter on purpose, e.g. Trainer(..., optimizers=(torch.optim.AdamW(model.parameters(), "
+                        "weight_decay=wd), None)), or set weight_decay=0"
+                    )
 
 
 # NOTE: [Global gradient norms]

@@ -192,3 +192,22 @@ def test_a_model_built_on_meta_is_initialized_by_its_own_init_weights(name):
     model.load_state_dict(ref.state_dict())
     kwargs = hf.inputs(name, 0)
     torch.testing.assert_close(model(**kwargs).loss, ref(**kwargs).loss)
+
+
+def test_trainers_decay_split_that_cannot_see_into_shards_is_refused(tmp_path):
+    """Trainer puts biases and norm weights in a weight_decay=0 group by name; a compiled model's
+    parameters are flat shards, so that group would be empty and they would decay, unlike eager."""
+    import transformers
+
+    model = fbmt.compile(hf.build("gpt2"))
+    data = [hf.inputs("gpt2", 0, batch=1)] * 4
+    data = [{k: v[0] for k, v in d.items()} for d in data]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, weight_decay=0.01, report_to=[], use_cpu=True, save_strategy="no"
+    )
+    with pytest.raises(RuntimeError, match="weight_decay=0 group .* is empty"):
+        transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    # decaying every parameter on purpose is the user's call, and eager's too
+    opt = torch.optim.AdamW(model.parameters(), weight_decay=0.01)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+    trainer.train()
