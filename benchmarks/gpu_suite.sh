@@ -32,6 +32,7 @@ checks() {
   run gpt_on_gpu 300 tests/gpu/gpt_on_gpu.py
   timeout 120 python3 tests/gpu/copies_on_gpu.py 2>&1 | tail -2
   timeout 120 python3 tests/gpu/offload_on_gpu.py 2>&1 | tail -2
+  run hf_on_gpu 300 tests/gpu/hf_on_gpu.py
 }
 b136="--config 1.36b --batch 8 --seq 2048 --loss-in-model"
 case $stage in

@@ -46,6 +46,10 @@ aten = torch.ops.aten
 # that recompute places in the backward updates the statistics a second time. Traced as the op
 # torch introduced to say what it mutates (`_native_batch_norm_legit`, torch's own decomposition,
 # which AOTAutograd uses too), the update becomes a value, written back once, in the forward.
+# On CUDA, BatchNorm and the recurrent layers pick cuDNN while they are traced (`cudnn_batch_norm`
+# hides the same update; cuDNN's RNN repacks its weights through their storage, which fake tensors
+# have none of), so tracing runs with cuDNN off: the program holds the native kernels, and
+# convolutions, which choose cuDNN inside their kernel, are unaffected.
 def _native_batch_norm(*args: Any) -> Any:
     from torch._decomp.decompositions import native_batch_norm_decomposition
 
@@ -113,6 +117,7 @@ def _tracing() -> Iterator[None]:
 
 
 @_tracing()  # a fresh context for every call: tracing() is True while it runs
+@torch.backends.cudnn.flags(enabled=False)  # NOTE: [Ops whose schema hides a mutation]
 def trace(
     module: nn.Module,
     layout: Layout,
