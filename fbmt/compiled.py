@@ -60,12 +60,13 @@ class CompiledModule(nn.Module, metaclass=_Wrapping):
     `named_parameters()` see ordinary per-parameter tensors; the flat shards hold no gradients.
     """
 
-    def __new__(cls, module: nn.Module, *args: Any, **kwargs: Any) -> CompiledModule:
-        if cls is CompiledModule:  # one class per wrapped class, to forward class-level lookups
+    def __new__(cls, module: nn.Module | None = None, *args: Any, **kwargs: Any) -> CompiledModule:
+        if cls is CompiledModule and module is not None:  # one class per wrapped class (copies: already one)
             wrapped = type(module)
             if wrapped not in _classes:
                 name = f"CompiledModule[{wrapped.__qualname__}]"
-                _classes[wrapped] = _Wrapping("CompiledModule", (cls,), {"_fbmt_wraps": wrapped, "__qualname__": name})
+                namespace = {"_fbmt_wraps": wrapped, "__qualname__": name, "forward": _presenting_signature(wrapped)}
+                _classes[wrapped] = _Wrapping("CompiledModule", (cls,), namespace)
             cls = _classes[wrapped]
         return super().__new__(cls)
 
@@ -122,17 +123,17 @@ class CompiledModule(nn.Module, metaclass=_Wrapping):
         _refuse_optimizers_of_moved_parameters()
         _global_gradient_norms(shards if views is None else [v for vs in views for v in vs])
         self.train(module.training)
-        self.__dict__["forward"] = _presenting_signature(self, module)
 
     # NOTE: [The wrapped model's methods]
     # Libraries read the model they are given: HF's Trainer keeps only the dataset columns that
     # `inspect.signature(model.forward)` names, and `generate()` validates its arguments the same
-    # way, so `forward` presents the original signature (an instance attribute over the class's
-    # method). A method of the original model (`generate`, `prepare_inputs_for_generation`, a
-    # property) is looked up on the original's class and bound to this module, so that inside it
-    # `self(...)` runs the compiled program and `self.parameters()`/`self.device` are the shards';
-    # bound to the original, it would run the original forward on meta placeholders. Attributes
-    # that are not methods (`config`, submodules) are the original's.
+    # way, so `forward` presents the original signature (each wrapped class gets a class of its
+    # own, whose `forward` carries that signature). A method of the original model (`generate`,
+    # `prepare_inputs_for_generation`, a property) is looked up on the original's class and bound
+    # to this module, so that inside it `self(...)` runs the compiled program and
+    # `self.parameters()`/`self.device` are the shards'; bound to the original, it would run the
+    # original forward on meta placeholders. Attributes that are not methods (`config`,
+    # submodules) are the original's.
 
     # ---- calling ----
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -482,17 +483,19 @@ class CompiledModule(nn.Module, metaclass=_Wrapping):
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def _presenting_signature(compiled: CompiledModule, module: nn.Module) -> Callable:
-    """`compiled.forward`, with `module.forward`'s signature and docstring (NOTE: [The wrapped
-    model's methods]). Holds the compiled module weakly: it lives in that module's own __dict__."""
-    ref = weakref.ref(compiled)
+def _presenting_signature(wrapped: type) -> Callable:
+    """The compiled class's `forward`, with the wrapped class's signature and docstring (NOTE: [The
+    wrapped model's methods])."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return CompiledModule.forward(ref(), *args, **kwargs)
+    def forward(self: CompiledModule, *args: Any, **kwargs: Any) -> Any:
+        return CompiledModule.forward(self, *args, **kwargs)
 
-    forward.__signature__ = inspect.signature(module.forward)
-    forward.__doc__, forward.__name__ = module.forward.__doc__, "forward"
-    forward.__qualname__ = f"{type(module).__qualname__}.forward (compiled by fbmt)"
+    try:
+        forward.__signature__ = inspect.signature(wrapped.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read: keep (*args, **kwargs)
+        pass
+    forward.__doc__ = wrapped.forward.__doc__
+    forward.__qualname__ = f"{wrapped.__qualname__}.forward (compiled by fbmt)"
     return forward
 
 

@@ -214,3 +214,20 @@ def test_autocast_is_part_of_the_program_key():
     plain = model(x)
     assert plain.dtype == torch.float32
     torch.testing.assert_close(plain, ref(x))
+
+
+def test_a_deep_copy_of_a_compiled_model_computes_with_its_own_parameters():
+    """The pattern of an EMA copy: copy.deepcopy(model), then change the copy's parameters only."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = fbmt.compile(copy.deepcopy(ref))
+    x = torch.randn(4, 12)
+    before = model(x).detach()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        for p in ref.parameters():
+            p.mul_(0.5)
+    torch.testing.assert_close(twin(x), ref(x))
+    torch.testing.assert_close(model(x), before)
