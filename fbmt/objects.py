@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import numbers
 import types
 from typing import Any
 
@@ -83,7 +84,13 @@ def fingerprint(obj: Any) -> Any:
             return (type(x), tuple(fp(v) for v in x))
         if is_object(x):
             return (type(x), tuple((k, fp(v)) for k, v in vars(x).items()))
-        return (type(x), repr(x))
+        if isinstance(x, numbers.Number):  # NumPy scalars
+            return (type(x), x)
+        raise TypeError(
+            f"fbmt: an argument object ({type(obj).__name__}) holds a {type(x).__name__}, which fbmt cannot compare "
+            "between calls (so it cannot tell whether a compiled program still fits); pass tensors, plain values, "
+            "or lists, dicts and objects of them"
+        )
 
     return fp(obj)
 
