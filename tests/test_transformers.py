@@ -75,6 +75,18 @@ def test_generate_runs_the_compiled_program_and_gives_the_eager_tokens(name):
     run_ranks(2, _generates, name)
 
 
+def test_generate_with_a_static_cache_compiles_two_programs():
+    """A StaticCache keeps its shape (the forward writes into it in place): one program reads the prompt,
+    one every next token."""
+    ref = hf.build("llama").eval()
+    model = fbmt.compile(copy.deepcopy(ref)).eval()
+    prompt = hf.inputs("llama", 0, batch=2, seq=5)["input_ids"]
+    want = ref.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    got = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert torch.equal(got, want), (got, want)
+    assert len(model.programs) == 2
+
+
 def test_the_cache_of_an_inference_call_holds_the_real_keys_and_values():
     ref = hf.build("llama").eval()
     model = fbmt.compile(copy.deepcopy(ref)).eval()
