@@ -1,10 +1,13 @@
 """Verify: static checks of a Program's invariants. Changes nothing; raises on the first violation.
 
 Checks: fx lint; phases are contiguous (every forward node before every backward node) and no
-forward node reads a tangent; every collective start is read by exactly one `wait`; every gathered
-buffer is released exactly once (unless the program returns it), after every node that reads it or
-its views; nothing reads a buffer after its release. A failure names the pass that produced the
-program and the node, and prints the program around it.
+forward node reads a tangent; every collective start is read by exactly one `wait`; every gather
+reads the shard of the group it is tagged with, and every shard gradient the program returns is
+its own group's reduction (a gather of another group's shard computes with the wrong weights, with
+no error anywhere else); every gathered buffer is released exactly once (unless the program
+returns it), after every node that reads it or its views; nothing reads a buffer after its
+release. A failure names the pass that produced the program and the node, and prints the program
+around it.
 
 That every rank issues the same collectives in the same order is a property of the program (the
 graph is the same on every rank, traced from the same shapes); `Program.collective_signature` is
@@ -41,7 +44,8 @@ def check(program: Program, *, after: str) -> None:
     except Exception as e:
         raise VerifyError(f"after pass '{after}': fx lint failed: {e}") from e
     order = ops.node_order(g)
-    tangents = {n for n, r in zip(program.placeholders(), program.inputs) if r.kind == "tangent"}
+    roles = dict(zip(program.placeholders(), program.inputs))
+    tangents = {n for n, r in roles.items() if r.kind == "tangent"}
     seen_bwd = None
     for n in g.nodes:
         phase = n.meta.get("fbmt_phase")
@@ -59,8 +63,25 @@ def check(program: Program, *, after: str) -> None:
             waits = list(n.users)
             if len(waits) != 1 or waits[0].target is not ops.wait:
                 _fail(program, after, n, f"must be read by exactly one wait, not {waits}")
+        if n.target in ops.GATHERS:
+            _check_gathered_shard(program, after, n, roles)
         if n.target is ops.wait and n.args[0].target in ops.GATHERS:
             _check_release(program, after, n, order)
+    for role, value in zip(program.outputs, program.output_values()):
+        if role.kind == "shard_grad" and isinstance(value, fx.Node):
+            tagged = value.meta.get("fbmt_group")
+            if value.target is not ops.wait or value.args[0].target not in ops.REDUCTIONS or tagged != role.key:
+                _fail(
+                    program, after, value, f"is returned as group {role.key}'s shard gradient but is not its reduction"
+                )
+
+
+def _check_gathered_shard(program: Program, after: str, start: fx.Node, roles: dict) -> None:
+    group, source = start.meta.get("fbmt_group"), ops.gather_args(start).shard
+    role = roles.get(source)
+    if role is None or role.kind != "shard" or role.key != group:
+        what = f"%{source.name}" + (f" ({role})" if role is not None else "")
+        _fail(program, after, start, f"gathers {what}, not the shard of its group {group}")
 
 
 def _check_release(program: Program, after: str, buffer: fx.Node, order: dict[fx.Node, int]) -> None:

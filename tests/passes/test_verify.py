@@ -45,9 +45,24 @@ def _no_phase(p: Program) -> None:
     del next(n for n in p.graph.nodes if n.op == "call_function").meta["fbmt_phase"]
 
 
+def _gather_another_shard(p: Program) -> None:
+    gathers = [n for n in p.graph.nodes if n.target is ops.all_gather]
+    first, other = gathers[0], next(g for g in gathers if g.args[0] is not gathers[0].args[0])
+    first.args = (other.args[0], *first.args[1:])  # the first group's buffer filled with another's weights
+
+
+def _return_another_gradient(p: Program) -> None:
+    values = p.output_values()
+    grads = [i for i, r in enumerate(p.outputs) if r.kind == "shard_grad" and values[i] is not None]
+    values[grads[0]], values[grads[1]] = values[grads[1]], values[grads[0]]
+    p.output_node().args = (values,)
+
+
 @pytest.mark.parametrize(
     "breaks, says",
     [
+        (_gather_another_shard, "gathers %shard[0-9]+ \\(shard\\[[0-9]+\\]\\), not the shard of its group"),
+        (_return_another_gradient, "is returned as group [0-9]+'s shard gradient but is not its reduction"),
         (_drop_a_release, "released 0 times"),
         (_release_early, "after its release"),
         (_wait_twice, "must be read by exactly one wait"),
