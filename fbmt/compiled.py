@@ -156,7 +156,7 @@ class CompiledModule(nn.Module, metaclass=_Wrapping):
         exe = self._executables.get(key)
         if exe is None:
             exe = self._build(key, args, kwargs, needs_grad, trainable)
-        self._check_ranks_agree(exe)
+        self._check_ranks_agree(exe, self.programs[key])
         if exe.updated_buffers and needs_grad and self.options.broadcast_buffers and self.layout.world_size > 1:
             self._broadcast_buffers(exe.updated_buffers)
         feed = self._feed(exe, inputs)
@@ -346,24 +346,26 @@ class CompiledModule(nn.Module, metaclass=_Wrapping):
                 for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
                     t.copy_(v.view_as(t))
 
-    def _check_ranks_agree(self, exe: Executable) -> None:
+    def _check_ranks_agree(self, exe: Executable, program: Program) -> None:
         """Ranks about to run different programs (one compiled a new one, one runs a cached one) would
-        deadlock in mismatched collectives, or pair the wrong ones: fail instead. Every call, on the
-        host, so that a rank that stalls is named too (`distributed.agree`)."""
+        deadlock in mismatched collectives, or pair the wrong ones: fail instead, saying where the
+        programs part. Every call, on the host, so that a rank that stalls is named too
+        (`distributed.agree`)."""
         if self.layout.world_size == 1:  # compiled for one rank (world_size=1): no collectives to pair
             return
         digests = distributed.agree(int(exe.signature[:15], 16), "a call of the compiled model")
-        if len(set(digests)) > 1:
-            by_program: dict[int, list[int]] = {}
-            for r, d in enumerate(digests):
-                by_program.setdefault(d, []).append(r)
-            raise RuntimeError(
-                "fbmt: ranks compiled different programs (ranks by program: "
-                f"{list(by_program.values())}); every rank must call the model with the same input shapes, "
-                "dtypes, train/eval mode and grad mode, and the same calls in the same order (a call on "
-                "some ranks only, under no_grad on one rank, or after an exception caught on one rank "
-                "breaks this)"
-            )
+        if len(set(digests)) == 1:
+            return
+        by_program: dict[int, list[int]] = {}
+        for r, d in enumerate(digests):
+            by_program.setdefault(d, []).append(r)
+        sequences = distributed.gather_objects([_describe(n) for n in program.collectives()])
+        raise RuntimeError(
+            f"fbmt: ranks compiled different programs (ranks by program: {list(by_program.values())}); "
+            f"{_first_difference(sequences)}. Every rank must call the model with the same input shapes, "
+            "dtypes, train/eval mode and grad mode, and the same calls in the same order (a call on some "
+            "ranks only, under no_grad on one rank, or after an exception caught on one rank breaks this)"
+        )
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> Any:
@@ -481,6 +483,25 @@ class CompiledModule(nn.Module, metaclass=_Wrapping):
                         )
                     b.copy_(v)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _describe(start: Any) -> str:
+    """A collective start node, as a rank mismatch names it."""
+    return f"{start.target.__name__} of group {start.meta.get('fbmt_group')} ({start.meta.get('fbmt_phase')})"
+
+
+def _first_difference(sequences: list[list[str]]) -> str:
+    """Where ranks' collective sequences first differ, and what each rank issues there."""
+    longest = max(len(s) for s in sequences)
+    for k in range(longest):
+        at = [s[k] if k < len(s) else f"nothing (its program has {len(s)} collectives)" for s in sequences]
+        if len(set(at)) > 1:
+            ranks: dict[str, list[int]] = {}
+            for r, what in enumerate(at):
+                ranks.setdefault(what, []).append(r)
+            issued = "; ".join(f"ranks {rs} issue {what}" for what, rs in ranks.items())
+            return f"they first differ at collective #{k + 1}: {issued}"
+    return "their collectives are the same, but their flat groups differ in size"
 
 
 def _presenting_signature(wrapped: type) -> Callable:

@@ -184,6 +184,16 @@ def agree(value: int, what: str) -> list[int]:
     return [int(t.item()) for t in out]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), over `agree`'s host group: for the detail of a disagreement
+    every rank has already seen (call it on every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_agreement["group"])
+    return out
+
+
 def _fill_config() -> None:
     r, w = rank(), world_size()
     local = int(os.environ.get("LOCAL_RANK", 0))

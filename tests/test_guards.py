@@ -188,6 +188,9 @@ def _one_rank_without_grad(rank: int, world: int) -> str:
 def test_a_rank_running_a_cached_program_while_another_compiles_fails_on_both():
     for message in run_ranks(2, _one_rank_without_grad):
         assert "ranks compiled different programs (ranks by program: [[0], [1]])" in message, message
+        # where they part: rank 0's inference program ends where rank 1's backward begins
+        assert "they first differ at collective #" in message and "ranks [0] issue nothing (its program has" in message
+        assert "ranks [1] issue " in message and "(bwd)" in message, message
 
 
 def _one_rank_stalls(rank: int, world: int) -> str:
