@@ -39,11 +39,15 @@ def verify_program(program: Program) -> tuple[Program, str]:
 def check(program: Program, *, after: str) -> None:
     """Raise a VerifyError naming pass `after` and the node at the first broken invariant."""
     g = program.graph
+    order = ops.node_order(g)
+    for n in g.nodes:  # before fx's lint, whose message names the reader only, and prints the whole graph
+        late = [a for a in n.all_input_nodes if order[a] >= order[n]]
+        if late:
+            _fail(program, after, n, f"reads %{late[0].name}{_collective_of(late[0])}, which comes after it")
     try:
         g.lint()
     except Exception as e:
         raise VerifyError(f"after pass '{after}': fx lint failed: {e}") from e
-    order = ops.node_order(g)
     roles = dict(zip(program.placeholders(), program.inputs))
     tangents = {n for n, r in roles.items() if r.kind == "tangent"}
     seen_bwd = None
@@ -74,6 +78,16 @@ def check(program: Program, *, after: str) -> None:
                 _fail(
                     program, after, value, f"is returned as group {role.key}'s shard gradient but is not its reduction"
                 )
+
+
+def _collective_of(node: fx.Node) -> str:
+    """`node` as part of a collective, for a message: ' (the wait of group 3's all_gather in the bwd)'."""
+    start = node.args[0] if node.target is ops.wait else node if node.target in ops.STARTS else None
+    if start is None:
+        return ""
+    role = "the wait of " if node is not start else ""
+    group, phase = start.meta.get("fbmt_group"), start.meta.get("fbmt_phase")
+    return f" ({role}group {group}'s {start.target.__name__} in the {phase}: a pass moved it past this reader)"
 
 
 def _check_gathered_shard(program: Program, after: str, start: fx.Node, roles: dict) -> None:

@@ -58,9 +58,20 @@ def _return_another_gradient(p: Program) -> None:
     p.output_node().args = (values,)
 
 
+def _gather_after_its_reader(p: Program) -> None:
+    start = [n for n in p.graph.nodes if n.target is ops.all_gather and n.meta.get("fbmt_phase") == "bwd"][1]
+    wait = next(iter(start.users))
+    p.output_node().prepend(start)  # a backward gather moved past everything, its readers included
+    p.output_node().prepend(wait)
+
+
 @pytest.mark.parametrize(
     "breaks, says",
     [
+        (
+            _gather_after_its_reader,
+            "reads %wait.* \\(the wait of group [0-9]+'s all_gather in the bwd: a pass moved it",
+        ),
         (_gather_another_shard, "gathers %shard[0-9]+ \\(shard\\[[0-9]+\\]\\), not the shard of its group"),
         (_return_another_gradient, "is returned as group [0-9]+'s shard gradient but is not its reduction"),
         (_drop_a_release, "released 0 times"),
