@@ -198,3 +198,26 @@ def test_the_fine_tuning_example_beats_the_majority_class(tmp_path):
     accuracy, majority = map(float, found.groups())
     assert accuracy > majority + 15, run.stdout[-2000:]
     assert (tmp_path / "bert" / "model.safetensors").exists() and (tmp_path / "bert" / "tokenizer.json").exists()
+
+
+def test_a_save_that_fails_leaves_the_earlier_save_intact(tmp_path, monkeypatch):
+    model = Llama.from_pretrained(str(_saved_folder(tmp_path)))
+    model.save_pretrained(str(tmp_path / "out"))
+    before = (tmp_path / "out" / "model.safetensors").read_bytes()
+    import safetensors.torch
+
+    def broken(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        model.save_pretrained(str(tmp_path / "out"))
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]  # no temporary left
+
+
+def _saved_folder(tmp_path):
+    _saved("llama", tmp_path / "hf")
+    return tmp_path / "hf"

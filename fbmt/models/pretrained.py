@@ -270,11 +270,11 @@ class PretrainedModel(nn.Module):
             sizes = self._orig_or_self().split_sizes(name, sizes)
             out.update(source.split(state[name].detach().cpu(), sizes))
         os.makedirs(folder, exist_ok=True)
-        save_file(out, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
         hf = config.to_hf()
         hf["architectures"] = [self._orig_or_self().hf_architecture]
-        with open(os.path.join(folder, CONFIG), "w") as f:
-            json.dump(hf, f, indent=2, sort_keys=True)
+        # each file whole or not at all: a crash while saving over an earlier save leaves that one intact
+        _write_whole(os.path.join(folder, WEIGHTS), lambda path: save_file(out, path, metadata={"format": "pt"}))
+        _write_whole(os.path.join(folder, CONFIG), lambda path: _dump_json(hf, path))
 
     def split_sizes(self, name: str, even: list[int]) -> list[int]:
         """The row counts of each source of a fused parameter (default: equal parts)."""
@@ -282,6 +282,24 @@ class PretrainedModel(nn.Module):
 
     def _orig_or_self(self) -> PretrainedModel:
         return self.__dict__.get("_orig", self)
+
+
+def _write_whole(path: str, write: Callable[[str], None]) -> None:
+    """`write(temporary)`, flushed to disk, then renamed over `path` (atomic on POSIX file systems)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _dump_json(value: Any, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
 
 
 def load_tokenizer(folder: str) -> Any:
