@@ -109,11 +109,11 @@ class PretrainedModel(nn.Module):
 
     def hf_names(self) -> dict[str, Source]:
         """Each parameter's source in a Hugging Face checkpoint (tied parameters once, by first name)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}, a zoo model, must say where its parameters come from")
 
     def init_module(self, module: nn.Module) -> None:
         """Random values for what `module` owns directly (buffers included), as HF's `_init_weights`."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}, a zoo model, must say how its modules are initialized")
 
     # ---- initialization: random, or from a checkpoint, module by module ----
     def init_weights(self) -> None:
