@@ -221,3 +221,16 @@ def test_a_save_that_fails_leaves_the_earlier_save_intact(tmp_path, monkeypatch)
 def _saved_folder(tmp_path):
     _saved("llama", tmp_path / "hf")
     return tmp_path / "hf"
+
+
+def test_a_mistral_checkpoint_loads_as_llama_within_its_sliding_window(tmp_path):
+    torch.manual_seed(0)
+    ref = transformers.MistralForCausalLM(
+        transformers.MistralConfig(**hf.DECODER, vocab_size=hf.VOCAB, sliding_window=8)
+    ).eval()
+    ref.save_pretrained(tmp_path)
+    model = Llama.from_pretrained(str(tmp_path)).eval()
+    ids = hf.inputs("mistral", 0)["input_ids"]  # 8 tokens: within the window
+    torch.testing.assert_close(model(ids).logits, ref(input_ids=ids).logits, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="exceed the config's sliding_window of 8"):
+        model(torch.cat([ids, ids], dim=1))

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fbmt.models.llama import Output
-from fbmt.models.pretrained import CheckpointError, PretrainedModel, Source
+from fbmt.models.pretrained import PretrainedModel, Source, split_config
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,10 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> BertConfig:
-        hf = dict(hf)
-        for key, ok in (("hidden_act", "gelu"), ("position_embedding_type", "absolute"), ("is_decoder", False)):
-            if hf.get(key, ok) != ok:
-                raise CheckpointError(f"fbmt.models.Bert: config {key}={hf[key]!r} is not implemented")
         if "id2label" in hf:
-            hf.setdefault("num_labels", len(hf["id2label"]))
-        known = {k: hf.pop(k) for k in list(hf) if k in cls.__dataclass_fields__ and k != "extra"}
-        return cls(**known, extra=hf)
+            hf = {"num_labels": len(hf["id2label"]), **hf}
+        required = {"hidden_act": "gelu", "position_embedding_type": "absolute", "is_decoder": False}
+        return split_config(cls, hf, "Bert", required)
 
     def to_hf(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("extra", "num_labels")}

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fbmt.models.llama import Output
-from fbmt.models.pretrained import CheckpointError, PretrainedModel, Source
+from fbmt.models.pretrained import PretrainedModel, Source, split_config
 
 
 @dataclass(frozen=True)
@@ -32,18 +32,14 @@ class GPT2Config:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> GPT2Config:
-        hf = dict(hf)
-        for key, ok in (
-            ("activation_function", "gelu_new"),
-            ("scale_attn_weights", True),
-            ("scale_attn_by_inverse_layer_idx", False),
-            ("reorder_and_upcast_attn", False),
-            ("add_cross_attention", False),
-        ):
-            if hf.get(key, ok) != ok:
-                raise CheckpointError(f"fbmt.models.GPT2: config {key}={hf[key]!r} is not implemented")
-        known = {k: hf.pop(k) for k in list(hf) if k in cls.__dataclass_fields__ and k != "extra"}
-        return cls(**known, extra=hf)
+        required = {
+            "activation_function": "gelu_new",
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "add_cross_attention": False,
+        }
+        return split_config(cls, hf, "GPT2", required)
 
     def to_hf(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}

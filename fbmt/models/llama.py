@@ -1,10 +1,11 @@
-"""Llama, and its kin with the same checkpoint layout (Mistral without sliding windows), with
+"""Llama, and its kin with the same checkpoint layout (Mistral, for inputs within its sliding window), with
 `attention_bias` (HF Llama's: q, k, v and the output projection): grouped-query attention through
 `scaled_dot_product_attention`, RoPE with linear or Llama-3 frequency scaling, fused q/k/v and gate/up
 projections. Loads and saves Hugging Face `LlamaForCausalLM` folders (`fbmt.models.pretrained`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
@@ -13,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fbmt.models.pretrained import CheckpointError, PretrainedModel, Source
+from fbmt.models.pretrained import CheckpointError, PretrainedModel, Source, split_config
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
     max_position_embeddings: int = 2048
     attention_bias: bool = False
+    sliding_window: int | None = None  # Mistral's: longer inputs are refused (attention here is not windowed)
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # other config.json keys, written back
@@ -48,13 +50,11 @@ class LlamaConfig:
             scaling = None
         if scaling and scaling.get("rope_type", scaling.get("type")) not in ("linear", "llama3"):
             raise CheckpointError(f"fbmt.models.Llama: RoPE scaling {scaling} is not implemented (linear, llama3 are)")
-        for key, ok in (("mlp_bias", False), ("hidden_act", "silu"), ("sliding_window", None)):
-            if hf.get(key, ok) not in (ok, None) and not (key == "sliding_window" and not hf.get("use_sliding_window")):
-                raise CheckpointError(f"fbmt.models.Llama: config {key}={hf[key]!r} is not implemented")
-        names = {f for f in cls.__dataclass_fields__ if f not in ("extra", "rope_theta", "rope_scaling")}
-        known = {k: hf.pop(k) for k in list(hf) if k in names}
-        known.setdefault("num_key_value_heads", known.get("num_attention_heads", cls.num_attention_heads))
-        return cls(**known, rope_theta=theta, rope_scaling=scaling, extra=hf)
+        if not hf.pop("use_sliding_window", True):  # Qwen2's: a window in the config, switched off
+            hf.pop("sliding_window", None)
+        hf.setdefault("num_key_value_heads", hf.get("num_attention_heads", cls.num_attention_heads))
+        config = split_config(cls, hf, "Llama", {"mlp_bias": False, "hidden_act": "silu"})
+        return dataclasses.replace(config, rope_theta=theta, rope_scaling=scaling)
 
     def to_hf(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("extra", "rope_scaling", "rope_theta")}
@@ -81,15 +81,18 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """A scale, no shift, no mean subtracted, computed in fp32; the normalized value is cast back to the
+    input's dtype before the scale (Llama's) or to the weight's (`cast_to_weight`, T5's)."""
+
+    def __init__(self, dim: int, eps: float, cast_to_weight: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.cast_to_weight = eps, cast_to_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * h.to(self.weight.dtype if self.cast_to_weight else x.dtype)
 
 
 class Rotary(nn.Module):
@@ -184,6 +187,12 @@ class Llama(PretrainedModel):
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
     ) -> Output:
+        window = self.config.sliding_window
+        if window is not None and input_ids.shape[1] > window:
+            raise ValueError(
+                f"fbmt.models.Llama: {input_ids.shape[1]} tokens exceed the config's sliding_window of {window}, "
+                "and this model attends to every earlier token; use transformers' own model for longer inputs"
+            )
         x = self.embed(input_ids)
         cos, sin = self.rotary(input_ids.shape[1], x.dtype)
         mask = None

@@ -13,6 +13,7 @@ layouts differ (GPT-2's Conv1D). `save_pretrained` writes the inverse, so HF loa
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import logging
@@ -100,20 +101,32 @@ def _keys(path: str) -> list[str]:
         return list(f.keys())
 
 
-class PretrainedModel(nn.Module):
+def split_config(cls: type, hf: dict[str, Any], model: str, required: dict[str, Any] = {}) -> Any:  # noqa: B006
+    """`cls` (a config dataclass with an `extra` field) from an HF config.json: its own fields, the rest
+    kept in `extra` (written back by `to_hf`); a key of `required` with another value is an error, since
+    the model would silently compute something else."""
+    for key, ok in required.items():
+        if hf.get(key, ok) not in (ok, None):
+            raise CheckpointError(f"fbmt.models.{model}: config {key}={hf[key]!r} is not implemented")
+    rest = dict(hf)
+    known = {k: rest.pop(k) for k in list(rest) if k in cls.__dataclass_fields__ and k != "extra"}
+    return cls(**known, extra=rest)
+
+
+class PretrainedModel(nn.Module, abc.ABC):
     """A zoo model: a plain `nn.Module` with a config dataclass, loadable from and savable to a Hugging
     Face folder. Subclasses set `config_class`, and define `hf_names()` and `init_module(module)`."""
 
     config_class: type
     hf_architecture: str  # the "architectures" entry of the config.json it writes
 
+    @abc.abstractmethod
     def hf_names(self) -> dict[str, Source]:
         """Each parameter's source in a Hugging Face checkpoint (tied parameters once, by first name)."""
-        raise NotImplementedError(f"{type(self).__name__}, a zoo model, must say where its parameters come from")
 
+    @abc.abstractmethod
     def init_module(self, module: nn.Module) -> None:
         """Random values for what `module` owns directly (buffers included), as HF's `_init_weights`."""
-        raise NotImplementedError(f"{type(self).__name__}, a zoo model, must say how its modules are initialized")
 
     # ---- initialization: random, or from a checkpoint, module by module ----
     def init_weights(self) -> None:

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fbmt.models.llama import Output
-from fbmt.models.pretrained import CheckpointError, PretrainedModel, Source
+from fbmt.models.llama import Output, RMSNorm
+from fbmt.models.pretrained import CheckpointError, PretrainedModel, Source, split_config
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,9 @@ class T5Config:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> T5Config:
-        hf = dict(hf)
         if hf.get("feed_forward_proj", "relu") not in ("relu", "gated-gelu"):
             raise CheckpointError(f"fbmt.models.T5: feed_forward_proj={hf['feed_forward_proj']!r} is not implemented")
-        known = {k: hf.pop(k) for k in list(hf) if k in cls.__dataclass_fields__ and k != "extra"}
-        return cls(**known, extra=hf)
+        return split_config(cls, hf, "T5")
 
     def to_hf(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}
@@ -56,20 +54,6 @@ class T5Config:
         if self.scale_decoder_outputs is None:
             out["scale_decoder_outputs"] = self.tie_word_embeddings
         return {**self.extra, **out, "model_type": "t5", "is_encoder_decoder": True}
-
-
-class RMSNorm(nn.Module):
-    """T5's layer norm: a scale, no shift, no mean subtracted, computed in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(self.weight.dtype)
 
 
 def relative_buckets(q: int, k: int, bidirectional: bool, buckets: int, max_distance: int, device: Any) -> torch.Tensor:
@@ -134,12 +118,12 @@ class Block(nn.Module):
     def __init__(self, cfg: T5Config, decoder: bool, first: bool):
         super().__init__()
         self.p = cfg.dropout_rate
-        self.self_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.self_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon, cast_to_weight=True)
         self.self_attn = Attention(cfg, relative=first, decoder=decoder)
         if decoder:
-            self.cross_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+            self.cross_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon, cast_to_weight=True)
             self.cross_attn = Attention(cfg, relative=False, decoder=True)
-        self.ff_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.ff_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon, cast_to_weight=True)
         self.ff = FeedForward(cfg)
 
     def forward(
@@ -171,10 +155,10 @@ class T5(PretrainedModel):
         self.config = config
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = nn.ModuleList(Block(config, False, i == 0) for i in range(config.num_layers))
-        self.encoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.encoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon, cast_to_weight=True)
         n_dec = config.num_decoder_layers or config.num_layers
         self.decoder = nn.ModuleList(Block(config, True, i == 0) for i in range(n_dec))
-        self.decoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.decoder_norm = RMSNorm(config.d_model, config.layer_norm_epsilon, cast_to_weight=True)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.shared.weight
