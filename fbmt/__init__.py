@@ -18,6 +18,7 @@ from fbmt.bmt.module import DistributedModule, init_parameters
 from fbmt.bmt.parameter import DistributedParameter, ParameterInitializer
 from fbmt.bmt.store import load, save
 from fbmt.bmt.utils import see_memory
+from fbmt.decisions import Schedule
 from fbmt.distributed import (
     config,
     gather_result,
@@ -29,6 +30,7 @@ from fbmt.distributed import (
     synchronize,
     world_size,
 )
+from fbmt.passes import register_strategy
 from fbmt.program import Program
 from fbmt.sim import simulate
 from fbmt.trace import TraceError
@@ -44,7 +46,9 @@ __all__ = [
     "CompileOptions",
     "CompiledModule",
     "Program",
+    "Schedule",
     "TraceError",
+    "register_strategy",
     "simulate",
     # BMTrain's surface
     "init_distributed",

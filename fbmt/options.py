@@ -15,7 +15,9 @@ import torch
 import torch.nn as nn
 
 from fbmt import flags
-from fbmt.passes import PASS_NAMES, POLICIES, REQUIRED, STRATEGIES
+from fbmt.decisions import Schedule
+from fbmt.passes import PASS_NAMES, POLICIES, REQUIRED
+from fbmt.passes.schedule import strategy_options
 
 BACKENDS = ("eager", "inductor")
 Blocks = Sequence[str] | Mapping[str, Mapping[str, Any]] | None
@@ -30,11 +32,13 @@ class CompileOptions:
     matmul and attention outputs, recompute the cheap ops between them; "mincut": recompute only the
     cheap ops whose recompute saves memory (a minimum cut, as torch.compile's partitioner); "none":
     save all."""
-    schedule: str = "prefetch"
-    """A registered strategy (`fbmt.passes.register_strategy`): "prefetch" (overlap communication
-    with compute) or "none"."""
+    schedule: str | tuple[str, Mapping[str, Any]] | Schedule = "prefetch"
+    """A registered strategy by name (`fbmt.register_strategy`; built in: "prefetch", "none",
+    "fsdp2", "bmtrain", "greedy"), or `(name, {option: value})` to set its options, e.g.
+    `("greedy", {"memory_bound": 2**30})`; or an `fbmt.Schedule` to replay (its blocks' recompute
+    policies too)."""
     prefetch: int = 1
-    """How many blocks ahead "prefetch" issues parameter gathers."""
+    """How many blocks ahead "prefetch" issues parameter gathers (its option `depth`)."""
     blocks: Blocks = None
     """Module paths to use as blocks instead of the children of repeated ModuleLists; or a dict from
     path to that block's own policy, e.g. `{"layers.0": {"remat": "none", "zero": 2}, "layers.1": {}}`."""
@@ -76,6 +80,10 @@ class CompileOptions:
 
     block_policies: tuple[tuple[str, int, str], ...] = field(init=False, default=())
     """(block path, zero, remat) of each block whose policy `blocks` sets; derived."""
+    strategy: str | Schedule = field(init=False, default="prefetch")
+    """The strategy's name (or the Schedule to replay); derived from `schedule`."""
+    strategy_options: tuple[tuple[str, Any], ...] = field(init=False, default=())
+    """The options the strategy is called with, checked against its signature; derived."""
 
     def __post_init__(self) -> None:
         blocks, policies = self.blocks, []
@@ -91,7 +99,24 @@ class CompileOptions:
                     policies.append((path, policy.get("zero", self.zero), policy.get("remat", self.remat)))
         elif isinstance(blocks, str):
             raise TypeError(f"fbmt.compile(blocks={blocks!r}): expected a list of module paths or a dict")
+        strategy, options = self.schedule, {}
+        if isinstance(strategy, (tuple, list)):
+            if len(strategy) != 2 or not isinstance(strategy[0], str) or not isinstance(strategy[1], Mapping):
+                raise TypeError(
+                    f"fbmt.compile(schedule={strategy!r}): expected a strategy's name, (name, {{option: value}}) "
+                    "or an fbmt.Schedule"
+                )
+            strategy, options = strategy
+        if not isinstance(strategy, (str, Schedule)):
+            raise TypeError(
+                f"fbmt.compile(schedule={strategy!r}): expected a strategy's name, (name, {{option: value}}) "
+                "or an fbmt.Schedule"
+            )
+        if isinstance(strategy, str):
+            options = strategy_options(strategy, options, prefetch=self.prefetch)
         resolved = dict(
+            strategy=strategy,
+            strategy_options=tuple(sorted(options.items())),
             blocks=tuple(blocks) if blocks is not None else None,
             block_policies=tuple(policies),
             disable=tuple(self.disable),
@@ -112,11 +137,6 @@ class CompileOptions:
                 )
             if remat not in POLICIES:
                 raise ValueError(f"fbmt.compile(remat={remat!r}){where}: expected one of {POLICIES}")
-        if self.schedule not in STRATEGIES:
-            raise ValueError(
-                f"fbmt.compile(schedule={self.schedule!r}): known strategies are {sorted(STRATEGIES)}; "
-                "add one with fbmt.passes.register_strategy"
-            )
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"fbmt.compile(prefetch={self.prefetch!r}): must be a whole number, at least 1")
         if self.grad_reduce not in ("mean", "sum"):
@@ -143,7 +163,9 @@ class CompileOptions:
 
     @property
     def remat_per_block(self) -> dict[str, str]:
-        return {path: remat for path, _, remat in self.block_policies}
+        """Each named block's recompute policy; a Schedule to replay sets every block's."""
+        named = {path: remat for path, _, remat in self.block_policies}
+        return {**named, **self.strategy.remat} if isinstance(self.strategy, Schedule) else named
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> CompileOptions:

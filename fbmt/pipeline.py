@@ -53,7 +53,7 @@ def passes(options: CompileOptions, world_size: int) -> list[tuple[str, Pass]]:
                 narrow_wire=narrow_wire,
             ),
         ),
-        ("schedule", functools.partial(schedule_overlap, strategy=o.schedule, prefetch=o.prefetch)),
+        ("schedule", functools.partial(schedule_overlap, strategy=o.strategy, options=dict(o.strategy_options))),
         ("verify", verify_program),
     ]
     assert tuple(name for name, _ in pipeline) == PASS_NAMES, "fbmt.passes.PASS_NAMES lists these passes in order"

@@ -31,13 +31,15 @@ import torch.fx as fx
 
 from fbmt import objects, ops
 from fbmt.layout import Layout
+from fbmt.ops import BWD as BWD
+from fbmt.ops import FWD as FWD
 
 # NOTE: [Phases]
 # The joint graph is traced as "forward, then autograd.grad", so every forward node precedes every
 # backward node. Trace stamps meta["fbmt_phase"] on each node; passes stamp the nodes they insert.
 # The partitioner splits by phase, never by re-deriving dependencies, and `verify` checks that the
 # phases are contiguous (all "fwd" before all "bwd") and that no forward node reads a tangent.
-FWD, BWD = "fwd", "bwd"
+# The two values are defined with the IR's vocabulary (fbmt.ops) and named here too, for the passes.
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ class Program:
     needs_grad: bool  # False: a forward-only (inference) program, no tangents, no backward
     # tensors the forward made from Python values (placeholders of kind "constant"), by name
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the recompute policy the remat pass applied to each block (NOTE: [Schedules] in fbmt/decisions.py)
+    remat: dict[str, str] = field(default_factory=dict)
     history: list[PassRecord] = field(default_factory=list)
 
     # ---- structure helpers passes share -------------------------------------------------
@@ -154,6 +158,13 @@ class Program:
             if r.name == name:
                 return r.summary
         raise KeyError(f"no pass named {name!r} ran; passes: {[r.name for r in self.history]}")
+
+    def schedule(self) -> Any:
+        """The decisions the passes made on this program, as an `fbmt.Schedule` (to print, save,
+        compare with another and replay: NOTE: [Schedules] in fbmt/decisions.py)."""
+        from fbmt.decisions import Schedule
+
+        return Schedule.of(self)
 
     def collectives(self) -> list[fx.Node]:
         """The start node of every collective, in program order."""

@@ -16,6 +16,7 @@ text, and exports the model as one plain `torch.save` file.
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import dataclasses
 import glob
@@ -35,6 +36,44 @@ import fbmt
 from fbmt.files import save_atomic
 from fbmt.models import GPT, GPTConfig, init_weights
 from fbmt.passes import POLICIES, STRATEGIES
+from fbmt.passes.schedule import strategy_options
+
+
+def schedule_arg(text: str) -> str | tuple[str, dict] | fbmt.Schedule:
+    """`--schedule`: NAME, NAME:key=value,... (values read as Python literals), or a saved schedule."""
+    if text.endswith(".json"):
+        try:
+            return fbmt.Schedule.load(text)
+        except (OSError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    name, _, rest = text.partition(":")
+    if name not in STRATEGIES:
+        raise argparse.ArgumentTypeError(f"no strategy {name!r}; the registered ones are {sorted(STRATEGIES)}")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected key=value")
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = value.strip()
+    for key, value in options.items():  # 2e8 bytes reads as a float
+        if isinstance(value, float) and value.is_integer():
+            options[key] = int(value)
+    try:
+        strategy_options(name, options)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return (name, options) if options else name
+
+
+def schedule_name(schedule: str | tuple[str, dict] | fbmt.Schedule) -> str:
+    if isinstance(schedule, fbmt.Schedule):
+        return "a saved schedule"
+    if isinstance(schedule, tuple):
+        return f"{schedule[0]}:" + ",".join(f"{k}={v!r}" for k, v in schedule[1].items())
+    return schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="inductor: compile the compute between collectives (see README)",
     )
     p.add_argument(
-        "--schedule", default="prefetch", choices=sorted(STRATEGIES), help="the communication schedule strategy"
+        "--schedule",
+        default="prefetch",
+        type=schedule_arg,
+        help=f"a strategy ({', '.join(sorted(STRATEGIES))}), with options as NAME:key=value,key=value "
+        "(e.g. greedy:memory_bound=2e8), or a schedule saved with Schedule.to_json (a .json file) to replay",
     )
     p.add_argument(
         "--cuda-graph",
@@ -207,7 +250,7 @@ def main(args: argparse.Namespace) -> None:
     ranks = f"{world} rank{'s' if world > 1 else ''}"
     log(
         f"fbmt.train: GPT {n_params / 1e6:.2f}M params ({args.dtype}), {ranks} on {device.type}, "
-        f"zero={args.zero} remat={args.remat} schedule={args.schedule} backend={args.backend}, "
+        f"zero={args.zero} remat={args.remat} schedule={schedule_name(args.schedule)} backend={args.backend}, "
         f"corpus {len(corpus) / 2**20:.1f} MB of stdlib source, "
         f"{args.batch_size}x{args.seq_len} tokens per rank per step",
         flush=True,

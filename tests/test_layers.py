@@ -1,9 +1,9 @@
 """The layers of fbmt/, read from the code: every import (at module level or inside a function)
 between fbmt's modules must point down or sideways in the picture of docs/ARCHITECTURE.md, never up
-and never in a circle.
+and never in a circle. Imports under `if TYPE_CHECKING:` serve annotations only and are not counted.
 
     base      flags, distributed, files, kernels/ (numba), _C                imports only base
-    ir        ops/, layout, program                                          + base
+    ir        ops/, layout, program, objects, decisions                      + base
     trace     trace                                                          + ir
     sim       sim                                                            + ir
     passes    passes/                                                        + ir, sim
@@ -36,6 +36,7 @@ GROUPS = [  # (module prefix, group); the longest matching prefix decides
     ("fbmt.layout", "ir"),
     ("fbmt.program", "ir"),
     ("fbmt.objects", "ir"),
+    ("fbmt.decisions", "ir"),
     ("fbmt.trace", "trace"),
     ("fbmt.sim", "sim"),
     ("fbmt.passes", "passes"),
@@ -77,8 +78,16 @@ def imports(path: Path, root: Path, modules: set[str]) -> list[tuple[str, list[s
     tree = ast.parse(path.read_text(), str(path))
     here = module_name(path, root)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    typing_only = {  # imports under `if TYPE_CHECKING:` serve annotations and never run
+        id(n)
+        for stmt in ast.walk(tree)
+        if isinstance(stmt, ast.If) and _is_type_checking(stmt.test)
+        for n in ast.walk(stmt)
+    }
     found = []
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "fbmt"]
         elif isinstance(node, ast.ImportFrom):
@@ -95,6 +104,12 @@ def imports(path: Path, root: Path, modules: set[str]) -> list[tuple[str, list[s
                 else:
                     found.append((base, [a.name], node.lineno))
     return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def group(name: str) -> str:

@@ -50,9 +50,27 @@ def test_main_job_options_that_cannot_work_are_refused_before_anything_starts():
         (["--ranks", "0"], "at least one rank"),
         (["--heads", "3"], "does not divide into --heads 3"),
         (["--steps", "0"], "at least one step"),
+        (["--schedule", "fastest"], "no strategy 'fastest'; the registered ones are ['bmtrain', 'fsdp2'"),
+        (["--schedule", "greedy:memory=1"], "unknown option(s) ['memory']; its options are: memory_bound=None"),
+        (["--schedule", "nowhere.json"], "No such file"),
     ]:
         run = subprocess.run([sys.executable, "-m", "fbmt.train", *bad], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and says in run.stderr, (bad, run.stderr[-500:])
+
+
+def test_the_schedule_argument_takes_every_strategy_its_options_and_saved_schedules(tmp_path):
+    import fbmt
+    from fbmt.train import schedule_arg
+
+    assert schedule_arg("fsdp2") == "fsdp2"
+    assert schedule_arg("greedy:memory_bound=2e8") == ("greedy", {"memory_bound": 200_000_000})
+    assert schedule_arg("prefetch:depth=2,small=8") == ("prefetch", {"depth": 2, "small": 8})
+    torch.manual_seed(0)
+    model = fbmt.compile(GPT(GPTConfig(vocab_size=32, n_layer=2, n_head=2, d_model=16, seq_len=8)), world_size=1)
+    idx = torch.randint(0, 32, (1, 8))
+    saved = model.trace(idx).schedule()
+    saved.to_json(str(tmp_path / "s.json"))
+    assert schedule_arg(str(tmp_path / "s.json")) == saved
 
 
 def test_bmtrain_example_runs_under_torchrun_and_its_loss_falls(tmp_path):

@@ -23,10 +23,12 @@ from fbmt.ops.collectives import (
     release,
     wait,
 )
-from fbmt.ops.graph import buffer_readers, emit, fake_like, nbytes, node_order
+from fbmt.ops.graph import BWD, FWD, buffer_readers, emit, fake_like, nbytes, node_order
 from fbmt.ops.tables import aliases, costs_nothing, effectful, expensive, flops, is_view, pure, view_base
 
 __all__ = [
+    "BWD",
+    "FWD",
     "collectives",
     "graph",
     "record",

@@ -10,6 +10,8 @@ import torch.utils._pytree as pytree
 
 from fbmt.ops.tables import is_view
 
+FWD, BWD = "fwd", "bwd"  # the values of meta["fbmt_phase"] (NOTE: [Phases] in fbmt/program.py)
+
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     """Each node's position in the graph (valid until the graph changes)."""

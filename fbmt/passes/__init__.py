@@ -7,12 +7,14 @@ a list: it times, records, verifies and dumps every pass.
     remat     recompute block activations in the backward instead of saving them
     merge     products that read one input, weights side by side, become one product
     shard     ZeRO-3/2: flat shards, all-gather before use, release after, reduce gradients
-    schedule  overlap: issue gathers ahead, wait for gradient reductions late
+    schedule  overlap: issue gathers ahead, wait for gradient reductions late (strategies.py: the
+              built-in strategies; or replay a saved fbmt.Schedule)
     verify    static invariants (also run after every pass when checks are on)
 
 Passes import the IR (`fbmt.program`, `fbmt.layout`, `fbmt.ops`), never the runtime.
 """
 
+from fbmt.passes import strategies  # noqa: F401  (registers the built-in strategies)
 from fbmt.passes.blocks import assign_blocks
 from fbmt.passes.merge import merge_products
 from fbmt.passes.remat import POLICIES, recompute_blocks

@@ -52,6 +52,7 @@ def recompute_blocks(
     per_block = per_block or {}
     program = program.copy()
     chosen = [b for b in program.layout.blocks if per_block.get(b, policy) != "none"]
+    program.remat = {b: per_block.get(b, policy) if program.needs_grad else "none" for b in program.layout.blocks}
     if not chosen or not program.needs_grad:
         why = "forward-only program" if not program.needs_grad else "no block recomputes (remat='none')"
         return program, f"declined: {why}; activations are saved"
@@ -69,6 +70,7 @@ def recompute_blocks(
     plans = [plan for plan in plans if plan.block not in saved_blocks] + [
         plan for block in saved_blocks if (plan := lighter(block))
     ]
+    program.remat.update(dict.fromkeys(saved_blocks, "mincut"))  # what a saved trailing block does
     stats = []
     for block, needed, closure in sorted(plans, key=forward_order):
         late = 0

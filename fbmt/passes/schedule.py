@@ -1,37 +1,49 @@
 """Schedule: order communication against compute. In a graph, scheduling is moving nodes.
 
 Requires: the collectives of the shard pass (each start right before its wait).
-Ensures, by strategy (registered by name in STRATEGIES; a strategy is a plain function
-`(program, *, prefetch) -> summary` that reorders `program.graph` in place):
-- "none": no overlap; every collective is waited right after it is issued.
-- "prefetch": in each phase, the gather of the k-th group (in order of use) is issued before the
-  first compute node of the (k - prefetch)-th group's block, so block i+1's parameters arrive while
-  block i computes; the first `prefetch` gathers of a phase are issued when the phase begins, and
-  groups too small to hide a gather behind are not counted (NOTE: [Small groups]); each gradient
-  reduction is issued as soon as its gradients exist (the shard pass placed it there) and waited
-  only when the next one of a large group is issued (the last at the end), so it overlaps the
-  backward of the blocks before it while at most one large one is in flight.
-Moves starts earlier and waits later, and moves compute only past nodes that do not read it, so data
-dependencies are preserved by construction.
+Ensures: the program the strategy made of it, which differs from its input only in where collective
+nodes (starts, waits) stand; `verify` then checks that every value is defined before it is read.
+
+NOTE: [Strategies]
+A strategy is a plain function registered by name, `fn(program, **options) -> summary`: it moves the
+collective nodes of the copy of the program it is given, in place, and says in one line what it did.
+`fbmt.compile(schedule=name)` or `schedule=(name, {option: value})` picks it; its keyword arguments
+are its options, checked against its signature when the model is compiled, so a misspelt option is
+an error then, not a silent default. The helpers below are its vocabulary:
+
+- `collectives(program, phase, kinds)`: the program's collectives as `Collective` records (start,
+  wait and release nodes, kind, flat group, block, phase, bytes on the wire), in the order of their
+  waits, which is the order their results are used in;
+- `phase_begin(program, phase)` and `first_compute(program, block, phase)`: the places to issue at;
+- `issue_before(c, anchor)` and `wait_before(c, anchor)`: move a start or a wait, refusing a move that
+  would read a value before it is made, with an error that names the collective.
+
+Moving only starts and waits keeps every strategy a pure reordering: the program computes the same
+values with any of them (tests/passes/test_schedule.py trains each on 2 ranks against eager). The
+built-in strategies are in `fbmt/passes/strategies.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch.fx as fx
 
 from fbmt import ops
+from fbmt.decisions import Collective, Schedule, collectives, compute_digest
 from fbmt.ops.tables import EFFECTFUL
-from fbmt.program import BWD, FWD, Program
+from fbmt.program import Program
 
 Strategy = Callable[..., str]
 STRATEGIES: dict[str, Strategy] = {}
 
 
 def register_strategy(name: str) -> Callable[[Strategy], Strategy]:
-    """Register `fn(program, *, prefetch) -> summary` as `fbmt.compile(schedule=name)`: it reorders
-    the copy of the program it is given, in place, and says in one line what it did."""
+    """Register `fn(program, **options) -> summary` as `fbmt.compile(schedule=name)` (NOTE:
+    [Strategies]). Its keyword arguments, with their defaults, are the options
+    `schedule=(name, {...})` may set."""
 
     def deco(fn: Strategy) -> Strategy:
         STRATEGIES[name] = fn
@@ -40,92 +52,165 @@ def register_strategy(name: str) -> Callable[[Strategy], Strategy]:
     return deco
 
 
-def schedule_overlap(program: Program, *, strategy: str = "prefetch", prefetch: int = 1) -> tuple[Program, str]:
+def strategy_options(name: str, options: Mapping[str, Any], *, prefetch: int | None = None) -> dict[str, Any]:
+    """The keyword arguments strategy `name` is called with: `options`, checked against its
+    signature, and the compile option `prefetch` as `depth` where the strategy takes a depth the
+    options do not set (so `prefetch=2` keeps meaning what it always has)."""
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"fbmt.compile(schedule={name!r}): known strategies are {sorted(STRATEGIES)}; "
+            "add one with fbmt.register_strategy"
+        )
+    params = inspect.signature(STRATEGIES[name]).parameters
+    takes = [p for p in list(params)[1:] if params[p].kind in (params[p].KEYWORD_ONLY, params[p].POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        listed = ", ".join(f"{p}={params[p].default!r}" for p in takes) or "none"
+        raise ValueError(f"fbmt.compile(schedule={name!r}): unknown option(s) {unknown}; its options are: {listed}")
+    out = dict(options)
+    for legacy in ("depth", "prefetch"):  # `prefetch` was the contract's one argument before options
+        if prefetch is not None and legacy in takes and legacy not in out:
+            out[legacy] = prefetch
+    return out
+
+
+def schedule_overlap(
+    program: Program,
+    *,
+    strategy: str | Schedule = "prefetch",
+    options: Mapping[str, Any] | None = None,
+    prefetch: int | None = None,
+) -> tuple[Program, str]:
+    """Run the strategy named `strategy` with `options`, or replay a saved `Schedule`."""
     program = program.copy()
-    summary = STRATEGIES[strategy](program, prefetch=prefetch)
+    if isinstance(strategy, Schedule):
+        summary = replay(program, strategy)
+        program.graph.lint()
+        return program, f"replay: {summary}"
+    kwargs = strategy_options(strategy, options or {}, prefetch=prefetch)
+    summary = STRATEGIES[strategy](program, **kwargs)
     program.graph.lint()
     return program, f"{strategy}: {summary}"
 
 
+def replay(program: Program, schedule: Schedule) -> str:
+    """Put every collective node of `program` where `schedule` recorded it (NOTE: [Schedules])."""
+    g = program.graph
+    nodes = {n.name: n for n in g.nodes}
+    where = "; the schedule was taken from another program (other model, inputs or options)"
+    if schedule.world_size != program.layout.world_size:
+        raise ValueError(
+            f"schedule replay: the schedule is for {schedule.world_size} rank(s), the program for "
+            f"{program.layout.world_size}{where}"
+        )
+    placed: dict[int, fx.Node] = {}
+    for c in schedule.collectives:
+        for name, point in ((c.start, c.issue), (c.wait, c.waited)):
+            if name not in nodes:
+                raise ValueError(f"schedule replay: {c.name}: the program has no node %{name}{where}")
+            placed[point.position] = nodes[name]
+        if c.release is not None:
+            wait = nodes[c.wait]
+            release = next((u for u in wait.users if u.target is ops.release), None)
+            if release is None:
+                raise ValueError(f"schedule replay: {c.name}: the program never releases %{c.wait}{where}")
+            placed[c.release.position] = release
+    ours = collectives(program)
+    recorded = {c.start for c in schedule.collectives}
+    missing = [c for c in ours if c.start.name not in recorded]
+    if missing:
+        raise ValueError(
+            f"schedule replay: the schedule does not place {missing[0].name} (%{missing[0].start.name}){where}"
+        )
+    if len(g.nodes) != schedule.nodes or compute_digest(g) != schedule.compute:
+        raise ValueError(
+            f"schedule replay: the program's compute differs from the one the schedule was taken from "
+            f"({len(g.nodes)} nodes against {schedule.nodes}){where}"
+        )
+    moved = set(placed.values())
+    stray = next((n for n in g.nodes if n.target in ops.COLLECTIVES and n not in moved), None)
+    if stray is not None:
+        raise ValueError(f"schedule replay: the schedule does not place %{stray.name}{where}")
+    rest = iter(n for n in g.nodes if n not in moved)
+    final = [placed[i] if i in placed else next(rest) for i in range(len(g.nodes))]
+    previous = None
+    for n in final:
+        if previous is not None and previous.next is not n:
+            previous.append(n)
+        previous = n
+    return f"replayed {len(schedule.collectives)} collectives of a saved schedule ({schedule.strategy})"
+
+
+# ---- what strategies read and move ------------------------------------------------------------
+
+
 def pairs(program: Program, starts: tuple[Callable, ...], phase: str) -> list[tuple[fx.Node, fx.Node]]:
     """(start, wait) of the collectives of `starts`' kinds in one phase, in graph order of the waits."""
-    out = []
-    for n in program.graph.nodes:
-        if n.target is ops.wait and n.args[0].target in starts and n.meta.get("fbmt_phase") == phase:
-            out.append((n.args[0], n))
-    return out
+    return [(c.start, c.wait) for c in collectives(program, phase, starts)]
 
 
-@register_strategy("none")
-def _no_overlap(program: Program, *, prefetch: int) -> str:
-    for n in list(program.graph.nodes):
-        if n.target is ops.wait and n.args[0].next is not n:
-            n.args[0].append(n)
-    return "each collective is waited right after it is issued"
+def _compute(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target not in ops.COLLECTIVES and n.target not in EFFECTFUL
 
 
-@register_strategy("prefetch")
-def _prefetch(program: Program, *, prefetch: int) -> str:
-    g = program.graph
-    blocks = {grp.index: grp.block for grp in program.layout.groups}
-    sizes = {grp.index: grp.padded_numel for grp in program.layout.groups}
-    moved = 0
-    for phase in (FWD, BWD):
-        gathers = pairs(program, ops.GATHERS, phase)
-        if not gathers:
-            continue
-        order = ops.node_order(g)
-        begin = min(
-            (n for n in g.nodes if n.op == "call_function" and n.meta.get("fbmt_phase") == phase), key=order.__getitem__
+def phase_begin(program: Program, phase: str) -> fx.Node | None:
+    """The first node of `phase` (collective or compute): what issues a collective when the phase
+    begins; None for a phase the program lacks (a forward-only program's backward)."""
+    return next((n for n in program.graph.nodes if n.op == "call_function" and n.meta.get("fbmt_phase") == phase), None)
+
+
+def first_compute(program: Program, block: str, phase: str) -> fx.Node | None:
+    """The first compute node tagged with `block` in `phase`. Forward nodes all carry their block;
+    backward ones only when recomputed (`fbmt_recompute`), so in the backward this is None for a
+    block that saved its activations: anchor at its gather's wait then (its first use)."""
+    return next(
+        (
+            n
+            for n in program.graph.nodes
+            if _compute(n) and n.meta.get("fbmt_block") == block and n.meta.get("fbmt_phase") == phase
+        ),
+        None,
+    )
+
+
+class ScheduleError(RuntimeError):
+    """A strategy asked for a move that would read a value before it is made."""
+
+
+def issue_before(c: Collective, anchor: fx.Node) -> bool:
+    """Move `c`'s start right before `anchor`, if that is earlier than where it is; whether it
+    moved. A start cannot go before what it reads (a reduction's gradients) or after its wait."""
+    order = ops.node_order(c.start.graph)
+    if order[anchor] >= order[c.start]:
+        if order[anchor] > order[c.wait]:
+            raise ScheduleError(f"{c.name}: cannot be issued at %{anchor.name}, after its own wait %{c.wait.name}")
+        return False
+    late = [a for a in c.start.all_input_nodes if order[a] >= order[anchor]]
+    if late:
+        raise ScheduleError(
+            f"{c.name}: cannot be issued at %{anchor.name}, before %{late[0].name} that it sends is computed"
         )
-        anchors = []
-        for _, wait in gathers:
-            block = blocks[wait.meta["fbmt_group"]]
-            first = min(
-                (
-                    n
-                    for n in g.nodes
-                    if n.meta.get("fbmt_block") == block
-                    and n.meta.get("fbmt_phase") == phase
-                    and n.target not in EFFECTFUL
-                ),
-                key=order.__getitem__,
-                default=wait,
-            )
-            anchors.append(min(first, wait, key=order.__getitem__))
-        # NOTE: [Small groups] a group far smaller than the largest (a final norm's weight) computes
-        # too little to hide a gather behind: it does not count as one of the `prefetch` steps
-        largest = max(sizes[w.meta["fbmt_group"]] for _, w in gathers)
-        large = [sizes[w.meta["fbmt_group"]] * 16 >= largest for _, w in gathers]
-        for k, (start, _) in enumerate(gathers):
-            anchor, ahead = begin, 0  # too few groups before this one: issue it when the phase begins
-            for j in range(k - 1, -1, -1):
-                ahead += large[j]
-                if ahead == prefetch:
-                    anchor = anchors[j]
-                    break
-            if order[start] > order[anchor]:
-                anchor.prepend(start)
-                moved += 1
-    _wait_reductions_late(program, sizes)
-    reductions = pairs(program, ops.REDUCTIONS, BWD)
-    return f"{moved} gathers issued {prefetch} block(s) ahead; {len(reductions)} reduce-scatters overlapped"
+    anchor.prepend(c.start)
+    return True
 
 
-def _large(sizes: dict[int, int], scatters: list[tuple[fx.Node, fx.Node]]) -> list[fx.Node]:
-    """The starts of the groups that are not far smaller than the largest (NOTE: [Small groups])."""
-    largest = max((sizes[w.meta["fbmt_group"]] for _, w in scatters), default=0)
-    return [s for s, w in scatters if sizes[w.meta["fbmt_group"]] * 16 >= largest]
+def wait_before(c: Collective, anchor: fx.Node) -> None:
+    """Move `c`'s wait right before `anchor` (earlier or later). It stays after its start and before
+    the first node that reads its result."""
+    order = ops.node_order(c.wait.graph)
+    if order[anchor] <= order[c.start]:
+        raise ScheduleError(f"{c.name}: cannot be waited at %{anchor.name}, before it is issued at %{c.start.name}")
+    readers = [u for u in c.wait.users if order[u] < order[anchor] and u is not anchor]
+    if readers:
+        first = min(readers, key=order.__getitem__)
+        raise ScheduleError(f"{c.name}: cannot be waited at %{anchor.name}, after %{first.name} reads its result")
+    if anchor is not c.wait:
+        anchor.prepend(c.wait)
 
 
-def _wait_reductions_late(program: Program, sizes: dict[int, int]) -> None:
-    """Each gradient reduction's wait goes right before the next one is issued: one flat buffer in
-    flight at a time. A small group's does not count (NOTE: [Small groups]): the final norm's, issued
-    right after the output layer's, would otherwise wait for that one at the start of the backward."""
-    reductions = pairs(program, ops.REDUCTIONS, BWD)
-    large = _large(sizes, reductions)
-    output = program.output_node()
-    order = ops.node_order(program.graph)
-    for start, wait in reductions:
-        nxt = next((s for s in large if order[s] > order[start]), output)
-        nxt.prepend(wait)
+def large_groups(program: Program, cs: list[Collective], ratio: int = 16) -> list[bool]:
+    """For each collective, whether its group is not far smaller than the largest of `cs`
+    (NOTE: [Small groups] in strategies.py): `ratio` times its size reaches the largest."""
+    sizes = {grp.index: grp.padded_numel for grp in program.layout.groups}
+    largest = max((sizes[c.group] for c in cs), default=0)
+    return [sizes[c.group] * ratio >= largest for c in cs]

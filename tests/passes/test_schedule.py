@@ -10,7 +10,7 @@ import fbmt
 from fbmt import ops
 from fbmt.ops.tables import EFFECTFUL
 from fbmt.passes import STRATEGIES, schedule_overlap
-from fbmt.program import BWD, FWD
+from fbmt.program import BWD, FWD, format_graph
 from tests.dist import run_ranks
 from tests.models.reference import batch, gpt
 from tests.passes import strategies  # noqa: F401  (registers "all-at-start")
@@ -167,3 +167,104 @@ def test_a_registered_strategy_is_used_by_name_and_trains_as_eager():
 def test_an_unknown_strategy_names_the_known_ones():
     with pytest.raises(ValueError, match="schedule='fastest'.*known strategies.*register_strategy"):
         fbmt.compile(gpt(), schedule="fastest")
+
+
+# ---- the built-in strategies and their options -------------------------------------------------
+
+BUILT_IN = ("none", "prefetch", "fsdp2", "bmtrain", "greedy")
+
+
+def _trains_with_every_built_in_strategy(rank: int, world: int) -> None:
+    from tests.workers import compare, eager_reference, train_compiled
+
+    want = eager_reference("gpt")
+    for schedule in [*BUILT_IN, ("greedy", {"memory_bound": 0}), ("prefetch", {"depth": 2})]:
+        for zero in (3, 2):
+            got = train_compiled("gpt", rank, world, dict(schedule=schedule, zero=zero))
+            compare(got, want, f"gpt on {world} ranks, schedule={schedule!r}, zero={zero}", buffers=False)
+
+
+def test_every_built_in_strategy_trains_as_eager():
+    assert set(BUILT_IN) <= set(STRATEGIES)
+    run_ranks(2, _trains_with_every_built_in_strategy)
+
+
+@pytest.mark.parametrize("strategy", BUILT_IN)
+def test_every_built_in_strategy_only_moves_collectives(strategy):
+    torch.manual_seed(0)
+    model = gpt(n_layer=3)
+    idx = torch.randint(0, 64, (2, 16))
+    before = through(traced(model, idx), "schedule", zero=2)
+    after, _ = apply(schedule_overlap, before, strategy=strategy)
+    compute = [n.name for n in before.graph.nodes if n.target not in ops.COLLECTIVES]
+    assert [n.name for n in after.graph.nodes if n.target not in ops.COLLECTIVES] == compute
+    tangents = tangents_for(before)
+    assert_same_results(run(before, model, [idx], tangents), run(after, model, [idx], tangents), rtol=0, atol=0)
+
+
+def test_strategy_options_are_passed_and_checked():
+    deep = _program(n_layer=4, schedule=("prefetch", {"depth": 2}))
+    assert "issued 2 block(s) ahead" in deep.summary("schedule")
+    assert format_graph(deep) == format_graph(_program(n_layer=4, prefetch=2))
+    with pytest.raises(ValueError, match=r"schedule='prefetch'.*unknown option\(s\) \['dept'\].*depth=1, small=16"):
+        fbmt.compile(gpt(), schedule=("prefetch", {"dept": 2}))
+    with pytest.raises(TypeError, match="expected a strategy's name"):
+        fbmt.compile(gpt(), schedule=("prefetch", 2))
+
+
+def _gathered_peak(program) -> int:
+    """The most gathered-parameter bytes alive at once, in program order."""
+    from fbmt.decisions import collectives
+
+    order = ops.node_order(program.graph)
+    end = len(order)
+    lives = [
+        (order[c.start], order[c.release] if c.release else end, c.bytes)
+        for c in collectives(program, None, ops.GATHERS)
+    ]
+    return max(sum(b for s, e, b in lives if s <= p < e) for p in range(end))
+
+
+def test_greedy_issues_gathers_as_early_as_its_memory_bound_allows():
+    none = _program(n_layer=4, schedule="none")
+    largest = max(c for c in (g.padded_numel * g.dtype.itemsize for g in none.layout.groups))
+    bound = 3 * largest
+    greedy = _program(n_layer=4, schedule=("greedy", {"memory_bound": bound}))
+    assert _gathered_peak(greedy) <= bound < _gathered_peak(_program(n_layer=4, schedule="all-at-start"))
+    assert _gathered_peak(greedy) > _gathered_peak(none)  # it did prefetch
+    # with no room beyond what the program holds anyway, no gather moves; with all the room, all go first
+    assert "0 gathers issued early" in _program(n_layer=4, schedule=("greedy", {"memory_bound": 0})).summary("schedule")
+    everything = _program(n_layer=4, schedule=("greedy", {"memory_bound": 2**40}))
+    first = min(_first_compute(everything, g.block, FWD) for g in everything.layout.groups)
+    assert all(at < first for at in _gather_at(everything, FWD).values())
+
+
+def test_fsdp2_counts_every_module_where_prefetch_skips_small_ones():
+    torch.manual_seed(0)
+    program = fbmt.compile(_Decoder(), world_size=2, checks=True, schedule="fsdp2").trace(torch.randn(4, 8, 32))
+    groups = {g.block: g.index for g in program.layout.groups}
+    starts = {n.meta["fbmt_group"]: n for n in nodes(program, ops.REDUCTIONS, BWD)}
+    waits = {g: next(u for u in n.users if u.target is ops.wait) for g, n in starts.items()}
+    # the output layer's reduction is waited when the final norm's is issued (FSDP2 frees it then)
+    assert waits[groups["output"]].next is starts[groups["norm"]]
+
+
+def test_bmtrain_prefetches_within_the_block_list_only():
+    program = _program(n_layer=4, schedule="bmtrain")
+    groups = {g.block: g.index for g in program.layout.groups}
+    for c in program.schedule().collectives:
+        if c.kind == "all_gather" and c.block in ("wte", "wpe", "ln_f", "lm_head"):
+            assert c.issue.position == c.waited.position - 1, f"{c.name} is not gathered where it is used"
+    start = _gather_at(program, FWD)
+    for i in range(3):
+        assert start[groups[f"h.{i + 1}"]] < _first_compute(program, f"h.{i}", FWD)
+    assert start[groups["h.0"]] > _first_compute(program, "wpe", FWD)  # not before the list begins
+
+
+def test_a_move_that_reads_a_value_too_early_is_refused_naming_the_collective():
+    from fbmt.passes.schedule import ScheduleError, collectives, issue_before, phase_begin
+
+    program = _program().copy()
+    reduction = collectives(program, BWD, ops.REDUCTIONS)[0]
+    with pytest.raises(ScheduleError, match=r"bwd reduce_scatter of group \d+ \(.*\): cannot be issued at .* before"):
+        issue_before(reduction, phase_begin(program, BWD))
