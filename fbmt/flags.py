@@ -65,6 +65,13 @@ DUMP_DIR = Flag(
     "",
     "a folder: fbmt.compile writes the program after every pass there, for diff (compile(dump_dir=...))",
 )
+MACHINE = Flag(
+    "FBMT_MACHINE",
+    str,
+    "",
+    "a file: where fbmt.calibrate() saves this machine's profile and fbmt.simulate reads it "
+    "(default ~/.cache/fbmt/machine-<host>.json)",
+)
 INIT_TIMEOUT = Flag(
     "FBMT_INIT_TIMEOUT",
     float,

@@ -1,23 +1,29 @@
-"""Simulate a compiled program on a machine: step time, exposed communication, peak activation memory.
+"""Simulate a compiled program on a machine: step time, exposed communication, the memory curve.
 
     model = fbmt.compile(model_built_on_meta, world_size=8, device="meta", param_dtype=torch.bfloat16)
     program = model.trace(tokens, device="cpu")   # fake CPU tensors: nothing is allocated
-    print(fbmt.simulate(program, fbmt.sim.H200))  # or fbmt.sim.Machine(...) for another GPU / network
+    sim = fbmt.simulate(program, fbmt.sim.H200)   # default: this host's fbmt.calibrate() profile, else H200
+    print(sim); print(sim.table())                # the step; one line per collective
+    sim.chrome_trace("step.json")                 # for chrome://tracing or ui.perfetto.dev
 
 NOTE: [Simulator]
 The program is replayed in its own order (the forward, then the backward, exactly as the runtime
 runs it) on two streams. The compute stream runs every op for `max(flops / matmul rate, bytes /
 memory bandwidth)` plus a launch overhead (a roofline: matrix products and attention are priced by
-their FLOPs, everything else by the bytes it reads and writes; views cost nothing). A collective's
-start occupies the communication stream, in issue order, for its copies (the cast before an
-all-gather, the copy of the gradients into the reduction's buffer: they run on the runtime's copy
-stream, NOTE: [Copy stream] in runtime/collectives.py) plus `latency + (N - 1) / N * bytes / bus
-bandwidth` (ring all-gather / reduce-scatter; an all-to-all moves as many bytes); on one rank the
-copies run on the compute stream. A
-`wait` stalls the compute stream until its collective is done: that stall is *exposed
-communication*. Peak memory replays the same order with each value alive from its definition to its
-last use (views keep their base alive; a reduce-scatter's input lives until its wait), which is how
-the runtime frees values; persistent state (shards, gradients, optimizer) is not part of it.
+their FLOPs, at the rate measured for products of that size and dtype where the machine has one,
+everything else by the bytes it reads and writes; views cost nothing). A collective's start
+occupies the communication stream, in issue order, for its copies (the cast before an all-gather,
+the copy of the gradients into the reduction's buffer: they run on the runtime's copy stream, NOTE:
+[Copy stream] in runtime/collectives.py) plus `latency + (N - 1) / N * bytes / bus bandwidth` (ring
+all-gather / reduce-scatter; an all-to-all moves as many bytes), with each kind's own latency and
+bandwidth where they were measured; on one rank the copies run on the compute stream. Compute that
+runs while a collective is in flight is slowed by the machine's `comm_slowdown` (NCCL's kernels
+take SMs; gloo's threads take cores). A `wait` stalls the compute stream until its collective is
+done: that stall is *exposed communication*, recorded per collective. The memory curve replays the
+same order with each value alive from its definition to its last use (views keep their base alive;
+a reduce-scatter's input lives until its wait), which is how the runtime frees values, split into
+activations, gathered parameters and gradient buffers; persistent state (shards, gradients,
+optimizer) is not part of it.
 
 It is a model, to compare schedules and settings, not a promise: BENCHMARKS.md sets it against
 measurements.
@@ -25,29 +31,95 @@ measurements.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import operator
+import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from fbmt import ops
+from fbmt import files, flags, ops
+from fbmt.decisions import collective_bytes
 from fbmt.ops import flops, nbytes
 from fbmt.program import Program
 
 
 @dataclass(frozen=True)
 class Machine:
-    """What the simulator charges for work: rates per GPU and of the links between GPUs."""
+    """What the simulator charges for work: rates per GPU (or CPU rank) and of the links between them.
+
+    The flat rates are enough for a GPU whose products run near one rate; `fbmt.calibrate()` measures
+    the finer ones: the achieved product rate by size and dtype, each collective kind's latency and
+    bandwidth, the host's cost per node, and how much slower compute runs while a collective is in
+    flight (NOTE: [Simulator])."""
 
     name: str
     matmul_flops: float  # achieved dense matrix-product rate in the compute dtype, FLOP/s
     memory_bandwidth: float  # bytes/s of device memory
     bus_bandwidth: float  # bytes/s per GPU that a ring collective achieves ("busbw")
     latency: float = 20e-6  # seconds per collective
-    launch: float = 4e-6  # seconds per kernel
+    launch: float = 4e-6  # seconds per kernel (per node run: the host's overhead where it exceeds the GPU's)
     fp32_matmul_flops: float | None = None  # for fp32 matrix products (default: a 16th of matmul_flops)
+    # measured products: (dtype name, FLOPs of one product, achieved FLOP/s), interpolated by FLOPs
+    matmul_rates: tuple[tuple[str, float, float], ...] = ()
+    # measured collectives: (kind, latency s, bus bandwidth bytes/s); a kind not listed uses the flat pair
+    links: tuple[tuple[str, float, float], ...] = ()
+    comm_slowdown: float = 0.0  # compute runs (1 + this) times slower while a collective is in flight
+
+    def link(self, kind: str) -> tuple[float, float]:
+        """(latency, bus bandwidth) of a collective kind ("all_gather", "reduce_scatter", ...)."""
+        for k, latency, bandwidth in self.links:
+            if k == kind:
+                return latency, bandwidth
+        return self.latency, self.bus_bandwidth
+
+    def matmul_rate(self, work: float, dtype: torch.dtype) -> float:
+        """The achieved FLOP/s of a product of `work` FLOPs in `dtype`: the measured rates of that
+        dtype interpolated in log-log (clamped at the ends), else the flat rate."""
+        name = str(dtype).removeprefix("torch.")
+        points = sorted((f, r) for d, f, r in self.matmul_rates if d == name)
+        if not points:
+            if dtype == torch.float32:
+                return self.fp32_matmul_flops or self.matmul_flops / 16
+            return self.matmul_flops
+        if work <= points[0][0]:
+            return points[0][1]
+        for (f0, r0), (f1, r1) in zip(points, points[1:]):
+            if work <= f1:
+                t = (math.log(work) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+        return points[-1][1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fbmt_machine": 1, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Machine:
+        if d.get("fbmt_machine") != 1:
+            raise ValueError("not an fbmt machine profile (written by fbmt.calibrate or Machine.save)")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in fields}
+        for k in ("matmul_rates", "links"):
+            d[k] = tuple(tuple(x) for x in d.get(k, ()))
+        return cls(**d)
+
+    def save(self, path: str) -> None:
+        """Write this profile as JSON, whole (temporary file, fsync, rename)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        files.write_json_atomic(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str) -> Machine:
+        with open(path) as f:
+            try:
+                return cls.from_dict(json.load(f))
+            except (json.JSONDecodeError, TypeError, ValueError) as e:
+                raise ValueError(f"{path!r}: {e}; make one with fbmt.calibrate()") from None
 
 
 # The rates measured on the H200 host of BENCHMARKS.md (matrix products, copy bandwidth, NVLink bus
@@ -55,6 +127,62 @@ class Machine:
 H200 = Machine(
     "H200 (NVLink)", matmul_flops=700e12, memory_bandwidth=4.19e12, bus_bandwidth=360e9, fp32_matmul_flops=50e12
 )
+
+
+def profile_path() -> str:
+    """Where `fbmt.calibrate()` saves this machine's profile: $FBMT_MACHINE, else a file per host
+    in the user's cache folder."""
+    return flags.MACHINE.get() or os.path.join(
+        os.path.expanduser("~"), ".cache", "fbmt", f"machine-{socket.gethostname()}.json"
+    )
+
+
+def default_machine() -> Machine:
+    """The profile `fbmt.calibrate()` saved on this host, else the H200 of BENCHMARKS.md."""
+    path = profile_path()
+    return Machine.load(path) if os.path.exists(path) else H200
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    """One collective as simulated: what it moves and when (seconds from the step's start)."""
+
+    node: str  # its start node's name
+    kind: str
+    group: int
+    block: str
+    phase: str
+    bytes: int  # the whole buffer, as it travels
+    issued: float  # when the compute stream reached its start
+    began: float  # when the communication stream took it up (after the collectives before it)
+    ended: float
+    waited: float  # when the compute stream reached its wait
+    exposed: float  # how long that wait stalled the compute stream
+
+
+@dataclass(frozen=True)
+class MemoryCurve:
+    """The bytes alive after each node runs, split by what holds them (NOTE: [Simulator])."""
+
+    nodes: tuple[str, ...]  # every node of the program, in order
+    times: tuple[float, ...]  # when the compute stream reaches each
+    activations: tuple[int, ...]  # values the program computes (saved activations, temporaries)
+    gathered: tuple[int, ...]  # gathered parameter buffers
+    gradients: tuple[int, ...]  # flat gradient buffers in flight to a reduction, and its output shards
+    alive_at_peak: tuple[tuple[str, str, int], ...]  # (node, kind, bytes) alive at the peak, largest first
+
+    @property
+    def total(self) -> list[int]:
+        return [a + g + r for a, g, r in zip(self.activations, self.gathered, self.gradients)]
+
+    @property
+    def peak(self) -> int:
+        return max(self.total, default=0)
+
+    @property
+    def peak_node(self) -> str:
+        total = self.total
+        return self.nodes[total.index(max(total))] if total else ""
 
 
 @dataclass
@@ -66,18 +194,81 @@ class Simulation:
     comm_s: float
     exposed_comm_s: float
     exposed_by_phase: dict[str, float]
-    peak_activation_bytes: int
+    peak_activation_bytes: int  # the peak of `memory`: every value the step holds beyond its persistent state
     timeline: list[tuple[str, str, str, float, float]] = field(repr=False)  # (node, stream, phase, start, end)
+    collectives: list[CollectiveTiming] = field(default_factory=list, repr=False)
+    memory: MemoryCurve | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
-        ms = 1e3
-        phases = ", ".join(f"{k} {v * ms:.1f} ms" for k, v in self.exposed_by_phase.items())
+        phases = ", ".join(f"{k} {_ms(v)}" for k, v in self.exposed_by_phase.items())
         return (
-            f"simulated on {self.machine.name}, {self.world_size} rank(s): step {self.step_s * ms:.1f} ms = "
-            f"compute {self.compute_s * ms:.1f} ms + exposed communication {self.exposed_comm_s * ms:.1f} ms "
-            f"({phases}); communication busy {self.comm_s * ms:.1f} ms; peak activation memory "
-            f"{self.peak_activation_bytes / 2**30:.2f} GiB"
+            f"simulated on {self.machine.name}, {self.world_size} rank(s): step {_ms(self.step_s)} = "
+            f"compute {_ms(self.compute_s)} + exposed communication {_ms(self.exposed_comm_s)} "
+            f"({phases}); communication busy {_ms(self.comm_s)}; peak memory of the step "
+            f"{size(self.peak_activation_bytes)}"
         )
+
+    def table(self) -> str:
+        """One line per collective: what it moves, when it runs, and what its wait exposed."""
+        lines = [f"{'collective':<44} {'bytes':>10} {'issued':>9} {'ran':>19} {'waited':>9} {'exposed':>9}"]
+        for c in self.collectives:
+            name = f"{c.phase} {c.kind} {c.block or '<root>'} (group {c.group})"
+            lines.append(
+                f"{name:<44} {size(c.bytes):>10} {_ms(c.issued):>9} {_ms(c.began) + '-' + _ms(c.ended):>19} "
+                f"{_ms(c.waited):>9} {_ms(c.exposed):>9}"
+            )
+        return "\n".join(lines)
+
+    def chrome_trace(self, path: str | None = None) -> dict[str, Any]:
+        """The timeline in the Chrome trace format (chrome://tracing, ui.perfetto.dev): compute and
+        communication as two threads, each exposed wait as a slice on the compute thread, and the
+        memory curve as counters; written to `path` when given."""
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "pid": 0, "tid": tid, "name": "thread_name", "args": {"name": name}}
+            for tid, name in ((0, "compute"), (1, "communication"))
+        ]
+        for node, stream, phase, start, end in self.timeline:
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": 0 if stream == "compute" else 1,
+                    "name": node,
+                    "cat": phase,
+                    "ts": start * 1e6,
+                    "dur": (end - start) * 1e6,
+                }
+            )
+        for c in self.collectives:
+            if c.exposed > 0:
+                events.append(
+                    {
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": 0,
+                        "name": f"exposed: {c.node}",
+                        "cat": "exposed",
+                        "ts": c.waited * 1e6,
+                        "dur": c.exposed * 1e6,
+                    }
+                )
+        if self.memory is not None:
+            for t, a, g, r in zip(
+                self.memory.times, self.memory.activations, self.memory.gathered, self.memory.gradients
+            ):
+                events.append(
+                    {
+                        "ph": "C",
+                        "pid": 0,
+                        "name": "memory (bytes)",
+                        "ts": t * 1e6,
+                        "args": {"activations": a, "gathered parameters": g, "gradient buffers": r},
+                    }
+                )
+        trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"machine": self.machine.name}}
+        if path is not None:
+            files.write_json_atomic(trace, path)
+        return trace
 
 
 def _val(n: Any) -> Any:
@@ -93,8 +284,8 @@ def compute_time(n: fx.Node, machine: Machine) -> float:
     work = flops(n)
     rate = machine.matmul_flops
     operand = next((v for v in map(_val, n.all_input_nodes) if isinstance(v, torch.Tensor)), out)
-    if work and isinstance(operand, torch.Tensor) and operand.dtype == torch.float32:  # the operands set the rate
-        rate = machine.fp32_matmul_flops or machine.matmul_flops / 16
+    if work and isinstance(operand, torch.Tensor):  # the operands' dtype and the product's size set the rate
+        rate = machine.matmul_rate(work, operand.dtype)
     return machine.launch + max(work / rate, moved / machine.memory_bandwidth)
 
 
@@ -116,17 +307,35 @@ def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
         host = machine.launch + moved / machine.memory_bandwidth
     if world == 1:
         return host, 0.0, 0
-    return host, machine.latency + (world - 1) / world * total / machine.bus_bandwidth, total
+    latency, bandwidth = machine.link(n.target.__name__)
+    return host, latency + (world - 1) / world * total / bandwidth, total
 
 
-def simulate(program: Program, machine: Machine = H200) -> Simulation:
-    """Replay `program` on `machine` (NOTE: [Simulator])."""
+def _stretched(cost: float, now: float, comm_busy_until: float, slowdown: float) -> float:
+    """How long `cost` seconds of compute take from `now` when a collective runs until
+    `comm_busy_until` and slows compute by `slowdown` meanwhile."""
+    shared = comm_busy_until - now
+    if slowdown <= 0 or shared <= 0:
+        return cost
+    if shared >= cost * (1 + slowdown):
+        return cost * (1 + slowdown)
+    return shared + cost - shared / (1 + slowdown)
+
+
+def simulate(program: Program, machine: Machine | None = None) -> Simulation:
+    """Replay `program` on `machine` (NOTE: [Simulator]); by default the profile `fbmt.calibrate()`
+    saved on this host, else the H200 of BENCHMARKS.md."""
+    machine = machine or default_machine()
     g = program.graph
     t_compute = t_comm = busy_comm = compute = 0.0
-    done: dict[fx.Node, float] = {}
+    started: dict[fx.Node, tuple[float, float, float]] = {}  # start -> (issued, began, ended)
     exposed: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
     timeline = []
+    records = []
+    reached: list[float] = []
+    blocks = {grp.index: grp.block for grp in program.layout.groups}
     for n in g.nodes:
+        reached.append(t_compute)
         phase = n.meta.get("fbmt_phase", "")
         if n.op != "call_function" or n.target is ops.release:
             continue
@@ -139,19 +348,39 @@ def simulate(program: Program, machine: Machine = H200) -> Simulation:
             begin = max(t_compute, t_comm)
             t_comm = begin + comm
             busy_comm += comm
-            done[n] = t_comm
+            started[n] = (t_compute, begin, t_comm)
             timeline.append((n.name, "comm", phase, begin, t_comm))
         elif n.target is ops.wait:
-            end = done.get(n.args[0], 0.0)
-            if end > t_compute:
-                exposed[phase or "fwd"] = exposed.get(phase or "fwd", 0.0) + end - t_compute
+            start = n.args[0]
+            issued, began, end = started.get(start, (t_compute, t_compute, t_compute))
+            stall = max(0.0, end - t_compute)
+            group = start.meta.get("fbmt_group")
+            records.append(
+                CollectiveTiming(
+                    start.name,
+                    start.target.__name__,
+                    group,
+                    blocks.get(group, ""),
+                    start.meta.get("fbmt_phase", ""),
+                    collective_bytes(start),
+                    issued,
+                    began,
+                    end,
+                    t_compute,
+                    stall,
+                )
+            )
+            if stall:
+                exposed[phase or "fwd"] = exposed.get(phase or "fwd", 0.0) + stall
                 t_compute = end
         else:
             cost = compute_time(n, machine)
             if cost:
-                timeline.append((n.name, "compute", phase, t_compute, t_compute + cost))
-            t_compute += cost
-            compute += cost
+                took = _stretched(cost, t_compute, t_comm, machine.comm_slowdown)
+                timeline.append((n.name, "compute", phase, t_compute, t_compute + took))
+                t_compute += took
+                compute += took
+    curve = memory_curve(program, reached)
     return Simulation(
         machine=machine,
         world_size=program.layout.world_size,
@@ -160,17 +389,26 @@ def simulate(program: Program, machine: Machine = H200) -> Simulation:
         comm_s=busy_comm,
         exposed_comm_s=sum(exposed.values()),
         exposed_by_phase=exposed,
-        peak_activation_bytes=peak_memory(program),
+        peak_activation_bytes=curve.peak,
         timeline=timeline,
+        collectives=sorted(records, key=lambda c: c.issued),
+        memory=curve,
     )
 
 
 def peak_memory(program: Program) -> int:
     """Peak bytes of values alive at once when the program runs in its order (NOTE: [Simulator])."""
+    return memory_curve(program).peak
+
+
+def memory_curve(program: Program, times: list[float] | None = None) -> MemoryCurve:
+    """The bytes alive after each node, by kind: each value from its definition to its last use
+    (views keep their base alive; a reduction's flat input lives until its wait)."""
     g = program.graph
+    nodes = list(g.nodes)
     order = ops.node_order(g)
     base: dict[fx.Node, fx.Node] = {}
-    for n in g.nodes:  # views and waits alias what they come from
+    for n in nodes:  # views and waits alias what they come from
         if n.op == "call_function" and (
             n.target is operator.getitem
             and nbytes(_val(n.args[0])) == 0
@@ -181,34 +419,79 @@ def peak_memory(program: Program) -> int:
             src = n.args[0]
             if isinstance(src, fx.Node):
                 base[n] = base.get(src, src)
-    owner = {n: base.get(n, n) for n in g.nodes}
+    owner = {n: base.get(n, n) for n in nodes}
     last: dict[fx.Node, int] = {}
-    for n in g.nodes:
+    for n in nodes:
         for a in n.all_input_nodes:
             o = owner[a]
             last[o] = max(last.get(o, 0), order[n])
-    size: dict[fx.Node, int] = {}
-    events: list[tuple[float, int]] = []
-    for n in g.nodes:
-        if n.op == "call_function" and owner[n] is n:
-            if n.target in ops.GATHERS:
-                shard, world, dtype = ops.gather_args(n)
-                size[n] = _val(shard).numel() * world * (dtype or _val(shard).dtype).itemsize
-            elif n.target in ops.REDUCTIONS:  # the flat input lives until the wait, the shard after
-                r = ops.reduction_args(n)
-                waited = min((order[u] for u in n.users if u.target is ops.wait), default=order[n])
-                # the flat input, and what an all-to-all receives (NOTE: [Narrow wire]), until the wait
-                held = r.padded_numel * r.wire_dtype.itemsize * (2 if n.target is ops.all_to_all_reduce else 1)
-                events += [(order[n], held), (waited + 0.5, -held)]
-                size[n] = r.padded_numel // r.world_size * r.out_dtype.itemsize
-            else:
-                size[n] = nbytes(_val(n))
-    for n, b in size.items():
+    kinds = ("activations", "gathered", "gradients")
+    deltas = {k: [0] * (len(nodes) + 1) for k in kinds}
+    spans: list[tuple[int, int, str, str, int]] = []  # (from, to inclusive, kind, node, bytes)
+
+    def hold(first: int, end: int, kind: str, name: str, b: int) -> None:
         if b:
-            events.append((order[n], b))
-            events.append((last.get(n, order[n]) + 0.5, -b))
-    live = peak = 0
-    for _, delta in sorted(events):
-        live += delta
-        peak = max(peak, live)
-    return peak
+            deltas[kind][first] += b
+            deltas[kind][end + 1] -= b
+            spans.append((first, end, kind, name, b))
+
+    for n in nodes:
+        if n.op != "call_function" or owner[n] is not n:
+            continue
+        if n.target in ops.GATHERS:
+            shard, world, dtype = ops.gather_args(n)
+            hold(
+                order[n],
+                last.get(n, order[n]),
+                "gathered",
+                n.name,
+                _val(shard).numel() * world * (dtype or _val(shard).dtype).itemsize,
+            )
+        elif n.target in ops.REDUCTIONS:  # the flat input lives until the wait, the shard after
+            r = ops.reduction_args(n)
+            waited = min((order[u] for u in n.users if u.target is ops.wait), default=order[n])
+            # the flat input, and what an all-to-all receives (NOTE: [Narrow wire]), until the wait
+            held = r.padded_numel * r.wire_dtype.itemsize * (2 if n.target is ops.all_to_all_reduce else 1)
+            hold(order[n], waited, "gradients", n.name, held)
+            hold(
+                order[n],
+                last.get(n, order[n]),
+                "gradients",
+                n.name,
+                r.padded_numel // r.world_size * r.out_dtype.itemsize,
+            )
+        else:
+            hold(order[n], last.get(n, order[n]), "activations", n.name, nbytes(_val(n)))
+    curves = {}
+    for k in kinds:
+        alive, curve = 0, []
+        for i in range(len(nodes)):
+            alive += deltas[k][i]
+            curve.append(alive)
+        curves[k] = tuple(curve)
+    total = [sum(curves[k][i] for k in kinds) for i in range(len(nodes))]
+    at = total.index(max(total)) if total else 0
+    alive_at_peak = sorted(
+        ((name, kind, b) for first, end, kind, name, b in spans if first <= at <= end), key=lambda x: -x[2]
+    )
+    return MemoryCurve(
+        nodes=tuple(n.name for n in nodes),
+        times=tuple(times) if times is not None else tuple(float(i) for i in range(len(nodes))),
+        activations=curves["activations"],
+        gathered=curves["gathered"],
+        gradients=curves["gradients"],
+        alive_at_peak=tuple(alive_at_peak),
+    )
+
+
+def size(n: float) -> str:
+    """Bytes in the unit that reads best: 512 B, 12.3 KiB, 4.1 MiB, 2.00 GiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1e-2 else f"{s * 1e3:.1f} ms"

@@ -114,3 +114,84 @@ def test_the_simulator_charges_the_wire_the_program_chose():
 
     assert wire_bytes(ring) == 2 * wire_bytes(narrow)  # fp32 on the wire, not bf16
     assert simulate(narrow, H200).comm_s < simulate(ring, H200).comm_s
+
+
+# ---- what a simulation reports -------------------------------------------------------------------
+
+
+def test_each_collective_is_recorded_with_its_bytes_and_the_stall_of_its_wait():
+    program = _program(schedule="none")
+    sim = simulate(program, SLOW_LINK)
+    starts = program.collectives()
+    assert len(sim.collectives) == len(starts)
+    by_node = {c.node: c for c in sim.collectives}
+    for n in starts:
+        c = by_node[n.name]
+        assert c.bytes == fbmt.decisions.collective_bytes(n) > 0 and c.group == n.meta["fbmt_group"]
+        assert c.issued <= c.began <= c.ended and c.exposed == pytest.approx(c.ended - c.waited)  # waited at once
+    assert sum(c.exposed for c in sim.collectives) == pytest.approx(sim.exposed_comm_s)
+    table = sim.table().splitlines()
+    assert len(table) == 1 + len(starts) and "fwd all_gather h.0" in sim.table()
+
+
+def test_the_memory_curve_is_split_by_kind_and_peaks_at_the_reported_peak():
+    gathered_at_turn = {}
+    for zero in (3, 2):
+        program = _program(zero=zero)
+        sim = simulate(program)
+        curve = sim.memory
+        assert curve.peak == sim.peak_activation_bytes == fbmt.sim.peak_memory(program)
+        assert len(curve.nodes) == len(curve.times) == len(curve.activations) == len(curve.gathered)
+        assert sum(b for _, _, b in curve.alive_at_peak) == curve.peak
+        assert max(curve.gradients) > 0 and max(curve.gathered) > 0
+        turn = next(i for i, n in enumerate(program.graph.nodes) if n.meta.get("fbmt_phase") == "bwd")
+        gathered_at_turn[zero] = curve.gathered[turn]
+    # ZeRO-2 holds every block's gathered buffer from its forward to its backward
+    assert gathered_at_turn[2] > 2 * gathered_at_turn[3]
+
+
+def test_the_chrome_trace_has_every_node_and_collective(tmp_path):
+    sim = simulate(_program(schedule="none"), SLOW_LINK)
+    trace = sim.chrome_trace(str(tmp_path / "t.json"))
+    import json
+
+    assert json.loads((tmp_path / "t.json").read_text()) == trace
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sum(e["tid"] == 1 for e in slices) == len(sim.collectives)
+    assert sum(e["cat"] == "exposed" for e in slices) == sum(c.exposed > 0 for c in sim.collectives)
+    counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]
+    assert max(sum(e["args"].values()) for e in counters) == sim.peak_activation_bytes
+
+
+def test_a_machine_profile_prices_each_collective_kind_and_product_size(tmp_path):
+    program = _program()
+    slow_scatter = dataclasses.replace(SLOW_LINK, links=(("reduce_scatter", 1e-3, 1e4),))
+    gathers = [n for n in program.collectives() if n.target in ops.GATHERS]
+    scatters = [n for n in program.collectives() if n.target is ops.reduce_scatter]
+    assert _collective(gathers[0], slow_scatter) == _collective(gathers[0], SLOW_LINK)
+    assert _collective(scatters[0], slow_scatter)[1] > 5 * _collective(scatters[0], SLOW_LINK)[1]
+    rated = dataclasses.replace(H200, matmul_rates=(("float32", 1e6, 1e9), ("float32", 1e8, 1e11)))
+    assert rated.matmul_rate(1e6, torch.float32) == pytest.approx(1e9)
+    assert rated.matmul_rate(1e7, torch.float32) == pytest.approx(1e10)  # log-log between the two
+    assert rated.matmul_rate(1e12, torch.float32) == pytest.approx(1e11)  # clamped
+    assert rated.matmul_rate(1e7, torch.bfloat16) == H200.matmul_flops  # no measurement: the flat rate
+    rated.save(str(tmp_path / "m.json"))
+    assert Machine.load(str(tmp_path / "m.json")) == rated
+
+
+def test_compute_slows_while_a_collective_is_in_flight_by_the_measured_factor():
+    program = _program(schedule="prefetch")
+    machine = dataclasses.replace(H200, bus_bandwidth=2e8)
+    plain, slowed = simulate(program, machine), simulate(program, dataclasses.replace(machine, comm_slowdown=0.5))
+    assert plain.compute_s < slowed.compute_s <= 1.5 * plain.compute_s
+    alone = simulate(_program(world=1), dataclasses.replace(machine, comm_slowdown=0.5))
+    assert alone.compute_s == pytest.approx(simulate(_program(world=1), machine).compute_s)  # nothing to share with
+
+
+def test_simulate_uses_the_calibrated_profile_of_this_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("FBMT_MACHINE", str(tmp_path / "m.json"))
+    assert simulate(_program()).machine == H200  # none saved yet
+    mine = dataclasses.replace(SLOW_LINK, name="this host")
+    mine.save(str(tmp_path / "m.json"))
+    assert simulate(_program()).machine == mine
+    assert "simulated on this host" in str(simulate(_program()))
