@@ -18,6 +18,7 @@ from fbmt.bmt.module import DistributedModule, init_parameters
 from fbmt.bmt.parameter import DistributedParameter, ParameterInitializer
 from fbmt.bmt.store import load, save
 from fbmt.bmt.utils import see_memory
+from fbmt.calibration import calibrate
 from fbmt.decisions import Schedule
 from fbmt.distributed import (
     config,
@@ -31,6 +32,7 @@ from fbmt.distributed import (
     world_size,
 )
 from fbmt.passes import register_strategy
+from fbmt.profiling import Profile, profile
 from fbmt.program import Program
 from fbmt.sim import simulate
 from fbmt.trace import TraceError
@@ -45,8 +47,11 @@ __all__ = [
     "compile",
     "CompileOptions",
     "CompiledModule",
+    "Profile",
     "Program",
     "Schedule",
+    "calibrate",
+    "profile",
     "TraceError",
     "register_strategy",
     "simulate",

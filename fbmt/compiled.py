@@ -8,6 +8,7 @@ stays plain PyTorch and autograd accumulates each shard's gradient into `shard.g
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
@@ -15,7 +16,7 @@ import time
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -292,6 +293,23 @@ class CompiledModule(nn.Module, metaclass=_Wrapping):
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
         return exe
+
+    @contextlib.contextmanager
+    def _instrumented(self, wrap: Callable[[Any, str], Callable]) -> Iterator[None]:
+        """Meanwhile, every program's forward and backward graph runs as `wrap(graph, phase)`
+        (`fbmt.profile` times each node so). Not with CUDA graphs: a replay runs no node."""
+        if self.options.cuda_graph:
+            raise RuntimeError("fbmt.profile: a model compiled with cuda_graph=True replays graphs that run no node")
+        saved = [(exe, exe.forward, exe.backward) for exe in self._executables.values()]
+        try:
+            for exe, fwd, bwd in saved:
+                exe.forward = wrap(fwd, "fwd")
+                if bwd is not None:
+                    exe.backward = wrap(bwd, "bwd")
+            yield
+        finally:
+            for exe, fwd, bwd in saved:
+                exe.forward, exe.backward = fwd, bwd
 
     def _graphs(self, key: Any, exe: Executable) -> Graphed:
         """The CUDA graphs of this training program (NOTE: [CUDA graphs]); one program's at a time."""

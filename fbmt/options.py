@@ -31,7 +31,10 @@ class CompileOptions:
     """"block": save only block inputs and recompute each block in the backward; "selective": save
     matmul and attention outputs, recompute the cheap ops between them; "mincut": recompute only the
     cheap ops whose recompute saves memory (a minimum cut, as torch.compile's partitioner); "none":
-    save all."""
+    save all; "auto": per block, whichever of these fits `memory_budget` at the least recompute."""
+    memory_budget: int | None = None
+    """With remat="auto": the most bytes the step may hold beyond its persistent state (shards,
+    gradients, optimizer), per rank, as `fbmt.simulate` predicts its peak (NOTE: [Auto recompute])."""
     schedule: str | tuple[str, Mapping[str, Any]] | Schedule = "prefetch"
     """A registered strategy by name (`fbmt.register_strategy`; built in: "prefetch", "none",
     "fsdp2", "bmtrain", "greedy"), or `(name, {option: value})` to set its options, e.g.
@@ -135,8 +138,16 @@ class CompileOptions:
                 raise ValueError(
                     f"fbmt.compile(zero={zero!r}){where}: expected 3 (re-gather for the backward) or 2 (keep gathered)"
                 )
-            if remat not in POLICIES:
-                raise ValueError(f"fbmt.compile(remat={remat!r}){where}: expected one of {POLICIES}")
+            allowed = POLICIES + ("auto",) if not path else POLICIES
+            if remat not in allowed:
+                raise ValueError(f"fbmt.compile(remat={remat!r}){where}: expected one of {allowed}")
+        if (self.remat == "auto") != (self.memory_budget is not None):
+            raise ValueError(
+                f"fbmt.compile(remat={self.remat!r}, memory_budget={self.memory_budget!r}): remat='auto' chooses "
+                "each block's recompute to fit memory_budget (bytes per rank); give both, or neither"
+            )
+        if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
+            raise ValueError(f"fbmt.compile(memory_budget={self.memory_budget!r}): expected a positive number of bytes")
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"fbmt.compile(prefetch={self.prefetch!r}): must be a whole number, at least 1")
         if self.grad_reduce not in ("mean", "sum"):

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fbmt import distributed
+from fbmt import distributed, sim
 from fbmt.layout import Layout
 from fbmt.options import CompileOptions
 from fbmt.passes import (
     PASS_NAMES,
+    POLICIES,
     Pass,
     assign_blocks,
     merge_products,
@@ -28,19 +29,24 @@ from fbmt.passes import (
     shard_parameters,
     verify_program,
 )
+from fbmt.passes.remat import block_costs, cheapest_within
 from fbmt.program import Program
 from fbmt.runtime.partition import Executable, partition
 from fbmt.runtime.regions import RegionCache, split_regions
 from fbmt.trace import trace
 
 
-def passes(options: CompileOptions, world_size: int) -> list[tuple[str, Pass]]:
-    """The passes in order, each with the options it reads."""
+def passes(
+    options: CompileOptions, world_size: int, remat: tuple[dict[str, str], str] | None = None
+) -> list[tuple[str, Pass]]:
+    """The passes in order, each with the options it reads. `remat`: every block's recompute policy
+    and what chose it, instead of the options' (remat="auto" resolved)."""
     o = options
+    per_block, note = remat if remat is not None else (o.remat_per_block, "")
     narrow_wire = o.narrow_wire if o.narrow_wire is not None else distributed.ranks_per_node(world_size) >= world_size
     pipeline = [
         ("blocks", assign_blocks),  # tag forward nodes with their block
-        ("remat", functools.partial(recompute_blocks, policy=o.remat, per_block=o.remat_per_block)),
+        ("remat", functools.partial(recompute_blocks, policy=o.remat, per_block=per_block, note=note)),
         ("merge", merge_products),  # products that read one input become one
         (
             "shard",
@@ -84,9 +90,10 @@ def build(
         trainable=trainable,
     )
     # 2. the passes: blocks, recompute, merged products, ZeRO sharding, overlap, checks
+    remat = auto_remat(program, options) if options.remat == "auto" else None
     program = run_passes(
         program,
-        passes(options, layout.world_size),
+        passes(options, layout.world_size, remat),
         disable=options.disable,
         checks=options.checks,
         dump_dir=options.dump_dir,
@@ -99,3 +106,49 @@ def build(
         if exe.backward is not None:
             exe.backward = split_regions(exe.backward, regions)
     return program, exe
+
+
+def auto_remat(traced: Program, options: CompileOptions) -> tuple[dict[str, str], str]:
+    """Each block's recompute policy under `options.memory_budget` (NOTE: [Auto recompute]), and a
+    line saying what was chosen."""
+    world, budget = traced.layout.world_size, options.memory_budget
+    machine = sim.default_machine(world)
+    named = options.remat_per_block  # blocks whose policy the user set keep it
+    tagged, _ = assign_blocks(traced)
+    costs = {
+        b: c
+        for b, c in block_costs(tagged, lambda n: sim.compute_time(n, machine)).items()
+        if b not in named and any(s for _, s in c.values())
+    }
+    fixed = {b: "none" for b in traced.layout.blocks if b not in costs and b not in named}
+
+    def peak(chosen: dict[str, str]) -> int:
+        p = run_passes(traced, passes(options, world, ({**fixed, **chosen, **named}, "")), disable=options.disable)
+        return sim.peak_memory(p)
+
+    def line(chosen: dict[str, str], at: int) -> str:
+        counts = {p: sum(v == p for v in chosen.values()) for p in POLICIES}
+        shown = ", ".join(f"{n} {p}" for p, n in counts.items() if n)
+        return f"auto under {sim.size(budget)}: {shown or 'no block to choose'}; simulated peak {sim.size(at)}"
+
+    fastest = {b: "none" for b in costs}
+    if (at := peak(fastest)) <= budget:
+        return {**fixed, **fastest, **named}, line(fastest, at)
+    least = {b: min(c, key=lambda p: (c[p][0], c[p][1])) for b, c in costs.items()}  # noqa: B023
+    floor = peak(least)
+    if floor > budget:
+        raise ValueError(
+            f"fbmt.compile(remat='auto', memory_budget={budget}): the step needs at least {floor} bytes "
+            f"({sim.size(floor)}, every block recomputing what it can) by the simulator; that is the smallest "
+            "budget that fits. Use more ranks, a smaller batch per rank, or zero=3"
+        )
+    rest = floor - sum(costs[b][p][0] for b, p in least.items())
+    capacity = budget - rest
+    for _ in range(6):  # the sum of saved bytes models the peak; shrink where the peak says otherwise
+        chosen = cheapest_within(costs, capacity)
+        if chosen is None:
+            break
+        if (at := peak(chosen)) <= budget:
+            return {**fixed, **chosen, **named}, line(chosen, at)
+        capacity -= at - budget
+    return {**fixed, **least, **named}, line(least, floor)

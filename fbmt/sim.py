@@ -129,17 +129,19 @@ H200 = Machine(
 )
 
 
-def profile_path() -> str:
-    """Where `fbmt.calibrate()` saves this machine's profile: $FBMT_MACHINE, else a file per host
-    in the user's cache folder."""
+def profile_path(world_size: int) -> str:
+    """Where `fbmt.calibrate()` saves this machine's profile for jobs of `world_size` ranks (NOTE:
+    [Calibration] in fbmt/calibration.py): $FBMT_MACHINE, else a file per host and world size in the
+    user's cache folder."""
     return flags.MACHINE.get() or os.path.join(
-        os.path.expanduser("~"), ".cache", "fbmt", f"machine-{socket.gethostname()}.json"
+        os.path.expanduser("~"), ".cache", "fbmt", f"machine-{socket.gethostname()}-{world_size}.json"
     )
 
 
-def default_machine() -> Machine:
-    """The profile `fbmt.calibrate()` saved on this host, else the H200 of BENCHMARKS.md."""
-    path = profile_path()
+def default_machine(world_size: int) -> Machine:
+    """The profile `fbmt.calibrate()` saved on this host for `world_size` ranks, else the H200 of
+    BENCHMARKS.md."""
+    path = profile_path(world_size)
     return Machine.load(path) if os.path.exists(path) else H200
 
 
@@ -325,7 +327,7 @@ def _stretched(cost: float, now: float, comm_busy_until: float, slowdown: float)
 def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     """Replay `program` on `machine` (NOTE: [Simulator]); by default the profile `fbmt.calibrate()`
     saved on this host, else the H200 of BENCHMARKS.md."""
-    machine = machine or default_machine()
+    machine = machine or default_machine(program.layout.world_size)
     g = program.graph
     t_compute = t_comm = busy_comm = compute = 0.0
     started: dict[fx.Node, tuple[float, float, float]] = {}  # start -> (issued, began, ended)

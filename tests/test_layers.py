@@ -12,7 +12,7 @@ and never in a circle. Imports under `if TYPE_CHECKING:` serve annotations only 
     bmt       bmt/ (BMTrain's names)    only through the compiler's public entry points (PUBLIC)
     optim     optim/                                                         + bmt (OptimManager)
     models    models/                                                        nothing of fbmt
-    top       fbmt/__init__.py, train, checkpoint                            anything
+    top       fbmt/__init__.py, train, checkpoint, calibration, profiling    anything
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ GROUPS = [  # (module prefix, group); the longest matching prefix decides
     ("fbmt.distributed", "base"),
     ("fbmt.files", "base"),
     ("fbmt.checkpoint", "top"),
+    ("fbmt.calibration", "top"),
+    ("fbmt.profiling", "top"),
     ("fbmt.kernels", "base"),
     ("fbmt._C", "base"),
     ("fbmt.ops", "ir"),

@@ -14,11 +14,25 @@ recomputes everything else (norms, activations, RoPE, casts, residual adds) from
 inputs: most of the memory of "none", at the price of re-running cheap, memory-bound ops that a
 compiled backward fuses, some of which (a norm's mean square, RoPE) save nothing by being rerun.
 `policy="mincut"` recomputes only those cheap ops whose recompute saves memory (NOTE: [Min-cut]).
+
+NOTE: [Auto recompute]
+`remat="auto", memory_budget=B` chooses each block's policy so that the step's simulated peak fits
+in B bytes at the least recompute time. Per block and policy, `block_costs` takes the bytes of the
+block's own values that the backward reads and the simulated seconds of what it recomputes; blocks
+add up (a block's inputs are the previous block's outputs, which that block saves under every
+policy). The peak is the saved bytes plus what does not depend on the choice (gathered buffers, the
+backward's working set, the gradients): that rest is measured by simulating the program with every
+block recomputed, the least memory there is; if even that exceeds B, the error names it as the
+smallest budget that fits. `cheapest_within` then solves the multiple-choice knapsack (least
+seconds, saved bytes within B minus the rest) by dynamic programming, and the pipeline simulates
+the program it gives; where the peak still exceeds B (the sum is a model of the peak, not the
+peak), the capacity shrinks by the excess and the choice is made again.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable
 from typing import NamedTuple
@@ -29,7 +43,7 @@ from fbmt import ops
 from fbmt.ops import expensive, is_view, nbytes
 from fbmt.program import BWD, FWD, Program
 
-POLICIES = ("block", "selective", "mincut", "none")
+POLICIES = ("block", "selective", "mincut", "none")  # and "auto", which the pipeline resolves to these per block
 
 
 def recomputable(n: fx.Node) -> bool:
@@ -46,9 +60,15 @@ class Plan(NamedTuple):
 
 
 def recompute_blocks(
-    program: Program, *, policy: str = "block", per_block: dict[str, str] | None = None
+    program: Program, *, policy: str = "block", per_block: dict[str, str] | None = None, note: str = ""
 ) -> tuple[Program, str]:
-    """`per_block` overrides `policy` for the named blocks (BMTrain's `Block(use_checkpoint=...)`)."""
+    """`per_block` overrides `policy` for the named blocks (BMTrain's `Block(use_checkpoint=...)`);
+    `note` opens the summary (what chose the policies)."""
+    program, summary = _recompute_blocks(program, policy, per_block)
+    return program, f"{note}; {summary}" if note else summary
+
+
+def _recompute_blocks(program: Program, policy: str, per_block: dict[str, str] | None) -> tuple[Program, str]:
     per_block = per_block or {}
     program = program.copy()
     chosen = [b for b in program.layout.blocks if per_block.get(b, policy) != "none"]
@@ -339,3 +359,76 @@ def _size(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+# ---- remat="auto": what each block costs under each policy, and the cheapest choice that fits ------
+
+Costs = dict[str, dict[str, tuple[int, float]]]  # block -> policy -> (bytes saved for the backward, seconds recomputed)
+
+
+def block_costs(program: Program, price: Callable[[fx.Node], float]) -> Costs:
+    """For every block and policy: the bytes of the block's own values the backward reads, and the
+    seconds its recompute takes (`price(node)` per recomputed node; NOTE: [Auto recompute])."""
+    g = program.graph
+    read_by_bwd = {
+        n
+        for n in g.nodes
+        if n.op != "placeholder"
+        and n.meta.get("fbmt_phase") == FWD
+        and any(u.meta.get("fbmt_phase") == BWD for u in n.users)
+    }
+    out: Costs = {}
+    for block in program.layout.blocks:
+        out[block] = {}
+        for policy in POLICIES:
+            plan = _plan(g, block, policy) if policy != "none" else None
+            read = set(read_by_bwd)
+            if plan is not None:
+                read.difference_update(plan.needed)
+                read.update(a for n in plan.closure for a in n.all_input_nodes if a not in plan.closure)
+            bases = {ops.view_base(n) for n in read}
+            own = sum(
+                nbytes(b.meta.get("val")) for b in bases if b.op != "placeholder" and b.meta.get("fbmt_block") == block
+            )
+            seconds = sum(price(n) for n in plan.closure) if plan is not None else 0.0
+            out[block][policy] = (own, seconds)
+    return out
+
+
+def cheapest_within(costs: Costs, capacity: float, bins: int = 2000) -> dict[str, str] | None:
+    """The policy per block that recomputes the fewest seconds while the blocks' saved bytes sum to
+    at most `capacity`; None if even the least memory does not fit (NOTE: [Auto recompute]).
+
+    A multiple-choice knapsack, solved by dynamic programming over the capacity cut into `bins`
+    steps (each block's bytes rounded up, so a choice that fits here fits exactly): blocks x policies
+    x bins steps, a few million for 80 blocks."""
+    if capacity < 0:
+        return None
+    bins = max(0, min(bins, int(capacity)))  # a step is at least a byte
+    step = capacity / bins if bins else 1.0
+    blocks = list(costs)
+    inf = float("inf")
+    best = [0.0] + [inf] * bins  # best[w]: least seconds with exactly w steps used so far
+    choice: list[list[tuple[int, str] | None]] = []
+    for block in blocks:
+        nxt = [inf] * (bins + 1)
+        pick: list[tuple[int, str] | None] = [None] * (bins + 1)
+        for policy, (b, s) in costs[block].items():
+            w = math.ceil(b / step - 1e-9)
+            if w > bins:
+                continue
+            for used in range(bins + 1 - w):
+                if best[used] + s < nxt[used + w]:
+                    nxt[used + w] = best[used] + s
+                    pick[used + w] = (used, policy)
+        best = nxt
+        choice.append(pick)
+    end = min(range(bins + 1), key=best.__getitem__)
+    if best[end] == inf:
+        return None
+    chosen: dict[str, str] = {}
+    for block, pick in zip(reversed(blocks), reversed(choice)):
+        used, policy = pick[end]
+        chosen[block] = policy
+        end = used
+    return chosen

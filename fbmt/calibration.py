@@ -1,0 +1,369 @@
+"""`fbmt.calibrate()`: measure this machine and save the profile the simulator uses by default.
+
+    python -m fbmt.calibration --ranks 2          # CPU: 2 local gloo ranks; GPU: NCCL between 2 GPUs
+    machine = fbmt.calibrate()                  # inside a job: every rank calls it; rank 0 saves
+    print(fbmt.simulate(program))               # now priced with this machine's numbers
+
+NOTE: [Calibration]
+Measured, each as the median of several timed repetitions after a warm-up:
+- the achieved rate of square matrix products by size, per dtype (fp32; bf16 on a GPU);
+- copy bandwidth (bytes read + written per second, as the roofline counts them);
+- the cost of running one node of an eager program: the host's call through the generated code and
+  the dispatcher (on a GPU, or a kernel's launch where that is longer);
+- each collective kind the runtime issues (all-gather, reduce-scatter, all-to-all) at several sizes,
+  fitted to `latency + (N - 1) / N * bytes / bandwidth` by least squares; the slowest rank's time
+  counts, as a collective ends when every rank is done;
+- how much slower products run while collectives are in flight (`comm_slowdown`): gloo's threads
+  take cores, NCCL's kernels take SMs.
+Every rank measures at once, as a job runs: on a CPU, ranks share the cores, so a rank's product
+rate depends on how many ranks run. A profile is therefore saved per world size
+(`~/.cache/fbmt/machine-<host>-<N>.json`, or $FBMT_MACHINE). Outside a job, `calibrate(ranks=N)`
+starts N local ranks for the measurement, one thread each as torchrun gives them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from fbmt import distributed
+from fbmt.distributed import all_gather_into, reduce_scatter_into
+from fbmt.sim import Machine, profile_path
+
+aten = torch.ops.aten
+
+
+def calibrate(
+    *, ranks: int | None = None, save: bool = True, path: str | None = None, quick: bool = False, log: Callable = print
+) -> Machine:
+    """Measure this machine (NOTE: [Calibration]) and, with `save`, write its profile where
+    `fbmt.simulate` looks by default (`path` to choose). Inside a job every rank must call it; outside
+    one it starts `ranks` (default 2) local ranks for the measurement. `quick`: fewer sizes."""
+    if distributed.is_initialized():
+        machine = _measure(quick, log if distributed.rank() == 0 else _quiet)
+        if save and distributed.rank() == 0:
+            machine.save(path or profile_path(distributed.world_size()))
+            log(f"fbmt.calibrate: saved {path or profile_path(distributed.world_size())}")
+        return machine
+    ranks = 2 if ranks is None else ranks
+    if ranks == 1:
+        machine = _measure(quick, log)
+    else:
+        machine = _spawned(ranks, quick)
+        log(f"fbmt.calibrate: measured on {ranks} local ranks")
+    if save:
+        machine.save(path or profile_path(ranks))
+        log(f"fbmt.calibrate: saved {path or profile_path(ranks)}")
+    return machine
+
+
+def _quiet(*args: object, **kwargs: object) -> None:
+    pass
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, *, at_least: float = 0.02, repeats: int = 5) -> float:
+    """The median seconds one call of `fn` takes: calls batched to last `at_least` seconds, after
+    a warm-up. In a job every rank makes the same number of calls (as many as the slowest rank
+    makes in that time), starting together, so ranks contend as they do in training and a
+    collective is called as often on each."""
+    together = distributed.is_initialized() and distributed.world_size() > 1
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    _sync(device)
+    per = torch.tensor([(time.perf_counter() - t0) / 3], dtype=torch.float64)
+    if together:
+        dist.all_reduce(per, op=dist.ReduceOp.MAX)
+    batch = max(1, min(10_000, int(at_least / max(per.item(), 1e-9))))
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        if together:
+            dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / batch)
+    return statistics.median(times)
+
+
+def _per_call(fn: Callable[[], object], device: torch.device, *, seconds: float = 0.04, repeats: int = 5) -> float:
+    """The median seconds one call of local work `fn` takes, as calls in a fixed time: every rank
+    starts together and stops at the same time, so the ranks contend for the machine the whole time
+    (a fixed number of calls would let the ranks that finish first leave the rest alone)."""
+    fn()
+    _sync(device)
+    together = distributed.is_initialized() and distributed.world_size() > 1
+    times = []
+    for _ in range(repeats):
+        if together:
+            dist.barrier()
+        t0, calls = time.perf_counter(), 0
+        while (now := time.perf_counter()) - t0 < seconds or calls == 0:
+            fn()
+            _sync(device)
+            calls += 1
+        times.append((now - t0) / calls if calls > 1 else time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _local(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds per call of work that runs on this rank alone: on a CPU the ranks share the cores
+    (`_per_call`); GPUs are each their own."""
+    return _seconds(fn, device) if device.type == "cuda" else _per_call(fn, device)
+
+
+def _everywhere_mean(x: float) -> float:
+    if not distributed.is_initialized() or distributed.world_size() == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / distributed.world_size()
+
+
+# ---- what is measured -----------------------------------------------------------------------------
+
+
+def _matmul_rates(device: torch.device, quick: bool) -> list[tuple[str, float, float]]:
+    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    sizes = (256, 1024, 4096, 8192) if device.type == "cuda" else (32, 64, 128, 256, 512, 1024)
+    if quick:
+        sizes = sizes[::2] + sizes[-1:]
+    rates = []
+    for dtype in dtypes:
+        for n in sizes:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            s = _everywhere_mean(_local(lambda: torch.mm(a, b), device))  # noqa: B023
+            rates.append((str(dtype).removeprefix("torch."), 2.0 * n**3, 2.0 * n**3 / s))
+    return rates
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    n = (256 if device.type == "cuda" else 16) * 2**20 // 4
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    return _everywhere_mean(8.0 * n / _local(lambda: dst.copy_(src), device))
+
+
+def _node_cost(device: torch.device) -> float:
+    """Seconds per node of an eager program: a generated GraphModule of tiny adds."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    count = 200
+    y = x
+    for _ in range(count):
+        y = g.call_function(aten.add.Tensor, (y, x))
+    g.output(y)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    t = torch.ones(4, device=device)
+    return _everywhere_mean(_local(lambda: gm(t), device) / count)
+
+
+KINDS = ("all_gather", "reduce_scatter", "all_to_all_reduce")
+
+
+def _collective(kind: str, total: int, device: torch.device) -> Callable[[bool], object]:
+    """One collective of `kind` moving `total` bytes in all (the whole flat buffer), as the runtime
+    issues it; the returned function runs it (asynchronously with True)."""
+    world = distributed.world_size()
+    n = max(world, total // 4 // world * world)
+    flat, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
+    if kind == "all_gather":
+        return lambda async_op=False: all_gather_into(flat, part, async_op=async_op)
+    if kind == "reduce_scatter":
+        return lambda async_op=False: reduce_scatter_into(part, flat, async_op=async_op)
+    received = torch.empty_like(flat)
+    if world == 2:  # as the runtime exchanges two ranks' chunks (NOTE: [Narrow wire])
+        return lambda async_op=False: all_gather_into(received, part, async_op=async_op)
+    return lambda async_op=False: dist.all_to_all_single(received, flat, async_op=async_op)
+
+
+def _links(device: torch.device, quick: bool) -> list[tuple[str, float, float]]:
+    world = distributed.world_size()
+    sizes = [2**k for k in ((22, 24, 26, 28) if device.type == "cuda" else (18, 20, 22, 24))]
+    if quick:
+        sizes = sizes[1::2]
+    out = []
+    for kind in KINDS:
+        xs, ts = [], []
+        for total in sizes:
+            run = _collective(kind, total, device)
+
+            def once() -> None:
+                run()  # noqa: B023
+                _sync(device)
+
+            s = torch.tensor([_seconds(once, device, at_least=0.05)], dtype=torch.float64)
+            dist.all_reduce(s, op=dist.ReduceOp.MAX)  # it ends when the slowest rank is done
+            xs.append((world - 1) / world * total)
+            ts.append(s.item())
+        latency, per_byte = _fit(xs, ts)
+        out.append((kind, latency, 1.0 / per_byte))
+    return out
+
+
+def _fit(xs: list[float], ts: list[float]) -> tuple[float, float]:
+    """Least squares `t = latency + x * per_byte`, latency at least 0, per_byte positive."""
+    n = len(xs)
+    mx, mt = sum(xs) / n, sum(ts) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    per_byte = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var else mt / max(mx, 1.0)
+    per_byte = max(per_byte, 1e-15)
+    latency = mt - per_byte * mx
+    if latency < 0:  # through the origin instead
+        latency, per_byte = 0.0, sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs)
+    return latency, per_byte
+
+
+def _comm_slowdown(device: torch.device, links: list[tuple[str, float, float]]) -> float:
+    """How much longer products take while all-gathers run in the background."""
+    n = 1024 if device.type == "cuda" else 256
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    reps = 8
+
+    def products() -> None:
+        for _ in range(reps):
+            torch.mm(a, b)
+        _sync(device)
+
+    alone = _local(products, device)
+    latency, bandwidth = next((lat, bw) for k, lat, bw in links if k == "all_gather")
+    total = 2**26 if device.type == "cuda" else 2**22
+    one = latency + total / bandwidth
+    background = _collective("all_gather", total, device)
+    timings = []
+    for _ in range(5):
+        dist.barrier()
+        works = [background(True) for _ in range(int(alone / one) + 2)]  # outlasts the products
+        t0 = time.perf_counter()
+        products()
+        timings.append(time.perf_counter() - t0)
+        for w in works:
+            w.wait()
+        _sync(device)
+    with_comm = torch.tensor([statistics.median(timings)], dtype=torch.float64)
+    dist.all_reduce(with_comm)
+    return max(0.0, with_comm.item() / distributed.world_size() / alone - 1.0)
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"{model or platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def _measure(quick: bool, log: Callable) -> Machine:
+    device = distributed.local_device()
+    world = distributed.world_size() if distributed.is_initialized() else 1
+    started = time.perf_counter()
+    log(f"fbmt.calibrate: products on {world} rank(s) of {_describe(device)} ...", flush=True)
+    rates = _matmul_rates(device, quick)
+    copy = _copy_bandwidth(device)
+    node = _node_cost(device)
+    links, slowdown = [], 0.0
+    if world > 1:
+        log("fbmt.calibrate: collectives ...", flush=True)
+        links = _links(device, quick)
+        slowdown = _comm_slowdown(device, links)
+    best = max((r for d, _, r in rates if d == ("bfloat16" if device.type == "cuda" else "float32")), default=1e9)
+    fp32 = max(r for d, _, r in rates if d == "float32")
+    gather = next(((lat, bw) for k, lat, bw in links if k == "all_gather"), (20e-6, 1e9))
+    backend = dist.get_backend() if world > 1 else "one rank"
+    machine = Machine(
+        name=f"{_describe(device)}, {backend}, calibrated {datetime.date.today()}",
+        matmul_flops=best,
+        memory_bandwidth=copy,
+        bus_bandwidth=gather[1],
+        latency=gather[0],
+        launch=node,
+        fp32_matmul_flops=fp32,
+        matmul_rates=tuple(rates),
+        links=tuple(links),
+        comm_slowdown=slowdown,
+    )
+    log(f"fbmt.calibrate: {summary(machine)} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return machine
+
+
+def summary(m: Machine) -> str:
+    """The profile in one line."""
+    links = "; ".join(f"{k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s" for k, lat, bw in m.links) or "no collectives"
+    return (
+        f"{m.name}: products up to {m.matmul_flops / 1e9:.1f} GFLOP/s, copies {m.memory_bandwidth / 1e9:.1f} GB/s, "
+        f"{m.launch * 1e6:.1f} us per node; {links}; compute {m.comm_slowdown:.0%} slower under communication"
+    )
+
+
+# ---- outside a job: local ranks ------------------------------------------------------------------
+
+
+def _worker(rank: int, world: int, port: int, quick: bool, out: str) -> None:
+    torch.set_num_threads(1)  # as torchrun runs each of several ranks (OMP_NUM_THREADS=1)
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        machine = _measure(quick, print if rank == 0 else _quiet)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(machine.to_dict(), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(ranks: int, quick: bool) -> Machine:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "machine.json")
+        mp.spawn(_worker, args=(ranks, port, quick, out), nprocs=ranks, join=True)
+        with open(out) as f:
+            return Machine.from_dict(json.load(f))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m fbmt.calibration", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="local ranks to measure with (one per GPU on GPUs)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes (about half the time)")
+    p.add_argument("--out", default=None, help="where to save the profile (default: where fbmt.simulate looks)")
+    args = p.parse_args(argv)
+    if args.ranks < 1:
+        p.error("--ranks: at least one rank")
+    calibrate(ranks=args.ranks, quick=args.quick, path=args.out)
+
+
+if __name__ == "__main__":
+    main()
