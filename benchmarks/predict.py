@@ -63,7 +63,8 @@ def run(rank: int, world: int, port: int, config: str, steps: int) -> None:
     machine = fbmt.calibrate(save=False, log=log)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     log(
-        "| ranks | zero | remat | schedule | step predicted (ms) | measured (ms) | error | peak predicted | measured | error |"
+        "| ranks | zero | remat | schedule | step predicted (ms) | measured (ms) | error "
+        "| peak predicted | measured | error |"
     )
     log("|---|---|---|---|---|---|---|---|---|---|")
     for zero, remat, schedule in SETTINGS:
