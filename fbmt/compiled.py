@@ -252,9 +252,10 @@ class CompiledModule(nn.Module, metaclass=_Wrapping):
             for x in leaves
         )
         # autocast changes what the forward computes, and tracing records its casts: a program per state
+        kinds = ("cpu",) if self.device.type in ("cpu", "meta") else ("cpu", self.device.type)  # meta has none
         autocast = tuple(
             (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) if torch.is_autocast_enabled(d) else False
-            for d in ("cpu", self.device.type)
+            for d in kinds
         )
         return (
             spec,

@@ -195,3 +195,14 @@ def test_simulate_uses_the_calibrated_profile_of_this_host(tmp_path, monkeypatch
     mine.save(str(tmp_path / "m.json"))
     assert simulate(_program()).machine == mine
     assert "simulated on this host" in str(simulate(_program()))
+
+
+def test_a_model_built_and_compiled_on_meta_simulates_without_memory():
+    # docs/tools.md's recipe: nothing is allocated, so nothing can be initialized or checked
+    from fbmt.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64))
+    model = fbmt.compile(model, world_size=8, device="meta", param_dtype=torch.bfloat16)
+    sim = simulate(model.trace(torch.zeros(2, 64, dtype=torch.long), device="cpu"), H200)
+    assert sim.world_size == 8 and sim.step_s > 0 and sim.peak_activation_bytes > 0

@@ -128,8 +128,9 @@ def _materialize(
         for path, m in owners.items():
             initialize(path, m)
     # An initializer that skips a tensor (a Hugging Face _init_weights that does not know a module, a
-    # reset_parameters that forgets a buffer) would leave uninitialized memory: refuse instead.
-    unset = [n for n, t in fresh.items() if _still_unset(t)]
+    # reset_parameters that forgets a buffer) would leave uninitialized memory: refuse instead. On the
+    # meta device (a model compiled only to be inspected or simulated) there are no values to check.
+    unset = [n for n, t in fresh.items() if device.type != "meta" and _still_unset(t)]
     if unset:
         raise ValueError(
             f"fbmt.compile: the model was built on the meta device, and initializing it left {unset[:4]} without "
