@@ -10,7 +10,7 @@ vocabulary of `ops`) -> `passes` -> `runtime`, joined by `pipeline` and `compile
 
 import sys as _sys
 
-from fbmt import bmt, checkpoint, distributed, ops, optim, sim
+from fbmt import bmt, checkpoint, distributed, ops, optim, sim, viz
 from fbmt.api import CompiledModule, CompileOptions, compile
 from fbmt.bmt import global_var, inspect, loss, lr_scheduler, nn, utils
 from fbmt.bmt.block import Block, BMTrainModelWrapper, CheckpointBlock, TransformerBlockList
@@ -88,6 +88,7 @@ __all__ = [
     "ops",
     "optim",
     "sim",
+    "viz",
     "utils",
 ]
 __version__ = "0.3.0"

@@ -140,7 +140,8 @@ def auto_remat(traced: Program, options: CompileOptions) -> tuple[dict[str, str]
         raise ValueError(
             f"fbmt.compile(remat='auto', memory_budget={budget}): the step needs at least {floor} bytes "
             f"({sim.size(floor)}, every block recomputing what it can) by the simulator; that is the smallest "
-            "budget that fits. Use more ranks, a smaller batch per rank, or zero=3"
+            "budget that fits. Use more ranks or a smaller batch per rank"
+            + (", or zero=3" if options.zero == 2 else "")
         )
     rest = floor - sum(costs[b][p][0] for b, p in least.items())
     capacity = budget - rest

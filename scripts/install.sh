@@ -22,6 +22,15 @@ if [ "${1:-}" = "--test" ]; then
   # Hugging Face models as users run them (tests/test_transformers.py, examples/hf_trainer.py); pinned, since
   # their modeling code changes between releases. A machine with its own (a GPU image) keeps it.
   "$PY" -c "import transformers, accelerate" 2>/dev/null || pip_install transformers==5.24.0 accelerate==1.15.0
+  # fbmt.viz and the notebooks, which the tests execute headlessly in a Jupyter kernel
+  "$PY" -c "import matplotlib, pydot, nbclient, nbformat, ipykernel" 2>/dev/null ||
+    pip_install matplotlib pydot nbclient nbformat ipykernel
+  if ! command -v dot >/dev/null; then  # Graphviz lays out fbmt.viz.graph's pictures
+    echo "install: graphviz (Debian package)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends graphviz >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends graphviz >/dev/null; }
+  fi
 fi
 # fbmt itself, in editable mode: skipped where this folder is what `import fbmt` finds and the native
 # extension is newer than its sources (a reinstall rebuilds the extension, which takes minutes).

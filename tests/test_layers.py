@@ -32,6 +32,7 @@ GROUPS = [  # (module prefix, group); the longest matching prefix decides
     ("fbmt.checkpoint", "top"),
     ("fbmt.calibration", "top"),
     ("fbmt.profiling", "top"),
+    ("fbmt.viz", "top"),
     ("fbmt.kernels", "base"),
     ("fbmt._C", "base"),
     ("fbmt.ops", "ir"),
