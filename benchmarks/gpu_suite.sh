@@ -10,6 +10,8 @@
 #   13b          13B with block recompute against FSDP2 + compile, one after the other (two do not fit)
 #   hf-0.89b     transformers' LlamaForCausalLM of 0.89B, unmodified: fbmt (mincut, ZeRO-3 and ZeRO-2) against
 #                FSDP2 + compile (called with use_cache=False, its best), interleaved
+#   predict      the simulator against measurement after fbmt.calibrate(): the 1.36B (bf16, eager) on every
+#                GPU for five strategy/recompute settings (benchmarks/predict.py)
 #   restructure  1.36B with block recompute: this commit against the one before the restructuring
 #                (70a60a9, written as fbmt_base by base_package.sh), interleaved; then the checks
 # Every stage installs fbmt into the machine's own python3 first.
@@ -44,6 +46,10 @@ case $stage in
   1.36b-none)
     run 1.36_none 230 benchmarks/gpu_train.py $b136 --remat none --warmup 2 --steps 30 --interleave \
       --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-nomerge,fsdp2-compile --out "$out/1.36_none.json" ;;
+  predict)
+    timeout 560 python3 benchmarks/predict.py --ranks "$gpus" --config 1.36b > "$out/predict.txt" 2>&1
+    echo "rc=$?" >> "$out/predict.txt"
+    grep -v "^W[0-9]\|USDT" "$out/predict.txt" | tail -12 ;;
   hf-0.89b)
     run hf_0.89b 420 benchmarks/gpu_train.py --config 0.89b --hf --batch 4 --seq 2048 --remat mincut --warmup 3 \
       --steps 20 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-zero2,fsdp2-compile \

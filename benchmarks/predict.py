@@ -2,7 +2,7 @@
 `fbmt.calibrate()`, for several strategy/recompute settings on local gloo ranks (or the GPUs).
 
     python benchmarks/predict.py --ranks 2        # and --ranks 4
-    python benchmarks/predict.py --ranks 1 --config 1.36b   # on a GPU: the benchmark Llama
+    python benchmarks/predict.py --ranks 1 --config 1.36b   # on GPUs: the benchmark Llama, bf16, eager
 
 Each rank first calibrates (all ranks at once, as they train), then for every setting compiles the
 model, measures it with `fbmt.profile` (median of plain steps; peak allocation of one step) and
@@ -41,13 +41,14 @@ def model_and_inputs(config: str, device: torch.device):
         idx = torch.randint(0, 256, (8, 128), device=device)
         return model, (idx, idx), lambda out: out[1], {}
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from llama import CONFIGS, Llama
+    from llama import CONFIGS, LlamaWithLoss, init_weights
 
     with torch.device("meta"):
-        model = Llama(CONFIGS[config])
+        model = LlamaWithLoss(CONFIGS[config])
     idx = torch.randint(0, CONFIGS[config].vocab_size, (4, 2048), device=device)
-    options = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, backend="inductor")
-    return model, (idx,), lambda out: out.float().logsumexp(-1).mean(), options
+    # eager: the simulator prices ops one by one, as the eager backend runs them (it models no fusion)
+    options = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, init_fn=init_weights)
+    return model, (idx, idx), lambda out: out, options
 
 
 def run(rank: int, world: int, port: int, config: str, steps: int) -> None:
