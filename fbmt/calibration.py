@@ -9,7 +9,8 @@ Measured, each as the median of several timed repetitions after a warm-up:
 - the achieved rate of square matrix products by size, per dtype (fp32; bf16 on a GPU);
 - copy bandwidth (bytes read + written per second, as the roofline counts them);
 - the cost of running one node of an eager program: the host's call through the generated code and
-  the dispatcher (on a GPU, or a kernel's launch where that is longer);
+  the dispatcher (on a GPU, or a kernel's launch where that is longer); and of one view, which a
+  CPU rank spends in line with its compute while a GPU's host hides it;
 - each collective kind the runtime issues (all-gather, reduce-scatter, all-to-all) at several sizes,
   fitted to `latency + (N - 1) / N * bytes / bandwidth` by least squares; the slowest rank's time
   counts, as a collective ends when every rank is done;
@@ -167,14 +168,14 @@ def _copy_bandwidth(device: torch.device) -> float:
     return _everywhere_mean(8.0 * n / _local(lambda: dst.copy_(src), device))
 
 
-def _node_cost(device: torch.device) -> float:
-    """Seconds per node of an eager program: a generated GraphModule of tiny adds."""
+def _node_cost(device: torch.device, op: object = aten.add.Tensor) -> float:
+    """Seconds per node of an eager program: a generated GraphModule of tiny adds (or views)."""
     g = fx.Graph()
     x = g.placeholder("x")
     count = 200
     y = x
     for _ in range(count):
-        y = g.call_function(aten.add.Tensor, (y, x))
+        y = g.call_function(op, (y, x) if op is aten.add.Tensor else (y, [4]))
     g.output(y)
     gm = fx.GraphModule(torch.nn.Module(), g)
     t = torch.ones(4, device=device)
@@ -287,6 +288,7 @@ def _measure(quick: bool, log: Callable) -> Machine:
     rates = _matmul_rates(device, quick)
     copy = _copy_bandwidth(device)
     node = _node_cost(device)
+    view = 0.0 if device.type == "cuda" else _node_cost(device, aten.view.default)  # a GPU's host runs ahead
     links, slowdown = [], 0.0
     if world > 1:
         log("fbmt.calibrate: collectives ...", flush=True)
@@ -307,6 +309,7 @@ def _measure(quick: bool, log: Callable) -> Machine:
         matmul_rates=tuple(rates),
         links=tuple(links),
         comm_slowdown=slowdown,
+        view_cost=view,
     )
     log(f"fbmt.calibrate: {summary(machine)} ({time.perf_counter() - started:.0f} s)", flush=True)
     return machine
@@ -317,7 +320,8 @@ def summary(m: Machine) -> str:
     links = "; ".join(f"{k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s" for k, lat, bw in m.links) or "no collectives"
     return (
         f"{m.name}: products up to {m.matmul_flops / 1e9:.1f} GFLOP/s, copies {m.memory_bandwidth / 1e9:.1f} GB/s, "
-        f"{m.launch * 1e6:.1f} us per node; {links}; compute {m.comm_slowdown:.0%} slower under communication"
+        f"{m.launch * 1e6:.1f} us per node ({m.view_cost * 1e6:.1f} us per view); {links}; "
+        f"compute {m.comm_slowdown:.0%} slower under communication"
     )
 
 

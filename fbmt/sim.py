@@ -70,6 +70,9 @@ class Machine:
     # measured collectives: (kind, latency s, bus bandwidth bytes/s); a kind not listed uses the flat pair
     links: tuple[tuple[str, float, float], ...] = ()
     comm_slowdown: float = 0.0  # compute runs (1 + this) times slower while a collective is in flight
+    # seconds per view, reshape or unpacking node: the host's call, which a GPU hides behind the kernels
+    # queued before it, but a CPU rank spends in line with its compute
+    view_cost: float = 0.0
 
     def link(self, kind: str) -> tuple[float, float]:
         """(latency, bus bandwidth) of a collective kind ("all_gather", "reduce_scatter", ...)."""
@@ -279,8 +282,10 @@ def _val(n: Any) -> Any:
 
 def compute_time(n: fx.Node, machine: Machine) -> float:
     """Roofline time of one compute node on the machine (0 for views and bookkeeping)."""
-    if n.op != "call_function" or ops.costs_nothing(n):
+    if n.op != "call_function":
         return 0.0
+    if ops.costs_nothing(n):
+        return machine.view_cost
     out = _val(n)
     moved = nbytes(out) + sum(nbytes(_val(a)) for a in n.all_input_nodes)
     work = flops(n)

@@ -39,7 +39,8 @@ def _profiled(rank: int, world: int) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = fbmt.compile(GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=64)), checks=True)
+    cfg = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=64)
+    model = fbmt.compile(GPT(cfg), checks=True)
     idx = torch.randint(0, 64, (4, 32))
     prof = fbmt.profile(model, idx, idx, steps=2, warmup=1, loss_fn=lambda out: out[1])
     sim = fbmt.simulate(model.program, fbmt.sim.H200)
@@ -64,6 +65,10 @@ def test_profile_times_every_node_of_the_program_on_a_real_run():
         kinds = [k for _, _, k, _ in got["nodes"]]
         assert kinds.count("start") == kinds.count("wait") == got["collectives"]
         assert all(s >= 0 for *_, s in got["nodes"]) and got["step"] > 0
-        # the step's allocations, measured by the torch profiler, against the simulator's replay of the same program
-        assert got["peak"] == pytest.approx(got["predicted_peak"], rel=0.25), (got["peak"], got["predicted_peak"])
+        # the step's allocations, measured by the torch profiler, against the simulator's replay of the same
+        # program: on a model this small (1 MiB) gloo's buffers and timing add 10-30% (BENCHMARKS.md for real sizes)
+        assert got["predicted_peak"] * 0.9 <= got["peak"] <= got["predicted_peak"] * 1.5, (
+            got["peak"],
+            got["predicted_peak"],
+        )
         assert "peak memory" in got["table"] and "%" in got["table"] and "measured on cpu, 2 rank(s)" in got["text"]
