@@ -156,6 +156,7 @@ class Schedule:
     collectives: tuple[CollectiveRecord, ...]  # in program order of their starts
     compute: str  # a digest of the compute nodes' order, for replay to check
     nodes: int  # how many nodes the program has
+    training: bool = True  # taken from a forward+backward program (the others replay as "prefetch")
 
     # ---- making one ---------------------------------------------------------------------
     @classmethod
@@ -187,6 +188,7 @@ class Schedule:
             collectives=tuple(records),
             compute=compute_digest(program.graph),
             nodes=len(nodes),
+            training=program.needs_grad,
         )
 
     # ---- reading one --------------------------------------------------------------------
@@ -274,6 +276,7 @@ class Schedule:
             ),
             compute=d["compute"],
             nodes=d["nodes"],
+            training=d.get("training", True),
         )
 
     @classmethod

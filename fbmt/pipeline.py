@@ -112,6 +112,8 @@ def auto_remat(traced: Program, options: CompileOptions) -> tuple[dict[str, str]
     """Each block's recompute policy under `options.memory_budget` (NOTE: [Auto recompute]), and a
     line saying what was chosen."""
     world, budget = traced.layout.world_size, options.memory_budget
+    if not traced.needs_grad:
+        return {}, "auto: a forward-only program saves nothing for a backward"
     machine = sim.default_machine(world)
     named = options.remat_per_block  # blocks whose policy the user set keep it
     tagged, _ = assign_blocks(traced)
@@ -139,8 +141,8 @@ def auto_remat(traced: Program, options: CompileOptions) -> tuple[dict[str, str]
     if floor > budget:
         raise ValueError(
             f"fbmt.compile(remat='auto', memory_budget={budget}): the step needs at least {floor} bytes "
-            f"({sim.size(floor)}, every block recomputing what it can) by the simulator; that is the smallest "
-            "budget that fits. Use more ranks or a smaller batch per rank"
+            f"({sim.size(floor)}) as the simulator predicts it, with every block recomputing what it can; that is "
+            "the smallest budget that fits. Use more ranks or a smaller batch per rank"
             + (", or zero=3" if options.zero == 2 else "")
         )
     rest = floor - sum(costs[b][p][0] for b, p in least.items())

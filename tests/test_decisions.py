@@ -55,6 +55,17 @@ def test_the_schedule_records_each_blocks_recompute_as_applied():
     assert "block h.0" in text and "remat=block" in text and "fwd all_gather of group" in text
 
 
+def test_a_replayed_training_schedule_leaves_evaluation_calls_to_the_default_strategy():
+    sched = _program().schedule()
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt(n_layer=4), world_size=1, schedule=sched)
+    idx = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        forward_only = model.trace(idx)
+    assert "the saved schedule is of a training program" in forward_only.summary("schedule")
+    assert model.trace(idx, idx).summary("schedule").startswith("replay: ")
+
+
 def test_replay_refuses_a_program_it_was_not_taken_from():
     sched = _program(n_layer=4).schedule()
     with pytest.raises(ValueError, match="schedule replay: .*another program"):

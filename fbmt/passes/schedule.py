@@ -83,6 +83,12 @@ def schedule_overlap(
 ) -> tuple[Program, str]:
     """Run the strategy named `strategy` with `options`, or replay a saved `Schedule`."""
     program = program.copy()
+    if isinstance(strategy, Schedule) and strategy.training != program.needs_grad:
+        # the same model's other kind of call (an evaluation under no_grad of a replayed training
+        # schedule) has no recorded schedule: it gets the default strategy, and says so
+        program, summary = schedule_overlap(program, strategy="prefetch", prefetch=prefetch)
+        kind = "training" if strategy.training else "forward-only"
+        return program, f"{summary} (the saved schedule is of a {kind} program, this one is not)"
     if isinstance(strategy, Schedule):
         summary = replay(program, strategy)
         program.graph.lint()
