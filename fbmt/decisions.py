@@ -240,6 +240,7 @@ class Schedule:
 
     # ---- files --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The schedule as plain data (what `to_json` writes), marked with its format's version."""
         return {"fbmt_schedule": VERSION, **dataclasses.asdict(self)}
 
     def to_json(self, path: str | None = None) -> str:
@@ -250,6 +251,7 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Schedule:
+        """A schedule from what `to_dict` made; anything else is an error that says so."""
         if not isinstance(d, dict) or d.get("fbmt_schedule") != VERSION:
             found = d.get("fbmt_schedule") if isinstance(d, dict) else type(d).__name__
             raise ValueError(
@@ -281,6 +283,7 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str) -> Schedule:
+        """A schedule from the text `to_json` returned."""
         return cls.from_dict(json.loads(text))
 
     @classmethod

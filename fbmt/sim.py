@@ -99,10 +99,12 @@ class Machine:
         return points[-1][1]
 
     def to_dict(self) -> dict[str, Any]:
+        """The profile as plain data (what `save` writes)."""
         return {"fbmt_machine": 1, **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Machine:
+        """A profile from what `to_dict` made."""
         if d.get("fbmt_machine") != 1:
             raise ValueError("not an fbmt machine profile (written by fbmt.calibrate or Machine.save)")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -118,6 +120,7 @@ class Machine:
 
     @classmethod
     def load(cls, path: str) -> Machine:
+        """A profile written by `save` or `fbmt.calibrate()`."""
         with open(path) as f:
             try:
                 return cls.from_dict(json.load(f))

@@ -134,6 +134,7 @@ class Table:
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
     def save(self, path: str) -> None:
+        """Write the table to `path`: HTML for .html, else CSV."""
         with open(path, "w", newline="") as f:
             if path.endswith(".html"):
                 f.write(self._repr_html_())
@@ -184,6 +185,7 @@ class Picture:
         return self.dot.create_svg().decode()
 
     def save(self, path: str) -> None:
+        """Write the drawing to `path` in the format its extension names (svg, png, pdf, dot)."""
         ext = os.path.splitext(path)[1].lstrip(".") or "svg"
         data = self.dot.to_string().encode() if ext == "dot" else self.dot.create(format=ext)
         with open(path, "wb") as f:

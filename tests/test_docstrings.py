@@ -15,7 +15,17 @@ def _public(obj):
 
 def test_every_public_name_and_method_has_a_docstring():
     missing = []
-    modules = [fbmt, fbmt.checkpoint, fbmt.optim, fbmt.lr_scheduler, fbmt.inspect, fbmt.loss, fbmt.utils]
+    modules = [
+        fbmt,
+        fbmt.checkpoint,
+        fbmt.optim,
+        fbmt.lr_scheduler,
+        fbmt.inspect,
+        fbmt.loss,
+        fbmt.utils,
+        fbmt.sim,
+        fbmt.viz,
+    ]
     for module in modules:
         for name, value in _public(module):
             if not (value.__doc__ or "").strip():
