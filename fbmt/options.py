@@ -40,8 +40,9 @@ class CompileOptions:
     "fsdp2", "bmtrain", "greedy"), or `(name, {option: value})` to set its options, e.g.
     `("greedy", {"memory_bound": 2**30})`; or an `fbmt.Schedule` to replay (its blocks' recompute
     policies too)."""
-    prefetch: int = 1
-    """How many blocks ahead "prefetch" issues parameter gathers (its option `depth`)."""
+    prefetch: int | None = None
+    """How many blocks ahead the strategy issues parameter gathers: its option `depth` (None: the
+    strategy's own default, 1 for "prefetch")."""
     blocks: Blocks = None
     """Module paths to use as blocks instead of the children of repeated ModuleLists; or a dict from
     path to that block's own policy, e.g. `{"layers.0": {"remat": "none", "zero": 2}, "layers.1": {}}`."""
@@ -148,7 +149,7 @@ class CompileOptions:
             )
         if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
             raise ValueError(f"fbmt.compile(memory_budget={self.memory_budget!r}): expected a positive number of bytes")
-        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+        if self.prefetch is not None and (not isinstance(self.prefetch, int) or self.prefetch < 1):
             raise ValueError(f"fbmt.compile(prefetch={self.prefetch!r}): must be a whole number, at least 1")
         if self.grad_reduce not in ("mean", "sum"):
             raise ValueError(f"fbmt.compile(grad_reduce={self.grad_reduce!r}): expected 'mean' or 'sum'")

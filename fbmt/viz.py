@@ -102,12 +102,14 @@ def memory(sim: Simulation, *, path: str | None = None, top: int = 3, title: str
     peak = ax.axhline(curve.peak / mib, color=_EXPOSED, linestyle="--", linewidth=1, label=f"peak {size(curve.peak)}")
     peak.set_gid("peak")
     at = curve.nodes.index(curve.peak_node)
-    alive = "; ".join(f"%{n} ({kind}, {size(b)})" for n, kind, b in curve.alive_at_peak[:top])
+    ax.plot([t[at]], [curve.peak / mib], "v", color=_EXPOSED)
+    alive = "\n".join(f"%{n} ({kind}, {size(b)})" for n, kind, b in curve.alive_at_peak[:top])
     ax.annotate(
-        f"at %{curve.peak_node}: {alive}",
-        (t[at], curve.peak / mib),
-        xytext=(0, 6),
-        textcoords="offset points",
+        f"peak at %{curve.peak_node}; the largest alive:\n{alive}",
+        (0.99, 0.97),
+        xycoords="axes fraction",
+        ha="right",
+        va="top",
         fontsize=8,
     )
     ax.set_xlabel("ms from the step's start")

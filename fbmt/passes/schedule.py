@@ -54,8 +54,9 @@ def register_strategy(name: str) -> Callable[[Strategy], Strategy]:
 
 def strategy_options(name: str, options: Mapping[str, Any], *, prefetch: int | None = None) -> dict[str, Any]:
     """The keyword arguments strategy `name` is called with: `options`, checked against its
-    signature, and the compile option `prefetch` as `depth` where the strategy takes a depth the
-    options do not set (so `prefetch=2` keeps meaning what it always has)."""
+    signature, and the compile option `prefetch`, where set, as `depth` when the strategy takes a
+    depth the options do not set (so `prefetch=2` keeps meaning what it always has); a strategy's
+    own default stays where `prefetch` is not set."""
     if name not in STRATEGIES:
         raise ValueError(
             f"fbmt.compile(schedule={name!r}): known strategies are {sorted(STRATEGIES)}; "
@@ -68,9 +69,12 @@ def strategy_options(name: str, options: Mapping[str, Any], *, prefetch: int | N
         listed = ", ".join(f"{p}={params[p].default!r}" for p in takes) or "none"
         raise ValueError(f"fbmt.compile(schedule={name!r}): unknown option(s) {unknown}; its options are: {listed}")
     out = dict(options)
-    for legacy in ("depth", "prefetch"):  # `prefetch` was the contract's one argument before options
-        if prefetch is not None and legacy in takes and legacy not in out:
-            out[legacy] = prefetch
+    for knob in ("depth", "prefetch"):  # `prefetch` was the contract's one argument before options
+        if knob in takes and knob not in out:
+            if prefetch is not None:
+                out[knob] = prefetch
+            elif params[knob].default is inspect.Parameter.empty:  # a strategy written to that contract
+                out[knob] = 1
     return out
 
 

@@ -268,3 +268,17 @@ def test_a_move_that_reads_a_value_too_early_is_refused_naming_the_collective():
     reduction = collectives(program, BWD, ops.REDUCTIONS)[0]
     with pytest.raises(ScheduleError, match=r"bwd reduce_scatter of group \d+ \(.*\): cannot be issued at .* before"):
         issue_before(reduction, phase_begin(program, BWD))
+
+
+def test_a_strategys_own_default_depth_holds_unless_prefetch_is_set():
+    calls = []
+
+    @fbmt.register_strategy("records-its-depth")
+    def records(program, *, depth: int = 3) -> str:
+        calls.append(depth)
+        return f"depth {depth}"
+
+    _program(schedule="records-its-depth")
+    _program(schedule="records-its-depth", prefetch=2)
+    _program(schedule=("records-its-depth", {"depth": 4}), prefetch=2)
+    assert calls == [3, 2, 4]
