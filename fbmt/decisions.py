@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from fbmt import files, ops
 from fbmt.ops import BWD, FWD
+from fbmt.ops.graph import size
 
 if TYPE_CHECKING:  # only for annotations: the program imports this module to make its schedule
     from fbmt.program import Program
@@ -202,11 +203,11 @@ class Schedule:
         for b in self.blocks:
             lines.append(
                 f"block {b.block or '<root>':<12} remat={b.remat:<9} saves {len(b.saved)} values "
-                f"({_size(b.saved_bytes)}), recomputes {b.recomputed}"
+                f"({size(b.saved_bytes)}), recomputes {b.recomputed}"
             )
         for c in self.collectives:
             release = f"; released {c.release}" if c.release is not None else ""
-            lines.append(f"{c.name}, {_size(c.bytes)}: issued {c.issue}; waited {c.waited}{release}")
+            lines.append(f"{c.name}, {size(c.bytes)}: issued {c.issue}; waited {c.waited}{release}")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -348,11 +349,3 @@ def _blocks(program: Program) -> list[BlockRecord]:
             )
         )
     return out
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""

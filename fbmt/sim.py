@@ -46,6 +46,7 @@ import torch.fx as fx
 from fbmt import files, flags, ops
 from fbmt.decisions import collective_bytes
 from fbmt.ops import flops, nbytes
+from fbmt.ops.graph import size as size  # re-exported: fbmt.sim.size
 from fbmt.program import Program
 
 
@@ -302,17 +303,15 @@ def compute_time(n: fx.Node, machine: Machine) -> float:
 def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
     """(copy time, communication time, bytes in flight) of a collective's start node: the casts and
     copy-ins around it, and the transfer itself."""
+    total = collective_bytes(n)
     if n.target in ops.GATHERS:
         shard, world, dtype = ops.gather_args(n)
         value = _val(shard)
-        dtype = dtype or value.dtype
-        size = value.numel() * dtype.itemsize
-        host = machine.launch + 3 * size / machine.memory_bandwidth if dtype != value.dtype else 0.0
-        total = size * world
+        cast = dtype is not None and dtype != value.dtype  # the shard cast before it is sent
+        host = machine.launch + 3 * (total // world) / machine.memory_bandwidth if cast else 0.0
     else:
         r = ops.reduction_args(n)
         world = r.world_size
-        total = r.padded_numel * r.wire_dtype.itemsize
         moved = sum(nbytes(_val(p)) + _val(p).numel() * r.wire_dtype.itemsize for p in r.pieces)
         host = machine.launch + moved / machine.memory_bandwidth
     if world == 1:
@@ -449,14 +448,7 @@ def memory_curve(program: Program, times: list[float] | None = None) -> MemoryCu
         if n.op != "call_function" or owner[n] is not n:
             continue
         if n.target in ops.GATHERS:
-            shard, world, dtype = ops.gather_args(n)
-            hold(
-                order[n],
-                last.get(n, order[n]),
-                "gathered",
-                n.name,
-                _val(shard).numel() * world * (dtype or _val(shard).dtype).itemsize,
-            )
+            hold(order[n], last.get(n, order[n]), "gathered", n.name, collective_bytes(n))
         elif n.target in ops.REDUCTIONS:  # the flat input lives until the wait, the shard after
             r = ops.reduction_args(n)
             waited = min((order[u] for u in n.users if u.target is ops.wait), default=order[n])
@@ -492,15 +484,6 @@ def memory_curve(program: Program, times: list[float] | None = None) -> MemoryCu
         gradients=curves["gradients"],
         alive_at_peak=tuple(alive_at_peak),
     )
-
-
-def size(n: float) -> str:
-    """Bytes in the unit that reads best: 512 B, 12.3 KiB, 4.1 MiB, 2.00 GiB."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def _ms(s: float) -> str:

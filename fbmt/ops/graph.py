@@ -47,6 +47,15 @@ def nbytes(value: Any) -> int:
     return 0
 
 
+def size(n: float) -> str:
+    """Bytes in the unit that reads best: 512 B, 12.3 KiB, 4.1 MiB, 2.00 GiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
 def buffer_readers(buffer: fx.Node) -> tuple[list[fx.Node], bool]:
     """Nodes that read `buffer` directly or through views of it; and whether the output returns it."""
     readers, todo, returned = [], [buffer], False
