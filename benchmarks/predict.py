@@ -29,6 +29,7 @@ SETTINGS = [  # (zero, remat, schedule)
     (2, "mincut", "fsdp2"),
     (3, "selective", "greedy"),
     (3, "block", "bmtrain"),
+    (3, "block", "bucket"),
 ]
 
 

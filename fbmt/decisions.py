@@ -56,6 +56,7 @@ class Collective:
     block: str  # the block that owns the group
     phase: str  # "fwd" or "bwd"
     bytes: int  # the whole buffer it gathers or reduces, in the dtype it crosses the wire in
+    bucket: int | None = None  # the collectives fused with it share one (NOTE: [Buckets]); None: its own
 
     @property
     def name(self) -> str:
@@ -96,6 +97,7 @@ def collectives(program: Program, phase: str | None = None, kinds: Iterable[Call
                 blocks[group],
                 n.meta["fbmt_phase"],
                 collective_bytes(start),
+                ops.bucket_of(start),
             )
         )
     return out
@@ -179,6 +181,7 @@ class Schedule:
                     issue=_point(nodes, order[c.start]),
                     waited=_point(nodes, order[c.wait]),
                     release=_point(nodes, order[c.release]) if c.release is not None else None,
+                    bucket=c.bucket,
                 )
             )
         summary = next((r.summary for r in reversed(program.history) if r.name == "schedule"), "")
@@ -207,7 +210,8 @@ class Schedule:
             )
         for c in self.collectives:
             release = f"; released {c.release}" if c.release is not None else ""
-            lines.append(f"{c.name}, {size(c.bytes)}: issued {c.issue}; waited {c.waited}{release}")
+            bucket = f" in bucket {c.bucket}" if c.bucket is not None else ""
+            lines.append(f"{c.name}, {size(c.bytes)}: issued {c.issue}{bucket}; waited {c.waited}{release}")
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -175,7 +175,8 @@ class Program:
         runtime compares it across ranks before a program first runs, so ranks that traced different
         programs fail with a message instead of hanging in mismatched collectives."""
         parts = [
-            f"{n.target.__name__}:{n.meta.get('fbmt_group')}:{n.meta.get('fbmt_phase')}" for n in self.collectives()
+            f"{n.target.__name__}:{n.meta.get('fbmt_group')}:{n.meta.get('fbmt_phase')}:{n.meta.get('fbmt_bucket')}"
+            for n in self.collectives()
         ]
         sizes = [f"{grp.index}:{grp.padded_numel}:{grp.dtype}" for grp in self.layout.groups]
         return hashlib.sha1("|".join(parts + sizes).encode()).hexdigest()[:16]
@@ -248,6 +249,8 @@ def format_graph(program: Program) -> str:
             note.append(n.meta["fbmt_block"] or "<root>")
         if n.meta.get("fbmt_recompute"):
             note.append(f"recompute:{n.meta['fbmt_recompute']}")
+        if n.meta.get("fbmt_bucket") is not None:
+            note.append(f"bucket:{n.meta['fbmt_bucket']}")
         lhs = f"%{n.name}: {_fmt_val(n)}" if _fmt_val(n) else f"%{n.name}"
         lines.append(f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {' '.join(note)}")
     return "\n".join(lines)

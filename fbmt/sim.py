@@ -320,6 +320,17 @@ def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
     return host, latency + (world - 1) / world * total / bandwidth, total
 
 
+def _bucket(members: list[tuple[fx.Node, float, int]], machine: Machine) -> tuple[float, float]:
+    """(copy time, communication time) of one call for a bucket's members: their copies, and one
+    latency for all their bytes."""
+    first = members[0][0]
+    world = ops.bucket_key(first)[2]
+    if world == 1:
+        return sum(h for _, h, _ in members), 0.0
+    latency, bandwidth = machine.link(first.target.__name__)
+    return sum(h for _, h, _ in members), latency + (world - 1) / world * sum(b for _, _, b in members) / bandwidth
+
+
 def _stretched(cost: float, now: float, comm_busy_until: float, slowdown: float) -> float:
     """How long `cost` seconds of compute take from `now` when a collective runs until
     `comm_busy_until` and slows compute by `slowdown` meanwhile."""
@@ -343,13 +354,27 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     records = []
     reached: list[float] = []
     blocks = {grp.index: grp.block for grp in program.layout.groups}
+    members: list[tuple[fx.Node, float, int]] = []  # a bucket's starts so far: (start, copy time, bytes)
+    split: dict[fx.Node, float] = {}  # a gather bucket's first member -> the time to cut its buffer
     for n in g.nodes:
         reached.append(t_compute)
         phase = n.meta.get("fbmt_phase", "")
         if n.op != "call_function" or n.target is ops.release:
             continue
         if n.target in ops.STARTS:
-            host, comm, _ = _collective(n, machine)
+            host, comm, moved = _collective(n, machine)
+            bucket = ops.bucket_of(n)
+            if bucket is not None:  # one call for the run of members, issued with the last (NOTE: [Buckets])
+                members.append((n, host, moved))
+                if n.next.op == "call_function" and ops.bucket_of(n.next) == bucket:
+                    continue
+                host, comm = _bucket(members, machine)
+                if n.target in ops.GATHERS and comm:  # the bucket's buffer cut into the members' at the first wait
+                    split[members[0][0]] = machine.launch * len(members) + 2 * sum(b for _, _, b in members) / (
+                        machine.memory_bandwidth
+                    )
+            issued = [m for m, _, _ in members] or [n]
+            members = []
             if comm:  # the copies run on the copy stream, right before the collective (NOTE: [Copy stream])
                 host, comm = 0.0, host + comm
             t_compute += host
@@ -357,8 +382,9 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
             begin = max(t_compute, t_comm)
             t_comm = begin + comm
             busy_comm += comm
-            started[n] = (t_compute, begin, t_comm)
-            timeline.append((n.name, "comm", phase, begin, t_comm))
+            for m in issued:
+                started[m] = (t_compute, begin, t_comm)
+            timeline.append((n.name if len(issued) == 1 else f"bucket {bucket}", "comm", phase, begin, t_comm))
         elif n.target is ops.wait:
             start = n.args[0]
             issued, began, end = started.get(start, (t_compute, t_compute, t_compute))
@@ -382,6 +408,11 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
             if stall:
                 exposed[phase or "fwd"] = exposed.get(phase or "fwd", 0.0) + stall
                 t_compute = end
+            copy = split.pop(start, 0.0)
+            if copy:
+                timeline.append((f"split {start.name}", "compute", phase, t_compute, t_compute + copy))
+                t_compute += copy
+                compute += copy
         else:
             cost = compute_time(n, machine)
             if cost:
@@ -444,17 +475,34 @@ def memory_curve(program: Program, times: list[float] | None = None) -> MemoryCu
             deltas[kind][end + 1] -= b
             spans.append((first, end, kind, name, b))
 
+    def waited(start: fx.Node) -> int:
+        return min((order[u] for u in start.users if u.target is ops.wait), default=order[start])
+
+    # a bucket of more than one rank (NOTE: [Buckets]): its first start, and its members' first and last wait
+    buckets: dict[int, list[int]] = {}
+    for n in nodes:
+        b = ops.bucket_of(n) if n.op == "call_function" else None
+        if b is not None and ops.bucket_key(n)[2] > 1:
+            first, lo, hi = buckets.setdefault(b, [order[n], waited(n), waited(n)])
+            buckets[b] = [min(first, order[n]), min(lo, waited(n)), max(hi, waited(n))]
+    for b, (first, lo, _) in buckets.items():  # a gather bucket's buffer lives until it is cut at its first wait
+        head = nodes[first]
+        if head.target in ops.GATHERS:
+            total = sum(collective_bytes(n) for n in nodes if n.op == "call_function" and ops.bucket_of(n) == b)
+            hold(first, lo, "gathered", f"bucket {b}", total)
     for n in nodes:
         if n.op != "call_function" or owner[n] is not n:
             continue
+        bucket = buckets.get(ops.bucket_of(n))
         if n.target in ops.GATHERS:
-            hold(order[n], last.get(n, order[n]), "gathered", n.name, collective_bytes(n))
+            since = bucket[1] if bucket else order[n]  # a bucket member's own buffer: from the cut on
+            hold(since, max(since, last.get(n, order[n])), "gathered", n.name, collective_bytes(n))
         elif n.target in ops.REDUCTIONS:  # the flat input lives until the wait, the shard after
             r = ops.reduction_args(n)
-            waited = min((order[u] for u in n.users if u.target is ops.wait), default=order[n])
+            waited_at = bucket[2] if bucket else waited(n)  # a bucket's flat buffer: until its last wait
             # the flat input, and what an all-to-all receives (NOTE: [Narrow wire]), until the wait
             held = r.padded_numel * r.wire_dtype.itemsize * (2 if n.target is ops.all_to_all_reduce else 1)
-            hold(order[n], waited, "gradients", n.name, held)
+            hold(order[n], waited_at, "gradients", n.name, held)
             hold(
                 order[n],
                 last.get(n, order[n]),

@@ -31,14 +31,21 @@ def test_a_schedule_round_trips_through_json(tmp_path):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(schedule="prefetch"), dict(schedule="fsdp2", remat="mincut"), dict(schedule="greedy", zero=2, remat="none")],
+    [
+        dict(schedule="prefetch"),
+        dict(schedule="fsdp2", remat="mincut"),
+        dict(schedule="greedy", zero=2, remat="none"),
+        dict(schedule=("bucket", {"bucket_bytes": 20000}), world_size=2),
+    ],
 )
 def test_a_saved_schedule_replays_to_the_identical_program(tmp_path, options):
     original = _program(**options)
     path = str(tmp_path / "s.json")
     original.schedule().to_json(path)
     # compiled afresh with other defaults: the schedule's recompute policies and positions win
-    replayed = _program(schedule=fbmt.Schedule.load(path), **{k: v for k, v in options.items() if k == "zero"})
+    replayed = _program(
+        schedule=fbmt.Schedule.load(path), **{k: v for k, v in options.items() if k in ("zero", "world_size")}
+    )
     assert format_graph(replayed) == format_graph(original)
     assert replayed.summary("schedule").startswith("replay: ")
     assert replayed.schedule().collectives == original.schedule().collectives

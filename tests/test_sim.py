@@ -206,3 +206,17 @@ def test_a_model_built_and_compiled_on_meta_simulates_without_memory():
     model = fbmt.compile(model, world_size=8, device="meta", param_dtype=torch.bfloat16)
     sim = simulate(model.trace(torch.zeros(2, 64, dtype=torch.long), device="cpu"), H200)
     assert sim.world_size == 8 and sim.step_s > 0 and sim.peak_activation_bytes > 0
+
+
+def test_a_bucket_is_one_call_and_holds_its_buffer_until_cut():
+    """NOTE: [Buckets]: one latency per call, not per member; the gathered bucket lives beside its
+    members' buffers until it is cut at the first wait, so the forward's one bucket doubles them."""
+    separate = simulate(_program(world=8, schedule="prefetch"), H200)
+    program = _program(world=8, schedule=("bucket", {"bucket_bytes": 2**30}))
+    fused = simulate(program, H200)
+    calls = len({(c.kind, c.phase) for c in fused.collectives})  # one bucket per kind and phase
+    assert calls == 3 and len(fused.collectives) == len(separate.collectives)
+    assert fused.comm_s == pytest.approx(separate.comm_s - (len(separate.collectives) - calls) * H200.latency)
+    forward = [c for c in fused.collectives if c.phase == "fwd"]
+    assert len({(c.began, c.ended) for c in forward}) == 1  # the members share the call's times
+    assert max(fused.memory.gathered) == 2 * sum(c.bytes for c in forward)

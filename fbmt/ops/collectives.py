@@ -8,6 +8,17 @@ a gathered buffer's life ends, for `verify` to check that nothing reads it later
 The functions here say what each node means (their signatures are the nodes' arguments); they do
 not run. `fbmt.runtime.collectives` implements each on `torch.distributed`, and the partitioner puts
 those implementations in the graphs it builds (NOTE: [Lowering the IR] in runtime/partition.py).
+
+NOTE: [Buckets]
+Several collectives of one kind can be fused into one call on the wire (a bucket): fewer calls, so
+less fixed latency per byte, for groups too small to fill a link. In the IR they stay one start and
+one wait per group, so everything that reads a program (verify, the simulator, `fbmt.Schedule`, the
+reference executor) keeps reading per-group collectives; their starts carry the same
+`meta["fbmt_bucket"]` (an int) and stand next to each other, and `verify` checks that members agree
+on what one call needs (kind, phase, ranks, dtype on the wire, averaging). The partitioner lowers
+each run of members to one fused start (`fbmt.runtime.collectives.BUCKETED`) that returns a handle
+per member, so each member's wait stays where the schedule put it. `all_to_all_reduce` is not
+bucketed: its exchange is not one buffer per rank.
 """
 
 from __future__ import annotations
@@ -74,8 +85,25 @@ def release(buffer: torch.Tensor) -> None:
     raise _not_run("release")
 
 
+def bucket_of(start: fx.Node) -> int | None:
+    """The bucket a collective's start is fused into (NOTE: [Buckets]); None: a call of its own."""
+    return start.meta.get("fbmt_bucket")
+
+
+def bucket_key(start: fx.Node) -> tuple:
+    """What collectives fused into one call must share (NOTE: [Buckets]): kind, phase, ranks, the
+    dtype on the wire, and for reductions whether they average."""
+    if start.target is all_gather:
+        g = gather_args(start)
+        dtype = g.dtype or g.shard.meta["val"].dtype
+        return (start.target.__name__, start.meta.get("fbmt_phase"), g.world_size, dtype)
+    r = reduction_args(start)
+    return (start.target.__name__, start.meta.get("fbmt_phase"), r.world_size, r.wire_dtype, r.average)
+
+
 GATHERS = (all_gather,)
 REDUCTIONS = (reduce_scatter, all_to_all_reduce)  # a group's gradients, over ranks
+BUCKETABLE = (all_gather, reduce_scatter)
 STARTS = GATHERS + REDUCTIONS
 COLLECTIVES = frozenset((*STARTS, wait, release))
 

@@ -16,7 +16,9 @@ an error then, not a silent default. The helpers below are its vocabulary:
   waits, which is the order their results are used in;
 - `phase_begin(program, phase)` and `first_compute(program, block, phase)`: the places to issue at;
 - `issue_before(c, anchor)` and `wait_before(c, anchor)`: move a start or a wait, refusing a move that
-  would read a value before it is made, with an error that names the collective.
+  would read a value before it is made, with an error that names the collective;
+- `fuse(cs, anchor)`: several collectives of one kind issued as one call (a bucket, NOTE: [Buckets]
+  in ops/collectives.py), each still waited where it is.
 
 Moving only starts and waits keeps every strategy a pure reordering: the program computes the same
 values with any of them (tests/passes/test_schedule.py trains each on 2 ranks against eager). The
@@ -119,6 +121,9 @@ def replay(program: Program, schedule: Schedule) -> str:
             if name not in nodes:
                 raise ValueError(f"schedule replay: {c.name}: the program has no node %{name}{where}")
             placed[point.position] = nodes[name]
+        nodes[c.start].meta.pop("fbmt_bucket", None)
+        if c.bucket is not None:
+            nodes[c.start].meta["fbmt_bucket"] = c.bucket
         if c.release is not None:
             wait = nodes[c.wait]
             release = next((u for u in wait.users if u.target is ops.release), None)
@@ -216,6 +221,44 @@ def wait_before(c: Collective, anchor: fx.Node) -> None:
         raise ScheduleError(f"{c.name}: cannot be waited at %{anchor.name}, after %{first.name} reads its result")
     if anchor is not c.wait:
         anchor.prepend(c.wait)
+
+
+def fuse(cs: list[Collective], anchor: fx.Node | None = None) -> int | None:
+    """Fuse `cs` into one bucket (NOTE: [Buckets] in ops/collectives.py): their starts moved next to
+    each other right before `anchor` (default: right after the last of them is issued), where the
+    runtime issues them as one call; each is still waited where its wait stands. They must share a
+    kind, phase and dtype on the wire; a start cannot move past its wait or before what it sends.
+    The bucket's number; None for fewer than two (nothing to fuse). `cs`' records keep the bucket
+    they had: read `collectives()` again for the new one."""
+    if len(cs) < 2:
+        return None
+    keys = {ops.bucket_key(c.start) for c in cs}
+    if len(keys) > 1 or cs[0].start.target not in ops.BUCKETABLE:
+        raise ScheduleError(
+            f"cannot fuse {cs[0].name} with {cs[-1].name}: a bucket is one call, of all_gathers or "
+            f"reduce_scatters of one phase, ranks and dtype on the wire (they are {sorted(map(str, keys))})"
+        )
+    g = cs[0].start.graph
+    order = ops.node_order(g)
+    if anchor is None:
+        anchor = max((c.start for c in cs), key=order.__getitem__).next
+    for c in cs:
+        if order[c.wait] < order[anchor]:
+            raise ScheduleError(
+                f"{c.name}: cannot be issued in a bucket at %{anchor.name}, after its own wait %{c.wait.name} "
+                "(move the waits after the bucket first: wait_before)"
+            )
+        late = [a for a in c.start.all_input_nodes if order[a] >= order[anchor]]
+        if late:
+            raise ScheduleError(
+                f"{c.name}: cannot be issued in a bucket at %{anchor.name}, "
+                f"before %{late[0].name} that it sends is computed"
+            )
+    bucket = 1 + max((b for n in g.nodes if (b := ops.bucket_of(n)) is not None), default=-1)
+    for c in cs:
+        anchor.prepend(c.start)
+        c.start.meta["fbmt_bucket"] = bucket
+    return bucket
 
 
 def large_groups(program: Program, cs: list[Collective], ratio: int = 16) -> list[bool]:

@@ -9,6 +9,8 @@
                 computes; what is outside the list gathered where it is used
     "greedy"    each gather issued as early as a bound on gathered-parameter memory allows
                 (DeepCompile-like proactive prefetch)
+    "bucket"    consecutive collectives fused into calls of at most `bucket_bytes` (NOTE: [Buckets]),
+                each bucket of gathers issued `depth` buckets ahead (DDP's and Megatron's buckets)
 
 A strategy's keyword arguments are its knobs: `fbmt.compile(schedule=("prefetch", {"depth": 2}))`.
 
@@ -22,10 +24,12 @@ otherwise wait for that one at the start of the backward. FSDP2 and BMTrain coun
 from __future__ import annotations
 
 from fbmt import ops
+from fbmt.ops.graph import size
 from fbmt.passes.schedule import (
     Collective,
     collectives,
     first_compute,
+    fuse,
     issue_before,
     large_groups,
     phase_begin,
@@ -141,6 +145,62 @@ def greedy(program: Program, *, memory_bound: int | None = None) -> str:
     reductions = collectives(program, BWD, ops.REDUCTIONS)
     wait_at_next(program, reductions, counts=large_groups(program, reductions))
     return f"{moved} gathers issued early within {bound / 2**20:.1f} MiB of gathered parameters"
+
+
+@register_strategy("bucket")
+def bucket(program: Program, *, bucket_bytes: int = 25 * 2**20, depth: int = 1) -> str:
+    """Consecutive collectives fused into one call each (NOTE: [Buckets]) while their bytes on the
+    wire stay within `bucket_bytes`; one larger than that is a call of its own. Each bucket of gathers
+    is issued where the bucket `depth` before it starts being used (the first `depth` when the phase
+    begins); the gradient reductions are fused in the order the backward makes them, each bucket
+    issued when its last gradient is ready and waited when the next is issued."""
+    _positive(bucket_bytes=bucket_bytes, depth=depth)
+    calls = members = 0
+    for phase in (FWD, BWD):
+        buckets = _pack(collectives(program, phase, ops.GATHERS), bucket_bytes)
+        anchors = [_anchor(program, b[0], phase) for b in buckets]
+        begin = phase_begin(program, phase)
+        for k, b in enumerate(buckets):
+            at = anchors[k - depth] if k >= depth else begin
+            if len(b) > 1:
+                fuse(b, at)
+            else:
+                issue_before(b[0], at)
+        calls, members = calls + len(buckets), members + sum(map(len, buckets))
+    order = ops.node_order(program.graph)
+    reductions = sorted(collectives(program, BWD, ops.REDUCTIONS), key=lambda c: order[c.start])
+    output = program.output_node()
+    for c in reductions:  # out of the way while the buckets form; waited at the next bucket below
+        wait_before(c, output)
+    runs, run = [], []
+    for c in reductions:  # all_to_all_reduce is not bucketed: it ends a run
+        if c.kind == "reduce_scatter":
+            run.append(c)
+        else:
+            runs += [*_pack(run, bucket_bytes), [c]]
+            run = []
+    runs += _pack(run, bucket_bytes)
+    for b in runs:
+        fuse(b)
+    for b, nxt in zip(runs, [*runs[1:], None]):
+        for c in b:
+            wait_before(c, nxt[0].start if nxt else output)
+    calls, members = calls + len(runs), members + len(reductions)
+    return f"{members} collectives in {calls} calls of at most {size(bucket_bytes)}, gathers {depth} bucket(s) ahead"
+
+
+def _pack(cs: list[Collective], limit: int) -> list[list[Collective]]:
+    """`cs` cut into runs of consecutive collectives of at most `limit` bytes in all (one larger is alone)."""
+    out: list[list[Collective]] = []
+    total = 0
+    for c in cs:
+        if out and total + c.bytes <= limit:
+            out[-1].append(c)
+            total += c.bytes
+        else:
+            out.append([c])
+            total = c.bytes
+    return out
 
 
 # ---- the moves they share -------------------------------------------------------------------

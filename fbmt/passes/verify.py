@@ -6,8 +6,9 @@ reads the shard of the group it is tagged with, and every shard gradient the pro
 its own group's reduction (a gather of another group's shard computes with the wrong weights, with
 no error anywhere else); every gathered buffer is released exactly once (unless the program
 returns it), after every node that reads it or its views; nothing reads a buffer after its
-release. A failure names the pass that produced the program and the node, and prints the program
-around it.
+release; the members of a bucket (NOTE: [Buckets] in ops/collectives.py) stand next to each other
+and agree on what one call needs. A failure names the pass that produced the program and the node,
+and prints the program around it.
 
 That every rank issues the same collectives in the same order is a property of the program (the
 graph is the same on every rank, traced from the same shapes); `Program.collective_signature` is
@@ -71,6 +72,7 @@ def check(program: Program, *, after: str) -> None:
             _check_gathered_shard(program, after, n, roles)
         if n.target is ops.wait and n.args[0].target in ops.GATHERS:
             _check_release(program, after, n, order)
+    _check_buckets(program, after)
     for role, value in zip(program.outputs, program.output_values()):
         if role.kind == "shard_grad" and isinstance(value, fx.Node):
             tagged = value.meta.get("fbmt_group")
@@ -109,6 +111,32 @@ def _check_release(program: Program, after: str, buffer: fx.Node, order: dict[fx
     late = [r for r in readers if order[r] > order[releases[0]]]
     if late:
         _fail(program, after, late[0], f"reads gathered buffer %{buffer.name} after its release")
+
+
+def _check_buckets(program: Program, after: str) -> None:
+    """Each bucket's starts are one run of adjacent nodes that agree on kind, phase, ranks, wire dtype
+    and averaging: the runtime issues the run as one call."""
+    first: dict[int, fx.Node] = {}
+    previous: fx.Node | None = None
+    for n in program.graph.nodes:
+        b = ops.bucket_of(n) if n.op == "call_function" else None
+        if b is not None:
+            if n.target not in ops.BUCKETABLE:
+                _fail(program, after, n, f"is in bucket {b}, but a {n.target.__name__} cannot be fused with others")
+            head = first.setdefault(b, n)
+            if head is not n and (previous is None or ops.bucket_of(previous) != b):
+                _fail(
+                    program, after, n, f"is in bucket {b}, but does not stand next to its other members (%{head.name})"
+                )
+            if ops.bucket_key(n) != ops.bucket_key(head):
+                _fail(
+                    program,
+                    after,
+                    n,
+                    f"is in bucket {b} with %{head.name}, but one call cannot carry both "
+                    f"({ops.bucket_key(n)} against {ops.bucket_key(head)})",
+                )
+        previous = n
 
 
 def _fail(program: Program, after: str, node: fx.Node, what: str) -> None:

@@ -36,6 +36,7 @@ stream, the reduce stream, once the exchange is done (the compute stream only wa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -228,14 +229,23 @@ def _guard(pieces: list[torch.Tensor], side: torch.cuda.Stream | None) -> list[t
     return None
 
 
-def _fill(flat: torch.Tensor, pieces: list[torch.Tensor], copy: Any) -> None:
-    """Copy the pieces into their places in `flat` and zero the padding."""
-    offset = 0
+def _fill(dest: torch.Tensor, pieces: list[torch.Tensor], copy: Any) -> None:
+    """Copy the pieces end to end into `dest` and zero the rest. `dest` is a flat buffer, or the
+    rows of one group's columns in a bucket's flat buffer (NOTE: [Buckets]), filled row after row:
+    a piece that crosses a row's end continues on the next."""
+    rows = dest.view(1, -1) if dest.dim() == 1 else dest
+    width, offset = rows.shape[1], 0
     for p in pieces:
-        if p.numel():
-            copy(flat[offset : offset + p.numel()], p)
-        offset += p.numel()
-    flat[offset:].zero_()
+        done, n = 0, p.numel()
+        while done < n:
+            r, c = divmod(offset, width)
+            take = min(width - c, n - done)
+            copy(rows[r, c : c + take], p[done : done + take])
+            done, offset = done + take, offset + take
+    r, c = divmod(offset, width)
+    if r < rows.shape[0]:
+        rows[r, c:].zero_()
+        rows[r + 1 :].zero_()
 
 
 def wait(pending: Pending) -> torch.Tensor:
@@ -248,14 +258,117 @@ def wait(pending: Pending) -> torch.Tensor:
                 "never joined it: another rank stalled, died, or left the program (its log says which). "
                 f"Raise FBMT_TIMEOUT if its steps take longer ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             ) from e
-    if pending.then is not None:
-        pending.then()
-    pending.keep = None
+    tensor = pending.then() if pending.then is not None else pending.tensor
+    pending.keep = pending.then = None
     if pending.divisor != 1:
-        pending.tensor.div_(pending.divisor)
-    if pending.out_dtype is not None and pending.out_dtype != pending.tensor.dtype:
-        return pending.tensor.to(pending.out_dtype)
-    return pending.tensor
+        tensor.div_(pending.divisor)
+    if pending.out_dtype is not None and pending.out_dtype != tensor.dtype:
+        return tensor.to(pending.out_dtype)
+    return tensor
+
+
+# ---- buckets: several groups' collectives as one call (NOTE: [Buckets] in fbmt/ops/collectives.py) ----
+
+
+class _Once:
+    """The work handle a bucket's members share: the first member's wait waits for it; the later
+    ones, which run after it on the same stream, find it done."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Any):
+        self.work = work
+
+    def wait(self) -> None:
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()
+
+
+class _Split:
+    """A bucket's gathered buffer (rank-major over the members' shards side by side), cut into each
+    member's own rank-major buffer at the first member's wait, after which the bucket's is freed."""
+
+    __slots__ = ("out", "sizes", "world", "parts")
+
+    def __init__(self, out: torch.Tensor, sizes: list[int], world: int):
+        self.out, self.sizes, self.world, self.parts = out, sizes, world, None
+
+    def part(self, i: int) -> torch.Tensor:
+        if self.parts is None:
+            columns = self.out.view(self.world, -1).split(self.sizes, dim=1)
+            self.parts, self.out = [c.contiguous().view(-1) for c in columns], None
+        part, self.parts[i] = self.parts[i], None
+        return part
+
+
+def all_gather_bucket(members: list[tuple]) -> list[Pending]:
+    """Start one all-gather for several groups' shards (each member: `all_gather`'s arguments, all
+    with one world size and wire dtype): the shards are copied side by side into one send buffer,
+    cast on the way; a handle per member, whose wait returns that group's gathered buffer."""
+    shards = [m[0] for m in members]
+    world, dtype = members[0][1], (members[0][2] if len(members[0]) > 2 else None) or shards[0].dtype
+    if world == 1:
+        return [all_gather(*m) for m in members]
+    sizes = [s.numel() for s in shards]
+    device = shards[0].device
+    out = torch.empty(world * sum(sizes), dtype=dtype, device=device)
+    with _on(_copy_stream(device)):
+        send = torch.empty(sum(sizes), dtype=dtype, device=device)
+        offset = 0
+        for s in shards:
+            copies.copy_(send[offset : offset + s.numel()], s)
+            offset += s.numel()
+        work = all_gather_into(out, send, async_op=True)
+    split, shared = _Split(out, sizes, world), _Once(work)
+    what = f"a bucket of {len(members)} all-gathers ({out.numel()} {out.dtype})"
+    # no handle holds the bucket's buffer: `split` frees it once cut, at the first member's wait
+    return [
+        Pending(send, shared, keep=send, then=functools.partial(split.part, i), what=what) for i in range(len(members))
+    ]
+
+
+def reduce_scatter_bucket(members: list[tuple]) -> list[Pending]:
+    """Start one reduce-scatter for several groups' gradients (each member: `reduce_scatter`'s
+    arguments, all with one world size, wire dtype and averaging). Each rank's chunk of the bucket
+    holds every member's chunk side by side, so this rank's result is every member's shard side by
+    side, and each member's handle returns a view of its own."""
+    args = [_reduction(*m) for m in members]
+    pieces0, world, _, average, dtype, _ = args[0]
+    if world == 1:
+        return [reduce_scatter(*m) for m in members]
+    device = pieces0[0].device
+    chunks = [padded // world for _, _, padded, _, _, _ in args]
+    out = torch.empty(sum(chunks), dtype=dtype, device=device)
+    avg = average and _nccl(out)
+    side = _copy_stream(device)
+    with _on(side):
+        flat = torch.empty(world * sum(chunks), dtype=dtype, device=device)
+        rows, offset = flat.view(world, -1), 0
+        for (pieces, *_), chunk in zip(args, chunks):
+            _fill(rows[:, offset : offset + chunk], pieces, copies.copy_)
+            offset += chunk
+        work = reduce_scatter_into(out, flat, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM, async_op=True)
+    keep = (flat, [_guard(a[0], side) for a in args])
+    shared, handles, offset = _Once(work), [], 0
+    what = f"a bucket of {len(members)} reduce-scatters into {out.numel()} {out.dtype}"
+    for (*_, out_dtype), chunk in zip(args, chunks):
+        divisor = world if average and not avg else 1
+        handles.append(Pending(out[offset : offset + chunk], shared, divisor, out_dtype, keep=keep, what=what))
+        offset += chunk
+    return handles
+
+
+def _reduction(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool = True,
+    wire_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple:
+    """`reduce_scatter`'s arguments with their defaults filled in."""
+    return pieces, world_size, padded_numel, average, wire_dtype or pieces[0].dtype, out_dtype
 
 
 # The implementation of each IR op; `release` has none: the partitioner drops it.
@@ -265,3 +378,6 @@ IMPLEMENTATIONS: dict[Callable, Callable] = {
     ops.all_to_all_reduce: all_to_all_reduce,
     ops.wait: wait,
 }
+# The implementation of a run of one bucket's starts (NOTE: [Buckets]): the members' arguments in,
+# a handle per member out.
+BUCKETED: dict[Callable, Callable] = {ops.all_gather: all_gather_bucket, ops.reduce_scatter: reduce_scatter_bucket}

@@ -14,11 +14,14 @@ not run. The graphs built here call their implementations instead (`runtime.coll
 leave out the `release` markers: the generated code drops every value after its last use, so once
 a buffer's last reader ran nothing references it and the caching allocator gets it back (`verify`
 proved no view of it is read later). So the IR is the same for the simulator, the passes and the
-runtime, and only this module knows how it runs.
+runtime, and only this module knows how it runs. The starts of one bucket (NOTE: [Buckets] in
+ops/collectives.py) become one call of its fused implementation, and each member the handle it
+returns for that member.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +31,7 @@ import torch.fx as fx
 from fbmt import ops
 from fbmt.ops import record
 from fbmt.program import BWD, FWD, Program, Role
-from fbmt.runtime.collectives import IMPLEMENTATIONS
+from fbmt.runtime.collectives import BUCKETED, IMPLEMENTATIONS
 
 aten = torch.ops.aten
 
@@ -167,12 +170,35 @@ def _with_grad_mode(op: Any) -> Any:
 _NEEDS_GRAD_MODE = {aten.mkldnn_rnn_layer.default: _with_grad_mode(aten.mkldnn_rnn_layer.default)}
 
 
+def _fuse_buckets(g: fx.Graph) -> None:
+    """Each run of one bucket's adjacent starts (`verify` checked they are one run that agrees)
+    becomes one call of the bucket's implementation, each member a `getitem` of its handle."""
+    runs: list[list[fx.Node]] = []
+    for n in g.nodes:
+        bucket = ops.bucket_of(n) if n.op == "call_function" and n.target in BUCKETED else None
+        if bucket is None:
+            continue
+        if runs and ops.bucket_of(runs[-1][-1]) == bucket and runs[-1][-1].next is n:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    for members in runs:
+        if len(members) < 2:
+            continue
+        with g.inserting_before(members[0]):
+            fused = g.call_function(BUCKETED[members[0].target], ([m.args for m in members],))
+        fused.meta = {k: v for k, v in members[0].meta.items() if k != "val"}
+        for i, m in enumerate(members):
+            m.target, m.args, m.kwargs = operator.getitem, (fused, i), {}
+
+
 def _lower(g: fx.Graph) -> None:
     """Drop dead pure nodes and the `release` markers; collective nodes call their implementations
     (NOTE: [Lowering the IR]), and the ops of NOTE: [Ops that need grad mode] run with autograd on."""
     for n in reversed(list(g.nodes)):
         if n.op == "call_function" and (n.target is ops.release or not n.users and not ops.effectful(n.target)):
             g.erase_node(n)
+    _fuse_buckets(g)
     for n in g.nodes:
         if n.op == "call_function" and n.target in IMPLEMENTATIONS:
             n.target = IMPLEMENTATIONS[n.target]

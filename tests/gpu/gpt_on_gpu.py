@@ -161,6 +161,8 @@ def main() -> None:
         (3, "block", "prefetch", "inductor", True),
         (3, "mincut", "prefetch", "inductor", True),
         (2, "mincut", "prefetch", "inductor", True),
+        (3, "block", "bucket", "eager", False),
+        (3, "mincut", "bucket", "inductor", True),
     ]
     worst = check(lambda: GPT(CFG), combos, rank, world, device)
     llama = [

@@ -171,14 +171,16 @@ def test_an_unknown_strategy_names_the_known_ones():
 
 # ---- the built-in strategies and their options -------------------------------------------------
 
-BUILT_IN = ("none", "prefetch", "fsdp2", "bmtrain", "greedy")
+BUILT_IN = ("none", "prefetch", "fsdp2", "bmtrain", "greedy", "bucket")
+# the test GPT's groups are 1-13 KiB: 20 KB fuses pairs, 1 byte none (a call each)
+OPTIONED = [("greedy", {"memory_bound": 0}), ("prefetch", {"depth": 2}), ("bucket", {"bucket_bytes": 20000})]
 
 
 def _trains_with_every_built_in_strategy(rank: int, world: int) -> None:
     from tests.workers import compare, eager_reference, train_compiled
 
     want = eager_reference("gpt")
-    for schedule in [*BUILT_IN, ("greedy", {"memory_bound": 0}), ("prefetch", {"depth": 2})]:
+    for schedule in [*BUILT_IN, *OPTIONED]:
         for zero in (3, 2):
             got = train_compiled("gpt", rank, world, dict(schedule=schedule, zero=zero))
             compare(got, want, f"gpt on {world} ranks, schedule={schedule!r}, zero={zero}", buffers=False)
@@ -282,3 +284,70 @@ def test_a_strategys_own_default_depth_holds_unless_prefetch_is_set():
     _program(schedule="records-its-depth", prefetch=2)
     _program(schedule=("records-its-depth", {"depth": 4}), prefetch=2)
     assert calls == [3, 2, 4]
+
+
+# ---- buckets (NOTE: [Buckets] in fbmt/ops/collectives.py) --------------------------------------
+
+
+def _buckets(program) -> list[list]:
+    """The program's buckets, each its members' Collective records in program order."""
+    from fbmt.decisions import collectives
+
+    order = ops.node_order(program.graph)
+    by: dict[int, list] = {}
+    for c in sorted(collectives(program), key=lambda c: order[c.start]):
+        if c.bucket is not None:
+            by.setdefault(c.bucket, []).append(c)
+    return list(by.values())
+
+
+def test_bucket_fuses_consecutive_collectives_within_its_bytes():
+    limit = 20000  # the test GPT's groups are 128 B to 13 KiB: a block's and a small neighbour's fit
+    program = _program(n_layer=4, schedule=("bucket", {"bucket_bytes": limit}))
+    buckets = _buckets(program)
+    assert buckets, program.summary("schedule")
+    order = ops.node_order(program.graph)
+    for members in buckets:
+        assert len({(c.kind, c.phase) for c in members}) == 1, members
+        assert sum(c.bytes for c in members) <= limit
+        starts = sorted(order[c.start] for c in members)
+        assert starts == list(range(starts[0], starts[0] + len(members))), "members do not stand together"
+        assert all(order[c.wait] > starts[-1] for c in members), "a member is waited before the bucket is issued"
+    # with all the room, each phase's gathers are one call and the reductions another
+    one = _buckets(_program(n_layer=4, schedule=("bucket", {"bucket_bytes": 2**30})))
+    assert [(m[0].kind, m[0].phase, len(m)) for m in one] == [
+        ("all_gather", FWD, 7),
+        ("all_gather", BWD, 5),
+        ("reduce_scatter", BWD, 7),
+    ]
+    # a byte fuses nothing: every collective is its own call
+    assert not _buckets(_program(n_layer=4, schedule=("bucket", {"bucket_bytes": 1})))
+
+
+def test_a_bucket_runs_as_one_call_of_its_fused_implementation():
+    from fbmt.runtime import collectives as impl
+    from fbmt.runtime.partition import partition
+
+    program = _program(n_layer=3, world=2, schedule=("bucket", {"bucket_bytes": 2**30}))
+    exe = partition(program)
+    for gm, kinds in (
+        (exe.forward, [impl.all_gather_bucket]),
+        (exe.backward, [impl.all_gather_bucket, impl.reduce_scatter_bucket]),
+    ):
+        fused = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in impl.BUCKETED.values()]
+        assert fused == kinds
+        assert not any(n.target in (impl.all_gather, impl.reduce_scatter) for n in gm.graph.nodes)
+
+
+def test_fuse_refuses_collectives_one_call_cannot_carry():
+    from fbmt.passes.schedule import ScheduleError, collectives, fuse
+
+    program = _program().copy()
+    gather, reduction = collectives(program, BWD, ops.GATHERS)[0], collectives(program, BWD, ops.REDUCTIONS)[0]
+    with pytest.raises(ScheduleError, match="a bucket is one call, of all_gathers or reduce_scatters of one phase"):
+        fuse([gather, reduction])
+    first, second = collectives(program, FWD, ops.GATHERS)[:2]
+    with pytest.raises(
+        ScheduleError, match=r"fwd all_gather of group \d+ .*: cannot be issued in a bucket at .* after its own wait"
+    ):
+        fuse([first, second], second.wait.next)

@@ -65,6 +65,18 @@ def _gather_after_its_reader(p: Program) -> None:
     p.output_node().prepend(wait)
 
 
+def _bucket_apart(p: Program) -> None:
+    gathers = [n for n in p.graph.nodes if n.target is ops.all_gather]
+    gathers[0].meta["fbmt_bucket"] = gathers[2].meta["fbmt_bucket"] = 0  # fused, but not side by side
+
+
+def _bucket_two_wire_dtypes(p: Program) -> None:
+    first, second = [n for n in p.graph.nodes if n.target is ops.all_gather][:2]
+    first.append(second)  # side by side (gathered earlier: a legal prefetch)
+    second.args = (second.args[0], second.args[1], torch.bfloat16)  # but cast for the wire, the other not
+    first.meta["fbmt_bucket"] = second.meta["fbmt_bucket"] = 0
+
+
 @pytest.mark.parametrize(
     "breaks, says",
     [
@@ -78,6 +90,8 @@ def _gather_after_its_reader(p: Program) -> None:
         (_release_early, "after its release"),
         (_wait_twice, "must be read by exactly one wait"),
         (_no_phase, "has no phase"),
+        (_bucket_apart, "is in bucket 0, but does not stand next to its other members"),
+        (_bucket_two_wire_dtypes, "is in bucket 0 with %.*, but one call cannot carry both"),
     ],
 )
 def test_verify_rejects_a_broken_program_and_names_the_node(program: Program, breaks: Callable, says: str):
