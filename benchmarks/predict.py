@@ -52,7 +52,7 @@ def model_and_inputs(config: str, device: torch.device):
     return model, (idx, idx), lambda out: out, options
 
 
-def run(rank: int, world: int, port: int, config: str, steps: int) -> None:
+def run(rank: int, world: int, port: int, config: str, steps: int, only: str | None = None) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
@@ -70,6 +70,8 @@ def run(rank: int, world: int, port: int, config: str, steps: int) -> None:
     )
     log("|---|---|---|---|---|---|---|---|---|---|")
     for zero, remat, schedule in SETTINGS:
+        if only is not None and schedule != only:
+            continue
         base, inputs, loss_fn, options = model_and_inputs(config, device)
         model = fbmt.compile(base, zero=zero, remat=remat, schedule=schedule, **options)
         prof = fbmt.profile(model, *inputs, steps=steps, loss_fn=loss_fn)
@@ -91,11 +93,12 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--config", default="gpt", help="gpt (CPU-sized), or a benchmarks/llama.py config on GPUs")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--only", help="only the settings of this schedule strategy")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(args.ranks, port, args.config, args.steps), nprocs=args.ranks, join=True)
+    mp.spawn(run, args=(args.ranks, port, args.config, args.steps, args.only), nprocs=args.ranks, join=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ Measured, each as the median of several timed repetitions after a warm-up:
   fitted to `latency + (N - 1) / N * bytes / bandwidth` by least squares; the slowest rank's time
   counts, as a collective ends when every rank is done;
 - how much slower products run while collectives are in flight (`comm_slowdown`): gloo's threads
-  take cores, NCCL's kernels take SMs.
+  take cores, NCCL's kernels take SMs;
+- on a CPU, what a collective allocates while it runs, per byte of its buffer (`comm_buffer`, from
+  the torch profiler's allocation records): gloo copies the buffer it sends or reduces, and at a
+  step's peak that copy counts as much as any activation. NCCL's buffers are outside the caching
+  allocator, so a GPU's is 0.
 Every rank measures at once, as a job runs: on a CPU, ranks share the cores, so a rank's product
 rate depends on how many ranks run. A profile is therefore saved per world size
 (`~/.cache/fbmt/machine-<host>-<N>.json`, or $FBMT_MACHINE). Outside a job, `calibrate(ranks=N)`
@@ -269,6 +273,35 @@ def _comm_slowdown(device: torch.device, links: list[tuple[str, float, float]]) 
     return max(0.0, with_comm.item() / distributed.world_size() / alone - 1.0)
 
 
+def _comm_buffer(device: torch.device) -> float:
+    """Bytes the allocator hands out while an all-gather or reduce-scatter runs (beyond the buffers
+    the runtime allocates for it), per byte of its whole buffer; the larger of the two kinds."""
+    if device.type == "cuda":
+        return 0.0
+    from torch.profiler import ProfilerActivity, profile
+
+    total = 2**22
+    ratios = []
+    for kind in ("all_gather", "reduce_scatter"):
+        run = _collective(kind, total, device)
+        run()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = sorted(
+                    (e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"), key=lambda e: e["ts"]
+                )
+        if events:
+            begin = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+            ratios.append((max(e["args"]["Total Allocated"] for e in events) - begin) / total)
+    worst = torch.tensor([max(ratios, default=0.0)], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return round(worst.item(), 2)
+
+
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -289,11 +322,12 @@ def _measure(quick: bool, log: Callable) -> Machine:
     copy = _copy_bandwidth(device)
     node = _node_cost(device)
     view = 0.0 if device.type == "cuda" else _node_cost(device, aten.view.default)  # a GPU's host runs ahead
-    links, slowdown = [], 0.0
+    links, slowdown, buffer = [], 0.0, 0.0
     if world > 1:
         log("fbmt.calibrate: collectives ...", flush=True)
         links = _links(device, quick)
         slowdown = _comm_slowdown(device, links)
+        buffer = _comm_buffer(device)
     best = max((r for d, _, r in rates if d == ("bfloat16" if device.type == "cuda" else "float32")), default=1e9)
     fp32 = max(r for d, _, r in rates if d == "float32")
     gather = next(((lat, bw) for k, lat, bw in links if k == "all_gather"), (20e-6, 1e9))
@@ -310,6 +344,7 @@ def _measure(quick: bool, log: Callable) -> Machine:
         links=tuple(links),
         comm_slowdown=slowdown,
         view_cost=view,
+        comm_buffer=buffer,
     )
     log(f"fbmt.calibrate: {summary(machine)} ({time.perf_counter() - started:.0f} s)", flush=True)
     return machine
@@ -322,6 +357,7 @@ def summary(m: Machine) -> str:
         f"{m.name}: products up to {m.matmul_flops / 1e9:.1f} GFLOP/s, copies {m.memory_bandwidth / 1e9:.1f} GB/s, "
         f"{m.launch * 1e6:.1f} us per node ({m.view_cost * 1e6:.1f} us per view); {links}; "
         f"compute {m.comm_slowdown:.0%} slower under communication"
+        + (f"; collectives allocate {m.comm_buffer:.1f}x their buffer while they run" if m.comm_buffer else "")
     )
 
 

@@ -22,8 +22,9 @@ take SMs; gloo's threads take cores). A `wait` stalls the compute stream until i
 done: that stall is *exposed communication*, recorded per collective. The memory curve replays the
 same order with each value alive from its definition to its last use (views keep their base alive;
 a reduce-scatter's input lives until its wait), which is how the runtime frees values, split into
-activations, gathered parameters and gradient buffers; persistent state (shards, gradients,
-optimizer) is not part of it.
+activations, gathered parameters and gradient buffers, plus what a collective allocates while it
+runs where the machine's `comm_buffer` says it does (gloo copies its buffer); persistent state
+(shards, gradients, optimizer) is not part of it.
 
 It is a model, to compare schedules and settings, not a promise: BENCHMARKS.md sets it against
 measurements.
@@ -31,6 +32,7 @@ measurements.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -74,6 +76,9 @@ class Machine:
     # seconds per view, reshape or unpacking node: the host's call, which a GPU hides behind the kernels
     # queued before it, but a CPU rank spends in line with its compute
     view_cost: float = 0.0
+    # bytes a collective allocates while it runs, per byte of its whole buffer, where the allocator
+    # sees them: gloo copies the buffer it sends or reduces; NCCL's buffers are its own
+    comm_buffer: float = 0.0
 
     def link(self, kind: str) -> tuple[float, float]:
         """(latency, bus bandwidth) of a collective kind ("all_gather", "reduce_scatter", ...)."""
@@ -420,7 +425,15 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
                 timeline.append((n.name, "compute", phase, t_compute, t_compute + took))
                 t_compute += took
                 compute += took
-    curve = memory_curve(program, reached)
+    running = []  # (first node, last node, kind, start's name, bytes) of what collectives allocate in flight
+    if machine.comm_buffer:
+        index = {n.name: i for i, n in enumerate(g.nodes)}
+        for c in records:  # from the node where it begins running (not before its start) to where it ends
+            first = max(index[c.node], bisect.bisect_left(reached, c.began))
+            last = max(first, bisect.bisect_right(reached, c.ended) - 1)
+            kind = "gathered" if c.kind == "all_gather" else "gradients"
+            running.append((first, last, kind, c.node, int(machine.comm_buffer * c.bytes)))
+    curve = memory_curve(program, reached, running)
     return Simulation(
         machine=machine,
         world_size=program.layout.world_size,
@@ -441,9 +454,12 @@ def peak_memory(program: Program) -> int:
     return memory_curve(program).peak
 
 
-def memory_curve(program: Program, times: list[float] | None = None) -> MemoryCurve:
+def memory_curve(
+    program: Program, times: list[float] | None = None, running: list[tuple[int, int, str, str, int]] = ()
+) -> MemoryCurve:
     """The bytes alive after each node, by kind: each value from its definition to its last use
-    (views keep their base alive; a reduction's flat input lives until its wait)."""
+    (views keep their base alive; a reduction's flat input lives until its wait), and `running`'s
+    (first node, last node, kind, name, bytes): what collectives allocate while they run."""
     g = program.graph
     nodes = list(g.nodes)
     order = ops.node_order(g)
@@ -475,6 +491,9 @@ def memory_curve(program: Program, times: list[float] | None = None) -> MemoryCu
             deltas[kind][end + 1] -= b
             spans.append((first, end, kind, name, b))
 
+    for first, end, kind, name, b in running:
+        hold(first, min(end, len(nodes) - 1), kind, f"{name} (in flight)", b)
+
     def waited(start: fx.Node) -> int:
         return min((order[u] for u in start.users if u.target is ops.wait), default=order[start])
 
@@ -485,11 +504,11 @@ def memory_curve(program: Program, times: list[float] | None = None) -> MemoryCu
         if b is not None and ops.bucket_key(n)[2] > 1:
             first, lo, hi = buckets.setdefault(b, [order[n], waited(n), waited(n)])
             buckets[b] = [min(first, order[n]), min(lo, waited(n)), max(hi, waited(n))]
-    for b, (first, lo, _) in buckets.items():  # a gather bucket's buffer lives until it is cut at its first wait
+    for b, (first, lo, _) in buckets.items():
         head = nodes[first]
-        if head.target in ops.GATHERS:
+        if head.target in ops.GATHERS:  # its buffer and its send buffer live until it is cut at its first wait
             total = sum(collective_bytes(n) for n in nodes if n.op == "call_function" and ops.bucket_of(n) == b)
-            hold(first, lo, "gathered", f"bucket {b}", total)
+            hold(first, lo, "gathered", f"bucket {b}", total + total // ops.bucket_key(head)[2])
     for n in nodes:
         if n.op != "call_function" or owner[n] is not n:
             continue

@@ -28,6 +28,7 @@ def test_calibrate_measures_products_copies_nodes_and_every_collective_kind(tmp_
     assert machine.memory_bandwidth > 1e8 and 0 < machine.launch < 1e-3
     assert sorted(k for k, _, _ in machine.links) == ["all_gather", "all_to_all_reduce", "reduce_scatter"]
     assert all(lat >= 0 and bw > 1e6 for _, lat, bw in machine.links) and machine.comm_slowdown >= 0
+    assert machine.comm_buffer == pytest.approx(1.0, abs=0.1)  # gloo copies what it sends or reduces
     monkeypatch.setenv("FBMT_MACHINE", path)
     torch.manual_seed(0)
     program = fbmt.compile(torch.nn.Linear(8, 8), world_size=2).trace(torch.randn(4, 8))

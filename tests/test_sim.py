@@ -209,8 +209,8 @@ def test_a_model_built_and_compiled_on_meta_simulates_without_memory():
 
 
 def test_a_bucket_is_one_call_and_holds_its_buffer_until_cut():
-    """NOTE: [Buckets]: one latency per call, not per member; the gathered bucket lives beside its
-    members' buffers until it is cut at the first wait, so the forward's one bucket doubles them."""
+    """NOTE: [Buckets]: one latency per call, not per member; the gathered bucket and its send
+    buffer live beside its members' buffers until it is cut at the first wait."""
     separate = simulate(_program(world=8, schedule="prefetch"), H200)
     program = _program(world=8, schedule=("bucket", {"bucket_bytes": 2**30}))
     fused = simulate(program, H200)
@@ -219,4 +219,17 @@ def test_a_bucket_is_one_call_and_holds_its_buffer_until_cut():
     assert fused.comm_s == pytest.approx(separate.comm_s - (len(separate.collectives) - calls) * H200.latency)
     forward = [c for c in fused.collectives if c.phase == "fwd"]
     assert len({(c.began, c.ended) for c in forward}) == 1  # the members share the call's times
-    assert max(fused.memory.gathered) == 2 * sum(c.bytes for c in forward)
+    # the members' buffers, the bucket's and what it sent (a shard of each member)
+    assert max(fused.memory.gathered) == sum(c.bytes for c in forward) * (2 + 1 / 8)
+
+
+def test_what_a_collective_allocates_while_it_runs_counts_where_the_machine_says_so():
+    program = _program(world=2, schedule="none")
+    plain = simulate(program, SLOW_LINK)
+    gloo = simulate(program, dataclasses.replace(SLOW_LINK, comm_buffer=1.0))
+    assert gloo.step_s == plain.step_s
+    # with no overlap, each collective runs between its start and its wait: its copy is alive beside it
+    c = max(gloo.collectives, key=lambda c: c.bytes)
+    at = gloo.memory.nodes.index(c.node)
+    assert gloo.memory.total[at] == plain.memory.total[at] + c.bytes
+    assert gloo.memory.total[at - 1] == plain.memory.total[at - 1]  # not before it is issued

@@ -287,17 +287,20 @@ class _Once:
 
 class _Split:
     """A bucket's gathered buffer (rank-major over the members' shards side by side), cut into each
-    member's own rank-major buffer at the first member's wait, after which the bucket's is freed."""
+    member's own rank-major buffer at the first member's wait; then the bucket's buffer and its send
+    buffer (the copy stream's, held until the compute stream has waited: NOTE: [Copy stream]) are
+    freed."""
 
-    __slots__ = ("out", "sizes", "world", "parts")
+    __slots__ = ("out", "send", "sizes", "world", "parts")
 
-    def __init__(self, out: torch.Tensor, sizes: list[int], world: int):
-        self.out, self.sizes, self.world, self.parts = out, sizes, world, None
+    def __init__(self, out: torch.Tensor, send: torch.Tensor, sizes: list[int], world: int):
+        self.out, self.send, self.sizes, self.world, self.parts = out, send, sizes, world, None
 
     def part(self, i: int) -> torch.Tensor:
         if self.parts is None:
             columns = self.out.view(self.world, -1).split(self.sizes, dim=1)
-            self.parts, self.out = [c.contiguous().view(-1) for c in columns], None
+            self.parts = [c.contiguous().view(-1) for c in columns]
+            self.out = self.send = None
         part, self.parts[i] = self.parts[i], None
         return part
 
@@ -320,12 +323,10 @@ def all_gather_bucket(members: list[tuple]) -> list[Pending]:
             copies.copy_(send[offset : offset + s.numel()], s)
             offset += s.numel()
         work = all_gather_into(out, send, async_op=True)
-    split, shared = _Split(out, sizes, world), _Once(work)
+    split, shared = _Split(out, send, sizes, world), _Once(work)
     what = f"a bucket of {len(members)} all-gathers ({out.numel()} {out.dtype})"
-    # no handle holds the bucket's buffer: `split` frees it once cut, at the first member's wait
-    return [
-        Pending(send, shared, keep=send, then=functools.partial(split.part, i), what=what) for i in range(len(members))
-    ]
+    # no handle holds the bucket's buffers: `split` frees them once cut, at the first member's wait
+    return [Pending(None, shared, then=functools.partial(split.part, i), what=what) for i in range(len(members))]
 
 
 def reduce_scatter_bucket(members: list[tuple]) -> list[Pending]:
