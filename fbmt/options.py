@@ -34,15 +34,17 @@ class CompileOptions:
     save all; "auto": per block, whichever of these fits `memory_budget` at the least recompute."""
     memory_budget: int | None = None
     """With remat="auto": the most bytes the step may hold beyond its persistent state (shards,
-    gradients, optimizer), per rank, as `fbmt.simulate` predicts its peak (NOTE: [Auto recompute])."""
+    gradients, optimizer), per rank, as `fbmt.simulate` predicts its peak (NOTE: [Auto recompute]);
+    where neither `prefetch` nor the schedule's options set a depth, auto chooses that too."""
     schedule: str | tuple[str, Mapping[str, Any]] | Schedule = "prefetch"
     """A registered strategy by name (`fbmt.register_strategy`; built in: "prefetch", "none",
-    "fsdp2", "bmtrain", "greedy"), or `(name, {option: value})` to set its options, e.g.
+    "fsdp2", "bmtrain", "greedy", "bucket"), or `(name, {option: value})` to set its options, e.g.
     `("greedy", {"memory_bound": 2**30})`; or an `fbmt.Schedule` to replay (its blocks' recompute
     policies too)."""
     prefetch: int | None = None
     """How many blocks ahead the strategy issues parameter gathers: its option `depth` (None: the
-    strategy's own default, 1 for "prefetch")."""
+    strategy's own default, 1 for "prefetch"; with remat="auto", the depth of the fastest simulated
+    step within the budget, of 1, 2 and 3)."""
     blocks: Blocks = None
     """Module paths to use as blocks instead of the children of repeated ModuleLists; or a dict from
     path to that block's own policy, e.g. `{"layers.0": {"remat": "none", "zero": 2}, "layers.1": {}}`."""

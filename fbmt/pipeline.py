@@ -8,7 +8,9 @@ built the shards, since the optimizer needs `model.parameters()` before the firs
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from fbmt.options import CompileOptions
 from fbmt.passes import (
     PASS_NAMES,
     POLICIES,
+    STRATEGIES,
     Pass,
     assign_blocks,
     merge_products,
@@ -90,7 +93,9 @@ def build(
         trainable=trainable,
     )
     # 2. the passes: blocks, recompute, merged products, ZeRO sharding, overlap, checks
-    remat = auto_remat(program, options) if options.remat == "auto" else None
+    remat = None
+    if options.remat == "auto":
+        remat, options = auto_remat(program, options)  # with the prefetch depth it chose
     program = run_passes(
         program,
         passes(options, layout.world_size, remat),
@@ -108,12 +113,47 @@ def build(
     return program, exe
 
 
-def auto_remat(traced: Program, options: CompileOptions) -> tuple[dict[str, str], str]:
-    """Each block's recompute policy under `options.memory_budget` (NOTE: [Auto recompute]), and a
-    line saying what was chosen."""
-    world, budget = traced.layout.world_size, options.memory_budget
+# The prefetch depths remat="auto" tries, where neither `prefetch=` nor the strategy's options set one:
+# a deeper prefetch hides more communication behind compute and holds more gathered parameters.
+DEPTHS = (1, 2, 3)
+
+
+def auto_remat(traced: Program, options: CompileOptions) -> tuple[tuple[dict[str, str], str], CompileOptions]:
+    """Each block's recompute policy under `options.memory_budget`, with a line saying what was
+    chosen, and the options to run the passes with: the prefetch depth that makes the fastest
+    simulated step within the budget, where the user left it to the strategy (NOTE: [Auto recompute])."""
     if not traced.needs_grad:
-        return {}, "auto: a forward-only program saves nothing for a backward"
+        return ({}, "auto: a forward-only program saves nothing for a backward"), options
+    candidates = [options]
+    if (
+        isinstance(options.strategy, str)
+        and _takes_depth(options.strategy)
+        and "depth" not in dict(options.strategy_options)
+    ):
+        given = dict(options.strategy_options)
+        candidates = [dataclasses.replace(options, schedule=(options.strategy, {**given, "depth": d})) for d in DEPTHS]
+    fitted, refused = [], None
+    for o in candidates:
+        try:
+            fitted.append((*_fit_budget(traced, o), o))
+        except ValueError as e:  # this depth holds too much; a shallower one may fit
+            refused = refused or e
+    if not fitted:
+        raise refused
+    per_block, line, step, chosen = min(fitted, key=lambda f: f[2])  # the first (shallowest) of equals
+    if len(candidates) > 1:
+        steps = ", ".join(f"{dict(o.strategy_options)['depth']}: {step_s * 1e3:.2f} ms" for _, _, step_s, o in fitted)
+        line += f"; prefetch depth {dict(chosen.strategy_options)['depth']} (simulated step by depth {steps})"
+    return (per_block, line), chosen
+
+
+def _takes_depth(strategy: str) -> bool:
+    return "depth" in inspect.signature(STRATEGIES[strategy]).parameters
+
+
+def _fit_budget(traced: Program, options: CompileOptions) -> tuple[dict[str, str], str, float]:
+    """`auto_remat` for one set of options: each block's policy, the line, the simulated step."""
+    world, budget = traced.layout.world_size, options.memory_budget
     machine = sim.default_machine(world)
     named = options.remat_per_block  # blocks whose policy the user set keep it
     tagged, _ = assign_blocks(traced)
@@ -124,20 +164,23 @@ def auto_remat(traced: Program, options: CompileOptions) -> tuple[dict[str, str]
     }
     fixed = {b: "none" for b in traced.layout.blocks if b not in costs and b not in named}
 
-    def peak(chosen: dict[str, str]) -> int:
+    def simulate(chosen: dict[str, str]) -> sim.Simulation:
         p = run_passes(traced, passes(options, world, ({**fixed, **chosen, **named}, "")), disable=options.disable)
-        return sim.peak_memory(p)
+        return sim.simulate(p, machine)
 
-    def line(chosen: dict[str, str], at: int) -> str:
+    def result(chosen: dict[str, str], at: sim.Simulation) -> tuple[dict[str, str], str, float]:
         counts = {p: sum(v == p for v in chosen.values()) for p in POLICIES}
         shown = ", ".join(f"{n} {p}" for p, n in counts.items() if n)
-        return f"auto under {sim.size(budget)}: {shown or 'no block to choose'}; simulated peak {sim.size(at)}"
+        peak = sim.size(at.peak_activation_bytes)
+        line = f"auto under {sim.size(budget)}: {shown or 'no block to choose'}; simulated peak {peak}"
+        return {**fixed, **chosen, **named}, line, at.step_s
 
     fastest = {b: "none" for b in costs}
-    if (at := peak(fastest)) <= budget:
-        return {**fixed, **fastest, **named}, line(fastest, at)
+    if (at := simulate(fastest)).peak_activation_bytes <= budget:
+        return result(fastest, at)
     least = {b: min(c, key=lambda p: (c[p][0], c[p][1])) for b, c in costs.items()}  # noqa: B023
-    floor = peak(least)
+    lowest = simulate(least)
+    floor = lowest.peak_activation_bytes
     if floor > budget:
         raise ValueError(
             f"fbmt.compile(remat='auto', memory_budget={budget}): the step needs at least {floor} bytes "
@@ -151,7 +194,7 @@ def auto_remat(traced: Program, options: CompileOptions) -> tuple[dict[str, str]
         chosen = cheapest_within(costs, capacity)
         if chosen is None:
             break
-        if (at := peak(chosen)) <= budget:
-            return {**fixed, **chosen, **named}, line(chosen, at)
-        capacity -= at - budget
-    return {**fixed, **least, **named}, line(least, floor)
+        if (at := simulate(chosen)).peak_activation_bytes <= budget:
+            return result(chosen, at)
+        capacity -= at.peak_activation_bytes - budget
+    return result(least, lowest)

@@ -107,3 +107,23 @@ def _measured_under_budget(rank: int, world: int) -> dict:
 def test_on_two_ranks_auto_trains_as_eager_and_its_measured_peak_fits_the_budget():
     for peaks in run_ranks(2, _measured_under_budget):
         assert peaks["none"] > peaks["budget"] >= peaks["auto"], peaks
+
+
+def test_auto_chooses_the_prefetch_depth_of_the_fastest_simulated_step(tmp_path, monkeypatch):
+    import dataclasses
+    import re
+
+    # a link slow enough that one block's compute hides only part of a gather: deeper prefetch pays
+    slow = dataclasses.replace(fbmt.sim.H200, name="slow link", bus_bandwidth=2e8, latency=1e-5)
+    slow.save(str(tmp_path / "machine.json"))
+    monkeypatch.setenv("FBMT_MACHINE", str(tmp_path / "machine.json"))
+    program = _program(remat="auto", memory_budget=2**30)
+    line = program.summary("remat")
+    steps = {int(d): float(ms) for d, ms in re.findall(r"(\d): ([\d.]+) ms", line.split("by depth")[1])}
+    depth = int(re.search(r"prefetch depth (\d)", line).group(1))
+    assert sorted(steps) == [1, 2, 3] and depth > 1 and steps[depth] == min(steps.values()), line
+    assert f"issued {depth} block(s) ahead" in program.summary("schedule")
+    assert fbmt.simulate(program).step_s * 1e3 == pytest.approx(steps[depth], abs=0.01)
+    # a depth the user set is kept
+    kept = _program(remat="auto", memory_budget=2**30, prefetch=1)
+    assert "prefetch depth" not in kept.summary("remat") and "issued 1 block(s) ahead" in kept.summary("schedule")

@@ -26,7 +26,11 @@ block recomputed, the least memory there is; if even that exceeds B, the error n
 smallest budget that fits. `cheapest_within` then solves the multiple-choice knapsack (least
 seconds, saved bytes within B minus the rest) by dynamic programming, and the pipeline simulates
 the program it gives; where the peak still exceeds B (the sum is a model of the peak, not the
-peak), the capacity shrinks by the excess and the choice is made again.
+peak), the capacity shrinks by the excess and the choice is made again. Where the user set no
+prefetch depth (neither `prefetch=` nor the strategy's `depth` option) and the strategy takes one,
+this runs for depths 1, 2 and 3 (`pipeline.DEPTHS`), and the depth whose choice simulates the
+fastest step wins (the shallowest of equals): a deeper prefetch hides more communication and holds
+more gathered parameters, so it may leave less room for saved activations.
 """
 
 from __future__ import annotations
