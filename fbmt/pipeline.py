@@ -116,6 +116,7 @@ def build(
 # The prefetch depths remat="auto" tries, where neither `prefetch=` nor the strategy's options set one:
 # a deeper prefetch hides more communication behind compute and holds more gathered parameters.
 DEPTHS = (1, 2, 3)
+NEAR = 0.01  # steps within this fraction of the fastest count as equally fast
 
 
 def auto_remat(traced: Program, options: CompileOptions) -> tuple[tuple[dict[str, str], str], CompileOptions]:
@@ -140,9 +141,11 @@ def auto_remat(traced: Program, options: CompileOptions) -> tuple[tuple[dict[str
             refused = refused or e
     if not fitted:
         raise refused
-    per_block, line, step, chosen = min(fitted, key=lambda f: f[2])  # the first (shallowest) of equals
+    fastest = min(f[2] for f in fitted)
+    # the shallowest within 1% of the fastest: a deeper prefetch holds more for what the model cannot tell apart
+    per_block, line, step, chosen = next(f for f in fitted if f[2] <= fastest * (1 + NEAR))
     if len(candidates) > 1:
-        steps = ", ".join(f"{dict(o.strategy_options)['depth']}: {step_s * 1e3:.2f} ms" for _, _, step_s, o in fitted)
+        steps = ", ".join(f"{dict(o.strategy_options)['depth']}: {step_s * 1e3:.4g} ms" for _, _, step_s, o in fitted)
         line += f"; prefetch depth {dict(chosen.strategy_options)['depth']} (simulated step by depth {steps})"
     return (per_block, line), chosen
 

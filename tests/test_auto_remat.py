@@ -113,7 +113,6 @@ def test_auto_chooses_the_prefetch_depth_of_the_fastest_simulated_step(tmp_path,
     import dataclasses
     import re
 
-    # a link slow enough that one block's compute hides only part of a gather: deeper prefetch pays
     slow = dataclasses.replace(fbmt.sim.H200, name="slow link", bus_bandwidth=2e8, latency=1e-5)
     slow.save(str(tmp_path / "machine.json"))
     monkeypatch.setenv("FBMT_MACHINE", str(tmp_path / "machine.json"))
@@ -121,9 +120,10 @@ def test_auto_chooses_the_prefetch_depth_of_the_fastest_simulated_step(tmp_path,
     line = program.summary("remat")
     steps = {int(d): float(ms) for d, ms in re.findall(r"(\d): ([\d.]+) ms", line.split("by depth")[1])}
     depth = int(re.search(r"prefetch depth (\d)", line).group(1))
-    assert sorted(steps) == [1, 2, 3] and depth > 1 and steps[depth] == min(steps.values()), line
+    # the shallowest of those within 1% of the fastest (a deeper prefetch holds more)
+    assert sorted(steps) == [1, 2, 3] and depth == min(d for d in steps if steps[d] <= min(steps.values()) * 1.01)
     assert f"issued {depth} block(s) ahead" in program.summary("schedule")
     assert fbmt.simulate(program).step_s * 1e3 == pytest.approx(steps[depth], abs=0.01)
     # a depth the user set is kept
-    kept = _program(remat="auto", memory_budget=2**30, prefetch=1)
-    assert "prefetch depth" not in kept.summary("remat") and "issued 1 block(s) ahead" in kept.summary("schedule")
+    kept = _program(remat="auto", memory_budget=2**30, prefetch=3)
+    assert "prefetch depth" not in kept.summary("remat") and "issued 3 block(s) ahead" in kept.summary("schedule")

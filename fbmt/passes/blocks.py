@@ -4,13 +4,26 @@ Requires: forward nodes tagged with `fbmt_module` (the trace) and a layout whose
 planned from the module tree (`fbmt.layout.plan_layout`).
 Ensures: each forward node has `meta["fbmt_block"]`: the longest block path that prefixes its
 module path, or None for code outside every block.
+
+NOTE: [Backward blocks]
+A backward node has no module of its own; what it belongs to is the block whose gradients it
+computes. Once the shard pass has made each group's gradient reduction, `tag_backward_blocks`
+gives every backward compute node the latest block, in the layout's (forward) order, whose
+reduction it feeds: gradients flow from the last block to the first, so a node of block k's
+backward feeds k's reduction and those of the blocks before it, and none after. A node the remat
+pass recomputed keeps its forward block; one that feeds no reduction (an input's gradient only)
+stays untagged. The schedule pass tags before its strategy runs, so `first_compute(program, block,
+"bwd")` finds every block's backward.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from fbmt.program import FWD, Program
+import torch.fx as fx
+
+from fbmt import ops
+from fbmt.program import BWD, FWD, Program
 
 
 def assign_blocks(program: Program) -> tuple[Program, str]:
@@ -23,3 +36,21 @@ def assign_blocks(program: Program) -> tuple[Program, str]:
             if block is not None:
                 counts[block or "<root>"] += 1
     return program, "forward nodes per block: " + ", ".join(f"{b}: {c}" for b, c in counts.items())
+
+
+def tag_backward_blocks(program: Program) -> int:
+    """Tag the backward compute nodes with their block (NOTE: [Backward blocks]), in place; how many."""
+    order = {b: i for i, b in enumerate(program.layout.blocks)}
+    block_of_group = {grp.index: grp.block for grp in program.layout.groups}
+    latest: dict[fx.Node, int] = {}  # the latest block (its index) whose reduction a node feeds; -1: none
+    for n in reversed(program.graph.nodes):
+        if n.meta.get("fbmt_phase") != BWD:
+            continue
+        feeds = order[block_of_group[n.meta["fbmt_group"]]] if n.target in ops.REDUCTIONS else -1
+        latest[n] = max([feeds, *(latest.get(u, -1) for u in n.users)])
+    tagged = 0
+    for n, i in latest.items():
+        if i >= 0 and n.op == "call_function" and n.target not in ops.COLLECTIVES and "fbmt_recompute" not in n.meta:
+            n.meta["fbmt_block"] = program.layout.blocks[i]
+            tagged += 1
+    return tagged

@@ -29,8 +29,8 @@ the program it gives; where the peak still exceeds B (the sum is a model of the 
 peak), the capacity shrinks by the excess and the choice is made again. Where the user set no
 prefetch depth (neither `prefetch=` nor the strategy's `depth` option) and the strategy takes one,
 this runs for depths 1, 2 and 3 (`pipeline.DEPTHS`), and the depth whose choice simulates the
-fastest step wins (the shallowest of equals): a deeper prefetch hides more communication and holds
-more gathered parameters, so it may leave less room for saved activations.
+fastest step wins, the shallowest of those within 1% of it: a deeper prefetch hides more
+communication and holds more gathered parameters, so it may leave less room for saved activations.
 """
 
 from __future__ import annotations

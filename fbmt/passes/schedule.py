@@ -36,6 +36,7 @@ import torch.fx as fx
 from fbmt import ops
 from fbmt.decisions import Collective, Schedule, collectives, compute_digest
 from fbmt.ops.tables import EFFECTFUL
+from fbmt.passes.blocks import tag_backward_blocks
 from fbmt.program import Program
 
 Strategy = Callable[..., str]
@@ -89,6 +90,7 @@ def schedule_overlap(
 ) -> tuple[Program, str]:
     """Run the strategy named `strategy` with `options`, or replay a saved `Schedule`."""
     program = program.copy()
+    tag_backward_blocks(program)  # so strategies find every block's backward (NOTE: [Backward blocks])
     if isinstance(strategy, Schedule) and strategy.training != program.needs_grad:
         # the same model's other kind of call (an evaluation under no_grad of a replayed training
         # schedule) has no recorded schedule: it gets the default strategy, and says so
@@ -175,9 +177,9 @@ def phase_begin(program: Program, phase: str) -> fx.Node | None:
 
 
 def first_compute(program: Program, block: str, phase: str) -> fx.Node | None:
-    """The first compute node tagged with `block` in `phase`. Forward nodes all carry their block;
-    backward ones only when recomputed (`fbmt_recompute`), so in the backward this is None for a
-    block that saved its activations: anchor at its gather's wait then (its first use)."""
+    """The first compute node tagged with `block` in `phase` (every forward node carries its
+    block, and a backward one the block whose gradients it computes: NOTE: [Backward blocks]);
+    None for a block with no compute in that phase."""
     return next(
         (
             n

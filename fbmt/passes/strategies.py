@@ -208,7 +208,7 @@ def _pack(cs: list[Collective], limit: int) -> list[list[Collective]]:
 
 def _anchor(program: Program, c: Collective, phase: str) -> object:
     """Where the block that `c` gathers for starts computing in `phase`: its first compute node, or
-    the gather's wait where that comes first (a backward block that saved its activations)."""
+    the gather's wait where that comes first."""
     order = ops.node_order(program.graph)
     first = first_compute(program, c.block, phase)
     return c.wait if first is None or order[c.wait] < order[first] else first
