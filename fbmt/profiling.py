@@ -22,6 +22,7 @@ nodes are the compiled regions and the collectives between them.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import statistics
 import tempfile
@@ -34,11 +35,11 @@ import torch.fx as fx
 
 from fbmt import distributed, ops
 from fbmt.compiled import CompiledModule
-from fbmt.runtime.collectives import IMPLEMENTATIONS
+from fbmt.runtime.collectives import BUCKETED, IMPLEMENTATIONS
 from fbmt.runtime.partition import take
 from fbmt.sim import Simulation, size
 
-_STARTS = {IMPLEMENTATIONS[t] for t in ops.STARTS}
+_STARTS = {IMPLEMENTATIONS[t] for t in ops.STARTS} | set(BUCKETED.values())
 _WAIT = IMPLEMENTATIONS[ops.wait]
 
 
@@ -124,7 +125,8 @@ class _Timed(fx.Interpreter):
             return super().run_node(n)
         begin = self.clock.mark()
         result = super().run_node(n)
-        kind = "start" if n.target in _STARTS else "wait" if n.target is _WAIT else "compute"
+        member = n.target is operator.getitem and getattr(n.args[0], "target", None) in _STARTS  # of a bucket
+        kind = "start" if n.target in _STARTS or member else "wait" if n.target is _WAIT else "compute"
         self.clock.spans.append((n.name, self.phase, kind, begin, self.clock.mark()))
         return result
 

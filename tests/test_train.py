@@ -50,7 +50,7 @@ def test_main_job_options_that_cannot_work_are_refused_before_anything_starts():
         (["--ranks", "0"], "at least one rank"),
         (["--heads", "3"], "does not divide into --heads 3"),
         (["--steps", "0"], "at least one step"),
-        (["--schedule", "fastest"], "no strategy 'fastest'; the registered ones are ['bmtrain', 'fsdp2'"),
+        (["--schedule", "fastest"], "no strategy 'fastest'; the registered ones are ['bmtrain', 'bucket', 'fsdp2'"),
         (["--schedule", "greedy:memory=1"], "unknown option(s) ['memory']; its options are: memory_bound=None"),
         (["--schedule", "nowhere.json"], "No such file"),
     ]:

@@ -18,6 +18,7 @@ stays untagged. The schedule pass tags before its strategy runs, so `first_compu
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 
 import torch.fx as fx
@@ -53,4 +54,8 @@ def tag_backward_blocks(program: Program) -> int:
         if i >= 0 and n.op == "call_function" and n.target not in ops.COLLECTIVES and "fbmt_recompute" not in n.meta:
             n.meta["fbmt_block"] = program.layout.blocks[i]
             tagged += 1
+    for n in latest:  # an output of a multi-output op is part of it: a block never begins between them
+        source = n.args[0] if n.target is operator.getitem else None
+        if isinstance(source, fx.Node) and "fbmt_block" in source.meta and "fbmt_recompute" not in n.meta:
+            n.meta["fbmt_block"] = source.meta["fbmt_block"]
     return tagged

@@ -175,6 +175,13 @@ def _pure(n: fx.Node, current: set[fx.Node]) -> bool:
 def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
     """`gm` with each run of pure compute replaced by a Region (see NOTE: [Regions])."""
     g = gm.graph
+    order = ops.node_order(g)
+    for n in list(g.nodes):  # unpacking stays next to its op, in its region, wherever a schedule put a collective
+        if isinstance(n.meta.get("val"), (tuple, list)):
+            at = n
+            for u in sorted((u for u in n.users if u.target is operator.getitem), key=order.__getitem__):
+                at.append(u)
+                at = u
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     members: set[fx.Node] = set()

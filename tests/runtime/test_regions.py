@@ -79,3 +79,29 @@ def test_the_cat_guard_declines_with_one_warning_outside_the_torch_releases_it_k
     with regions.cat_guard():  # said once
         pass
     regions._decline.cache_clear()
+
+
+def test_a_collective_between_an_op_and_its_unpacking_keeps_them_in_one_region():
+    """A strategy may issue a collective right after a multi-output op (a layer norm's backward),
+    before its outputs are unpacked: the region still takes the op with its unpacking (Inductor's
+    regions return flat tensors), and the step matches eager."""
+    from fbmt import ops
+    from fbmt.passes.schedule import collectives, issue_before
+
+    @fbmt.register_strategy("between-an-op-and-its-outputs")
+    def between(program: fbmt.Program) -> str:
+        g = program.graph
+        op = next(n for n in g.nodes if n.meta.get("fbmt_phase") == "bwd" and isinstance(n.meta.get("val"), tuple))
+        unpack = next(iter(op.users))
+        order = ops.node_order(g)
+        late = [c for c in collectives(program, "bwd", ops.GATHERS) if order[c.start] > order[unpack]]
+        issue_before(late[0], unpack)
+        return f"a gather between %{op.name} and its outputs"
+
+    torch.manual_seed(0)
+    ref = gpt(n_layer=2)
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt(n_layer=2), backend="inductor", checks=True, schedule="between-an-op-and-its-outputs")
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    lm_step_matches(model, ref, x, y)
+    assert "a gather between" in model.program.summary("schedule")
