@@ -361,6 +361,7 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     blocks = {grp.index: grp.block for grp in program.layout.groups}
     members: list[tuple[fx.Node, float, int]] = []  # a bucket's starts so far: (start, copy time, bytes)
     split: dict[fx.Node, float] = {}  # a gather bucket's first member -> the time to cut its buffer
+    waited_at: dict[str, int] = {}  # a start's name -> its wait's position
     for n in g.nodes:
         reached.append(t_compute)
         phase = n.meta.get("fbmt_phase", "")
@@ -392,6 +393,7 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
             timeline.append((n.name if len(issued) == 1 else f"bucket {bucket}", "comm", phase, begin, t_comm))
         elif n.target is ops.wait:
             start = n.args[0]
+            waited_at[start.name] = len(reached) - 1
             issued, began, end = started.get(start, (t_compute, t_compute, t_compute))
             stall = max(0.0, end - t_compute)
             group = start.meta.get("fbmt_group")
@@ -428,9 +430,11 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     running = []  # (first node, last node, kind, start's name, bytes) of what collectives allocate in flight
     if machine.comm_buffer:
         index = {n.name: i for i, n in enumerate(g.nodes)}
-        for c in records:  # from the node where it begins running (not before its start) to where it ends
+        for c in records:  # from where it begins running (not before its start) to where it ends (before its wait)
             first = max(index[c.node], bisect.bisect_left(reached, c.began))
-            last = max(first, bisect.bisect_right(reached, c.ended) - 1)
+            last = min(bisect.bisect_right(reached, c.ended) - 1, waited_at[c.node] - 1)
+            if last < first:
+                continue
             kind = "gathered" if c.kind == "all_gather" else "gradients"
             running.append((first, last, kind, c.node, int(machine.comm_buffer * c.bytes)))
     curve = memory_curve(program, reached, running)
