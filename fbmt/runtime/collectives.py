@@ -306,11 +306,12 @@ class _Split:
 
 
 def all_gather_bucket(members: list[tuple]) -> list[Pending]:
-    """Start one all-gather for several groups' shards (each member: `all_gather`'s arguments, all
-    with one world size and wire dtype): the shards are copied side by side into one send buffer,
-    cast on the way; a handle per member, whose wait returns that group's gathered buffer."""
+    """Start one all-gather for several groups' shards (each member: (shard, world size, wire
+    dtype or None), all with one world size and wire dtype): the shards are copied side by side into
+    one send buffer, cast on the way; a handle per member, whose wait returns that group's gathered
+    buffer."""
     shards = [m[0] for m in members]
-    world, dtype = members[0][1], (members[0][2] if len(members[0]) > 2 else None) or shards[0].dtype
+    world, dtype = members[0][1], members[0][2] or shards[0].dtype
     if world == 1:
         return [all_gather(*m) for m in members]
     sizes = [s.numel() for s in shards]
@@ -330,46 +331,34 @@ def all_gather_bucket(members: list[tuple]) -> list[Pending]:
 
 
 def reduce_scatter_bucket(members: list[tuple]) -> list[Pending]:
-    """Start one reduce-scatter for several groups' gradients (each member: `reduce_scatter`'s
-    arguments, all with one world size, wire dtype and averaging). Each rank's chunk of the bucket
-    holds every member's chunk side by side, so this rank's result is every member's shard side by
-    side, and each member's handle returns a view of its own."""
-    args = [_reduction(*m) for m in members]
-    pieces0, world, _, average, dtype, _ = args[0]
+    """Start one reduce-scatter for several groups' gradients (each member: (pieces, world size,
+    padded numel, average, wire dtype, out dtype), all with one world size, wire dtype and
+    averaging). Each rank's chunk of the bucket holds every member's chunk side by side, so this
+    rank's result is every member's shard side by side, and each member's handle returns a view of
+    its own."""
+    pieces0, world, _, average, dtype, _ = members[0]
     if world == 1:
         return [reduce_scatter(*m) for m in members]
     device = pieces0[0].device
-    chunks = [padded // world for _, _, padded, _, _, _ in args]
+    chunks = [padded // world for _, _, padded, _, _, _ in members]
     out = torch.empty(sum(chunks), dtype=dtype, device=device)
     avg = average and _nccl(out)
     side = _copy_stream(device)
     with _on(side):
         flat = torch.empty(world * sum(chunks), dtype=dtype, device=device)
         rows, offset = flat.view(world, -1), 0
-        for (pieces, *_), chunk in zip(args, chunks):
+        for (pieces, *_), chunk in zip(members, chunks):
             _fill(rows[:, offset : offset + chunk], pieces, copies.copy_)
             offset += chunk
         work = reduce_scatter_into(out, flat, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM, async_op=True)
-    keep = (flat, [_guard(a[0], side) for a in args])
+    keep = (flat, [_guard(m[0], side) for m in members])
     shared, handles, offset = _Once(work), [], 0
     what = f"a bucket of {len(members)} reduce-scatters into {out.numel()} {out.dtype}"
-    for (*_, out_dtype), chunk in zip(args, chunks):
+    for (*_, out_dtype), chunk in zip(members, chunks):
         divisor = world if average and not avg else 1
         handles.append(Pending(out[offset : offset + chunk], shared, divisor, out_dtype, keep=keep, what=what))
         offset += chunk
     return handles
-
-
-def _reduction(
-    pieces: list[torch.Tensor],
-    world_size: int,
-    padded_numel: int,
-    average: bool = True,
-    wire_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple:
-    """`reduce_scatter`'s arguments with their defaults filled in."""
-    return pieces, world_size, padded_numel, average, wire_dtype or pieces[0].dtype, out_dtype
 
 
 # The implementation of each IR op; `release` has none: the partitioner drops it.

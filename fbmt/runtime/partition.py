@@ -185,11 +185,18 @@ def _fuse_buckets(g: fx.Graph) -> None:
     for members in runs:
         if len(members) < 2:
             continue
+        args = [tuple(ops.gather_args(m)) if m.target is ops.all_gather else _reduce_scatter_args(m) for m in members]
         with g.inserting_before(members[0]):
-            fused = g.call_function(BUCKETED[members[0].target], ([m.args for m in members],))
+            fused = g.call_function(BUCKETED[members[0].target], (args,))
         fused.meta = {k: v for k, v in members[0].meta.items() if k != "val"}
         for i, m in enumerate(members):
             m.target, m.args, m.kwargs = operator.getitem, (fused, i), {}
+
+
+def _reduce_scatter_args(start: fx.Node) -> tuple:
+    """A reduce-scatter's arguments, every default filled in: what its bucket's implementation takes."""
+    r = ops.reduction_args(start)
+    return r.pieces, r.world_size, r.padded_numel, r.average, r.wire_dtype, r.out_dtype
 
 
 def _lower(g: fx.Graph) -> None:
