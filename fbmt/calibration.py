@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -243,34 +244,41 @@ def _fit(xs: list[float], ts: list[float]) -> tuple[float, float]:
 
 
 def _comm_slowdown(device: torch.device, links: list[tuple[str, float, float]]) -> float:
-    """How much longer products take while all-gathers run in the background."""
+    """How much longer products take while all-gathers run in the background: the median, over
+    pairs of runs made back to back (alone, then beside the collectives), of the ratio within a pair,
+    so that the machine's drift (a shared VM's moves by tens of percent within seconds) cancels."""
     n = 1024 if device.type == "cuda" else 256
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    reps = 8
+    reps = torch.tensor([8], dtype=torch.float64)
 
-    def products() -> None:
-        for _ in range(reps):
+    def products() -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(int(reps.item())):
             torch.mm(a, b)
         _sync(device)
+        return time.perf_counter() - t0
 
-    alone = _local(products, device)
+    once = products() / reps.item()
+    reps.fill_(max(8, math.ceil(0.02 / max(once, 1e-9))))  # a run of about 20 ms
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX)  # the same calls on every rank
     latency, bandwidth = next((lat, bw) for k, lat, bw in links if k == "all_gather")
     total = 2**26 if device.type == "cuda" else 2**22
     one = latency + total / bandwidth
     background = _collective("all_gather", total, device)
-    timings = []
-    for _ in range(5):
+    products()
+    ratios = []
+    for _ in range(7):
         dist.barrier()
-        works = [background(True) for _ in range(int(alone / one) + 2)]  # outlasts the products
-        t0 = time.perf_counter()
-        products()
-        timings.append(time.perf_counter() - t0)
+        alone = products()
+        calls = torch.tensor([int(alone / one) + 2], dtype=torch.float64)
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # as many on every rank; enough to outlast the products
+        works = [background(True) for _ in range(int(calls.item()))]
+        ratios.append(products() / alone)
         for w in works:
             w.wait()
         _sync(device)
-    with_comm = torch.tensor([statistics.median(timings)], dtype=torch.float64)
-    dist.all_reduce(with_comm)
-    return max(0.0, with_comm.item() / distributed.world_size() / alone - 1.0)
+    return max(0.0, _everywhere_mean(statistics.median(ratios)) - 1.0)
 
 
 def _comm_buffer(device: torch.device) -> float:
