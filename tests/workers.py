@@ -296,3 +296,27 @@ def narrow_wire(rank: int, world: int) -> dict:
         "ring": C.wait(C.reduce_scatter(pieces, world, 12, average=True, wire_dtype=fp32, out_dtype=fp32)),
         "reference": REFERENCE[ops.all_to_all_reduce](pieces, world, 12, True, fp32, fp32),
     }
+
+
+def buckets(rank: int, world: int) -> dict:
+    """Three groups' gathers and reductions as one bucket each and one by one (NOTE: [Buckets]):
+    shards cast for the wire and not; gradient pieces that cross the ends of the ranks' chunks,
+    averaged and summed, sent as bf16 and returned as fp32."""
+    from fbmt.runtime import collectives as C
+
+    g = torch.Generator().manual_seed(rank)
+    out: dict = {}
+    shards = [torch.randn(n, generator=g) for n in (5, 1, 8)]
+    for wire in (None, torch.bfloat16):
+        fused = [C.wait(h) for h in C.all_gather_bucket([(s, world, wire) for s in shards])]
+        out[f"all_gather, wire {wire}"] = (fused, [C.wait(C.all_gather(s, world, wire)) for s in shards])
+    groups = [[torch.randn(7, generator=g), torch.randn(3, generator=g)], [torch.randn(1, generator=g)]]
+    groups.append([torch.randn(9, generator=g)])
+    padded = [-(-sum(p.numel() for p in ps) // world) * world for ps in groups]
+    for average in (True, False):
+        for wire, result in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+            members = [(ps, world, n, average, wire, result) for ps, n in zip(groups, padded)]
+            fused = [C.wait(h) for h in C.reduce_scatter_bucket(members)]
+            alone = [C.wait(C.reduce_scatter(*m)) for m in members]
+            out[f"reduce_scatter, average {average}, wire {wire}"] = (fused, alone)
+    return out
