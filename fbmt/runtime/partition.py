@@ -171,14 +171,21 @@ _NEEDS_GRAD_MODE = {aten.mkldnn_rnn_layer.default: _with_grad_mode(aten.mkldnn_r
 
 
 def _fuse_buckets(g: fx.Graph) -> None:
-    """Each run of one bucket's adjacent starts (`verify` checked they are one run that agrees)
-    becomes one call of the bucket's implementation, each member a `getitem` of its handle."""
+    """Each run of one bucket's adjacent starts that agree on what one call needs (`verify` checked
+    that a bucket is one such run; this holds without it) becomes one call of the bucket's
+    implementation, each member a `getitem` of its handle."""
     runs: list[list[fx.Node]] = []
     for n in g.nodes:
         bucket = ops.bucket_of(n) if n.op == "call_function" and n.target in BUCKETED else None
         if bucket is None:
             continue
-        if runs and ops.bucket_of(runs[-1][-1]) == bucket and runs[-1][-1].next is n:
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and ops.bucket_of(last) == bucket
+            and last.next is n
+            and ops.bucket_key(last) == ops.bucket_key(n)
+        ):
             runs[-1].append(n)
         else:
             runs.append([n])
