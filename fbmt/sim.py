@@ -360,7 +360,7 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     reached: list[float] = []
     blocks = {grp.index: grp.block for grp in program.layout.groups}
     members: list[tuple[fx.Node, float, int]] = []  # a bucket's starts so far: (start, copy time, bytes)
-    split: dict[fx.Node, float] = {}  # a gather bucket's first member -> the time to cut its buffer
+    split: dict[int, float] = {}  # a gather bucket -> the time to cut its buffer (at its first wait)
     waited_at: dict[str, int] = {}  # a start's name -> its wait's position
     for n in g.nodes:
         reached.append(t_compute)
@@ -376,7 +376,7 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
                     continue
                 host, comm = _bucket(members, machine)
                 if n.target in ops.GATHERS and comm:  # the bucket's buffer cut into the members' at the first wait
-                    split[members[0][0]] = machine.launch * len(members) + 2 * sum(b for _, _, b in members) / (
+                    split[bucket] = machine.launch * len(members) + 2 * sum(b for _, _, b in members) / (
                         machine.memory_bandwidth
                     )
             issued = [m for m, _, _ in members] or [n]
@@ -415,7 +415,7 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
             if stall:
                 exposed[phase or "fwd"] = exposed.get(phase or "fwd", 0.0) + stall
                 t_compute = end
-            copy = split.pop(start, 0.0)
+            copy = split.pop(ops.bucket_of(start), 0.0)  # at the first of its members' waits
             if copy:
                 timeline.append((f"split {start.name}", "compute", phase, t_compute, t_compute + copy))
                 t_compute += copy
