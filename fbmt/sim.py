@@ -502,16 +502,15 @@ def memory_curve(
         return min((order[u] for u in start.users if u.target is ops.wait), default=order[start])
 
     # a bucket of more than one rank (NOTE: [Buckets]): its first start, and its members' first and last wait
-    buckets: dict[int, list[int]] = {}
+    buckets: dict[int, list[int]] = {}  # bucket -> [first start, first wait, last wait, bytes]
     for n in nodes:
         b = ops.bucket_of(n) if n.op == "call_function" else None
         if b is not None and ops.bucket_key(n)[2] > 1:
-            first, lo, hi = buckets.setdefault(b, [order[n], waited(n), waited(n)])
-            buckets[b] = [min(first, order[n]), min(lo, waited(n)), max(hi, waited(n))]
-    for b, (first, lo, _) in buckets.items():
+            first, lo, hi, total = buckets.setdefault(b, [order[n], waited(n), waited(n), 0])
+            buckets[b] = [min(first, order[n]), min(lo, waited(n)), max(hi, waited(n)), total + collective_bytes(n)]
+    for b, (first, lo, _, total) in buckets.items():
         head = nodes[first]
         if head.target in ops.GATHERS:  # its buffer and its send buffer live until it is cut at its first wait
-            total = sum(collective_bytes(n) for n in nodes if n.op == "call_function" and ops.bucket_of(n) == b)
             hold(first, lo, "gathered", f"bucket {b}", total + total // ops.bucket_key(head)[2])
     for n in nodes:
         if n.op != "call_function" or owner[n] is not n:
