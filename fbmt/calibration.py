@@ -8,14 +8,20 @@ NOTE: [Calibration]
 Measured, each as the median of several timed repetitions after a warm-up:
 - the achieved rate of square matrix products by size, per dtype (fp32; bf16 on a GPU);
 - copy bandwidth (bytes read + written per second, as the roofline counts them);
+- on a CPU, causal attention (forward and backward) by size, and the elements per second of the
+  ops a core computes slower than it moves their bytes (GELU, SiLU, exp, softmax, layer norm, sums
+  and their backwards). On a GPU these stay with the roofline: flash attention runs near the
+  product rate and pointwise kernels at memory bandwidth (the H200 rows of BENCHMARKS.md);
 - the cost of running one node of an eager program: the host's call through the generated code and
   the dispatcher (on a GPU, or a kernel's launch where that is longer); and of one view, which a
   CPU rank spends in line with its compute while a GPU's host hides it;
 - each collective kind the runtime issues (all-gather, reduce-scatter, all-to-all) at several sizes,
-  fitted to `latency + (N - 1) / N * bytes / bandwidth` by least squares; the slowest rank's time
-  counts, as a collective ends when every rank is done;
-- how much slower products run while collectives are in flight (`comm_slowdown`): gloo's threads
-  take cores, NCCL's kernels take SMs;
+  fitted to `latency + (N - 1) / N * bytes / bandwidth` by least squares. On a GPU a run of them
+  back to back, the slowest rank's time (a collective ends when every rank is done); on a CPU each
+  one after a stretch of products, as in a step, the ranks' mean (their arrival apart included);
+- how much slower products run while collectives are in flight (`comm_slowdown`), and how much
+  slower collectives run beside products (`comm_stretch`): gloo's threads share the cores with
+  compute, NCCL's kernels the SMs;
 - on a CPU, what a collective allocates while it runs, per byte of its buffer (`comm_buffer`, from
   the torch profiler's allocation records): gloo copies the buffer it sends or reduces, and at a
   step's peak that copy counts as much as any activation. NCCL's buffers are outside the caching
@@ -167,6 +173,59 @@ def _matmul_rates(device: torch.device, quick: bool) -> list[tuple[str, float, f
     return rates
 
 
+def _attention_rates(device: torch.device, quick: bool) -> list[tuple[str, float, float]]:
+    """Causal attention's achieved rate, forward and backward together, by the FLOPs of one call as
+    `fbmt.ops.flops` counts them (a backward as 2.5 forwards), at head size 64."""
+    import torch.nn.functional as F
+
+    shapes = ((16, 128), (4, 512)) if quick else ((32, 64), (16, 128), (8, 256), (4, 512))
+    rates = []
+    for heads, seq in shapes:
+        q, k, v = (torch.randn(1, heads, seq, 64, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.ones(1, heads, seq, 64, device=device)
+
+        def step() -> None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: B023
+            torch.autograd.grad(out, (q, k, v), grad)  # noqa: B023
+
+        forward = 4.0 * q.numel() * seq / 2
+        s = _everywhere_mean(_local(step, device))
+        rates.append(("float32", forward, 3.5 * forward / s))
+    return rates
+
+
+# What the CPU's elementwise rates are measured on: op -> its call on a [rows, 1024] fp32 input x,
+# its output y and a gradient g of x's shape.
+_ELEMENTWISE: dict[str, Callable[..., object]] = {
+    "gelu": lambda x, y, g, w: aten.gelu.default(x),
+    "gelu_backward": lambda x, y, g, w: aten.gelu_backward.default(g, x),
+    "silu": lambda x, y, g, w: aten.silu.default(x),
+    "silu_backward": lambda x, y, g, w: aten.silu_backward.default(g, x),
+    "sigmoid": lambda x, y, g, w: aten.sigmoid.default(x),
+    "tanh": lambda x, y, g, w: aten.tanh.default(x),
+    "exp": lambda x, y, g, w: aten.exp.default(x),
+    "_softmax": lambda x, y, g, w: aten._softmax.default(x, -1, False),
+    "_softmax_backward_data": lambda x, y, g, w: aten._softmax_backward_data.default(g, y, -1, torch.float32),
+    "_log_softmax": lambda x, y, g, w: aten._log_softmax.default(x, -1, False),
+    "_log_softmax_backward_data": lambda x, y, g, w: aten._log_softmax_backward_data.default(g, y, -1, torch.float32),
+    "native_layer_norm": lambda x, y, g, w: aten.native_layer_norm.default(x, [x.shape[-1]], w, w, 1e-5),
+    "native_layer_norm_backward": lambda x, y, g, w: aten.native_layer_norm_backward.default(
+        g, x, [x.shape[-1]], *aten.native_layer_norm.default(x, [x.shape[-1]], w, w, 1e-5)[1:], w, w, [True] * 3
+    ),
+    "sum": lambda x, y, g, w: aten.sum.dim_IntList(x, [0]),  # a bias's gradient
+}
+
+
+def _elementwise_rates(device: torch.device) -> list[tuple[str, float]]:
+    """Elements of the first operand per second, for each op of `_ELEMENTWISE`, on 1M fp32 elements."""
+    x = torch.randn(1024, 1024, device=device)
+    y, g, w = x.softmax(-1), torch.randn_like(x), torch.ones(1024, device=device)
+    return [
+        (name, x.numel() / _everywhere_mean(_local(lambda: call(x, y, g, w), device)))  # noqa: B023
+        for name, call in _ELEMENTWISE.items()
+    ]
+
+
 def _copy_bandwidth(device: torch.device) -> float:
     n = (256 if device.type == "cuda" else 16) * 2**20 // 4
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
@@ -221,13 +280,34 @@ def _links(device: torch.device, quick: bool) -> list[tuple[str, float, float]]:
                 run()  # noqa: B023
                 _sync(device)
 
-            s = torch.tensor([_seconds(once, device, at_least=0.05)], dtype=torch.float64)
-            dist.all_reduce(s, op=dist.ReduceOp.MAX)  # it ends when the slowest rank is done
+            if device.type == "cuda":
+                s = torch.tensor([_seconds(once, device, at_least=0.05)], dtype=torch.float64)
+                dist.all_reduce(s, op=dist.ReduceOp.MAX)  # it ends when the slowest rank is done
+                seconds = s.item()
+            else:
+                seconds = _everywhere_mean(_after_compute(once))
             xs.append((world - 1) / world * total)
-            ts.append(s.item())
+            ts.append(seconds)
         latency, per_byte = _fit(xs, ts)
         out.append((kind, latency, 1.0 / per_byte))
     return out
+
+
+def _after_compute(collective: Callable[[], object], repeats: int = 9) -> float:
+    """The median seconds a CPU rank spends in `collective` when it follows compute, as in a step:
+    gloo's thread wakes, caches are cold, and the ranks arrive apart by how differently their compute
+    ran. The mean over ranks of this is what a step's wait adds on average (the rank that arrives
+    first waits for the others, the last one does not)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    collective()
+    times = []
+    for _ in range(repeats):
+        for _ in range(4):  # about as long as a block's compute between two collectives
+            torch.mm(a, b)
+        t0 = time.perf_counter()
+        collective()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _fit(xs: list[float], ts: list[float]) -> tuple[float, float]:
@@ -281,6 +361,36 @@ def _comm_slowdown(device: torch.device, links: list[tuple[str, float, float]]) 
     return max(0.0, _everywhere_mean(statistics.median(ratios)) - 1.0)
 
 
+def _comm_stretch(device: torch.device) -> float:
+    """How much longer all-gathers take while products run beside them (gloo's threads share the
+    cores with compute; NCCL's kernels the SMs): the median, over back-to-back pairs, of the ratio
+    of the time to finish a run of them beside products to the time alone."""
+    n = 1024 if device.type == "cuda" else 256
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    total = 2**26 if device.type == "cuda" else 2**22
+    background = _collective("all_gather", total, device)
+    calls = 4
+
+    def run(beside: bool) -> float:
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [background(True) for _ in range(calls)]
+        while beside and not all(w.is_completed() for w in works):
+            torch.mm(a, b)
+        for w in works:
+            w.wait()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    run(False)
+    ratios = []
+    for _ in range(7):
+        alone = run(False)
+        ratios.append(run(True) / alone)
+    return max(0.0, _everywhere_mean(statistics.median(ratios)) - 1.0)
+
+
 def _comm_buffer(device: torch.device) -> float:
     """Bytes the allocator hands out while an all-gather or reduce-scatter runs (beyond the buffers
     the runtime allocates for it), per byte of its whole buffer; the larger of the two kinds."""
@@ -330,11 +440,15 @@ def _measure(quick: bool, log: Callable) -> Machine:
     copy = _copy_bandwidth(device)
     node = _node_cost(device)
     view = 0.0 if device.type == "cuda" else _node_cost(device, aten.view.default)  # a GPU's host runs ahead
-    links, slowdown, buffer = [], 0.0, 0.0
+    cpu = device.type != "cuda"
+    attention = _attention_rates(device, quick) if cpu else []
+    elementwise = _elementwise_rates(device) if cpu else []
+    links, slowdown, stretch, buffer = [], 0.0, 0.0, 0.0
     if world > 1:
         log("fbmt.calibrate: collectives ...", flush=True)
         links = _links(device, quick)
         slowdown = _comm_slowdown(device, links)
+        stretch = _comm_stretch(device)
         buffer = _comm_buffer(device)
     best = max((r for d, _, r in rates if d == ("bfloat16" if device.type == "cuda" else "float32")), default=1e9)
     fp32 = max(r for d, _, r in rates if d == "float32")
@@ -351,8 +465,11 @@ def _measure(quick: bool, log: Callable) -> Machine:
         matmul_rates=tuple(rates),
         links=tuple(links),
         comm_slowdown=slowdown,
+        comm_stretch=stretch,
         view_cost=view,
         comm_buffer=buffer,
+        attention_rates=tuple(attention),
+        elementwise_rates=tuple(elementwise),
     )
     log(f"fbmt.calibrate: {summary(machine)} ({time.perf_counter() - started:.0f} s)", flush=True)
     return machine
@@ -362,9 +479,16 @@ def summary(m: Machine) -> str:
     """The profile in one line."""
     links = "; ".join(f"{k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s" for k, lat, bw in m.links) or "no collectives"
     return (
-        f"{m.name}: products up to {m.matmul_flops / 1e9:.1f} GFLOP/s, copies {m.memory_bandwidth / 1e9:.1f} GB/s, "
+        f"{m.name}: products up to {m.matmul_flops / 1e9:.1f} GFLOP/s, "
+        + (
+            f"attention up to {max(r for _, _, r in m.attention_rates) / 1e9:.1f} GFLOP/s, "
+            if m.attention_rates
+            else ""
+        )
+        + f"copies {m.memory_bandwidth / 1e9:.1f} GB/s, "
         f"{m.launch * 1e6:.1f} us per node ({m.view_cost * 1e6:.1f} us per view); {links}; "
-        f"compute {m.comm_slowdown:.0%} slower under communication"
+        f"compute {m.comm_slowdown:.0%} slower under communication, "
+        f"collectives {m.comm_stretch:.0%} slower beside compute"
         + (f"; collectives allocate {m.comm_buffer:.1f}x their buffer while they run" if m.comm_buffer else "")
     )
 

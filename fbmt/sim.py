@@ -10,20 +10,24 @@ NOTE: [Simulator]
 The program is replayed in its own order (the forward, then the backward, exactly as the runtime
 runs it) on two streams. The compute stream runs every op for `max(flops / matmul rate, bytes /
 memory bandwidth)` plus a launch overhead (a roofline: matrix products and attention are priced by
-their FLOPs, at the rate measured for products of that size and dtype where the machine has one,
-everything else by the bytes it reads and writes; views cost nothing). A collective's start
+their FLOPs, at the rate measured for products, or attention calls, of that size and dtype where the
+machine has one, everything else by the bytes it reads and writes; views cost nothing). Where the
+machine measured an op's elements per second (a CPU core's transcendentals and normalizations run
+slower than their bytes move), the op takes the longer of the two times. A collective's start
 occupies the communication stream, in issue order, for its copies (the cast before an all-gather,
 the copy of the gradients into the reduction's buffer: they run on the runtime's copy stream, NOTE:
 [Copy stream] in runtime/collectives.py) plus `latency + (N - 1) / N * bytes / bus bandwidth` (ring
 all-gather / reduce-scatter; an all-to-all moves as many bytes), with each kind's own latency and
 bandwidth where they were measured; on one rank the copies run on the compute stream. Compute that
 runs while a collective is in flight is slowed by the machine's `comm_slowdown` (NCCL's kernels
-take SMs; gloo's threads take cores). A `wait` stalls the compute stream until its collective is
-done: that stall is *exposed communication*, recorded per collective. The memory curve replays the
+take SMs; gloo's threads take cores), and a collective beside compute by its `comm_stretch`. A
+`wait` stalls the compute stream until its collective is done (from the stall on, the collective
+runs alone, at full speed): that stall is *exposed communication*, recorded per collective. The memory curve replays the
 same order with each value alive from its definition to its last use (views keep their base alive;
 a reduce-scatter's input lives until its wait), which is how the runtime frees values, split into
 activations, gathered parameters and gradient buffers, plus what a collective allocates while it
-runs where the machine's `comm_buffer` says it does (gloo copies its buffer); persistent state
+runs where the machine's `comm_buffer` says it does (gloo copies its buffer: an all-gather's copy
+lives while the transfer runs, a reduce-scatter's until its wait); persistent state
 (shards, gradients, optimizer) is not part of it.
 
 It is a model, to compare schedules and settings, not a promise: BENCHMARKS.md sets it against
@@ -49,6 +53,7 @@ from fbmt import files, flags, ops
 from fbmt.decisions import collective_bytes
 from fbmt.ops import flops, nbytes
 from fbmt.ops.graph import size as size  # re-exported: fbmt.sim.size
+from fbmt.ops.tables import ATTENTION_BACKWARD, ATTENTION_FORWARD, op_name
 from fbmt.program import Program
 
 
@@ -73,12 +78,21 @@ class Machine:
     # measured collectives: (kind, latency s, bus bandwidth bytes/s); a kind not listed uses the flat pair
     links: tuple[tuple[str, float, float], ...] = ()
     comm_slowdown: float = 0.0  # compute runs (1 + this) times slower while a collective is in flight
+    comm_stretch: float = 0.0  # a collective runs (1 + this) times slower while compute runs beside it
     # seconds per view, reshape or unpacking node: the host's call, which a GPU hides behind the kernels
     # queued before it, but a CPU rank spends in line with its compute
     view_cost: float = 0.0
     # bytes a collective allocates while it runs, per byte of its whole buffer, where the allocator
     # sees them: gloo copies the buffer it sends or reduces; NCCL's buffers are its own
     comm_buffer: float = 0.0
+    # measured attention kernels, forward and backward together: (dtype name, FLOPs of one call as
+    # `fbmt.ops.flops` counts them, achieved FLOP/s), interpolated by FLOPs; where none are listed,
+    # attention runs at the product rate, as flash kernels do on a GPU
+    attention_rates: tuple[tuple[str, float, float], ...] = ()
+    # ops a core computes slower than it moves their bytes (transcendentals, normalizations,
+    # reductions on a CPU): (op name, elements of the first operand per second); such an op takes
+    # the longer of that and its roofline time
+    elementwise_rates: tuple[tuple[str, float], ...] = ()
 
     def link(self, kind: str) -> tuple[float, float]:
         """(latency, bus bandwidth) of a collective kind ("all_gather", "reduce_scatter", ...)."""
@@ -90,19 +104,21 @@ class Machine:
     def matmul_rate(self, work: float, dtype: torch.dtype) -> float:
         """The achieved FLOP/s of a product of `work` FLOPs in `dtype`: the measured rates of that
         dtype interpolated in log-log (clamped at the ends), else the flat rate."""
-        name = str(dtype).removeprefix("torch.")
-        points = sorted((f, r) for d, f, r in self.matmul_rates if d == name)
-        if not points:
-            if dtype == torch.float32:
-                return self.fp32_matmul_flops or self.matmul_flops / 16
-            return self.matmul_flops
-        if work <= points[0][0]:
-            return points[0][1]
-        for (f0, r0), (f1, r1) in zip(points, points[1:]):
-            if work <= f1:
-                t = (math.log(work) - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
-        return points[-1][1]
+        rate = _interpolated(self.matmul_rates, work, dtype)
+        if rate is not None:
+            return rate
+        if dtype == torch.float32:
+            return self.fp32_matmul_flops or self.matmul_flops / 16
+        return self.matmul_flops
+
+    def attention_rate(self, work: float, dtype: torch.dtype) -> float:
+        """The achieved FLOP/s of an attention call of `work` FLOPs: measured, else the product rate."""
+        rate = _interpolated(self.attention_rates, work, dtype)
+        return rate if rate is not None else self.matmul_rate(work, dtype)
+
+    def elementwise_rate(self, op: str) -> float | None:
+        """Elements per second measured for the aten op named `op`, if it was."""
+        return next((r for name, r in self.elementwise_rates if name == op), None)
 
     def to_dict(self) -> dict[str, Any]:
         """The profile as plain data (what `save` writes)."""
@@ -115,7 +131,7 @@ class Machine:
             raise ValueError("not an fbmt machine profile (written by fbmt.calibrate or Machine.save)")
         fields = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in fields}
-        for k in ("matmul_rates", "links"):
+        for k in ("matmul_rates", "links", "attention_rates", "elementwise_rates"):
             d[k] = tuple(tuple(x) for x in d.get(k, ()))
         return cls(**d)
 
@@ -132,6 +148,22 @@ class Machine:
                 return cls.from_dict(json.load(f))
             except (json.JSONDecodeError, TypeError, ValueError) as e:
                 raise ValueError(f"{path!r}: {e}; make one with fbmt.calibrate()") from None
+
+
+def _interpolated(table: tuple[tuple[str, float, float], ...], work: float, dtype: torch.dtype) -> float | None:
+    """A rate of `table`'s (dtype name, work, rate) points for `dtype`, interpolated in log-log
+    (clamped at the ends); None where the table has no point of that dtype."""
+    name = str(dtype).removeprefix("torch.")
+    points = sorted((f, r) for d, f, r in table if d == name)
+    if not points:
+        return None
+    if work <= points[0][0]:
+        return points[0][1]
+    for (f0, r0), (f1, r1) in zip(points, points[1:]):
+        if work <= f1:
+            t = (math.log(work) - math.log(f0)) / (math.log(f1) - math.log(f0))
+            return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+    return points[-1][1]
 
 
 # The rates measured on the H200 host of BENCHMARKS.md (matrix products, copy bandwidth, NVLink bus
@@ -289,8 +321,12 @@ def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else n
 
 
+_ATTENTION = ATTENTION_FORWARD | ATTENTION_BACKWARD
+
+
 def compute_time(n: fx.Node, machine: Machine) -> float:
-    """Roofline time of one compute node on the machine (0 for views and bookkeeping)."""
+    """Roofline time of one compute node on the machine (NOTE: [Simulator]; a view costs the
+    machine's view cost, bookkeeping nothing)."""
     if n.op != "call_function":
         return 0.0
     if ops.costs_nothing(n):
@@ -301,8 +337,13 @@ def compute_time(n: fx.Node, machine: Machine) -> float:
     rate = machine.matmul_flops
     operand = next((v for v in map(_val, n.all_input_nodes) if isinstance(v, torch.Tensor)), out)
     if work and isinstance(operand, torch.Tensor):  # the operands' dtype and the product's size set the rate
-        rate = machine.matmul_rate(work, operand.dtype)
-    return machine.launch + max(work / rate, moved / machine.memory_bandwidth)
+        attention = op_name(n.target) in _ATTENTION
+        rate = (machine.attention_rate if attention else machine.matmul_rate)(work, operand.dtype)
+    seconds = max(work / rate, moved / machine.memory_bandwidth)
+    per = machine.elementwise_rate(op_name(n.target)) if machine.elementwise_rates else None
+    if per and isinstance(operand, torch.Tensor):
+        seconds = max(seconds, operand.numel() / per)
+    return machine.launch + seconds
 
 
 def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
@@ -361,7 +402,9 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     blocks = {grp.index: grp.block for grp in program.layout.groups}
     members: list[tuple[fx.Node, float, int]] = []  # a bucket's starts so far: (start, copy time, bytes)
     split: dict[int, float] = {}  # a gather bucket -> the time to cut its buffer (at its first wait)
-    waited_at: dict[str, int] = {}  # a start's name -> its wait's position
+    call: dict[fx.Node, tuple[int, list[fx.Node]]] = {}  # a start -> its call's timeline entry and starts
+    waited_at: dict[str, int] = {}  # a start's name -> its wait's position (a bucket's: its first member's)
+    bucket_waited: dict[int, int] = {}  # a bucket -> its first member's wait's position
     for n in g.nodes:
         reached.append(t_compute)
         phase = n.meta.get("fbmt_phase", "")
@@ -386,15 +429,30 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
             t_compute += host
             compute += host
             begin = max(t_compute, t_comm)
+            comm *= 1 + machine.comm_stretch  # compute runs beside it, until a wait stalls for it
             t_comm = begin + comm
             busy_comm += comm
             for m in issued:
                 started[m] = (t_compute, begin, t_comm)
+                call[m] = (len(timeline), issued)
             timeline.append((n.name if len(issued) == 1 else f"bucket {bucket}", "comm", phase, begin, t_comm))
         elif n.target is ops.wait:
             start = n.args[0]
-            waited_at[start.name] = len(reached) - 1
+            bucket = ops.bucket_of(start)
+            at = len(reached) - 1
+            waited_at[start.name] = at if bucket is None else bucket_waited.setdefault(bucket, at)
             issued, began, end = started.get(start, (t_compute, t_compute, t_compute))
+            if end > t_compute and machine.comm_stretch:  # from here on it runs alone, at full speed
+                since = max(t_compute, began)
+                done = since + (end - since) / (1 + machine.comm_stretch)
+                busy_comm -= end - done
+                if t_comm == end:
+                    t_comm = done
+                index, together = call[start]  # a bucket's members share the call
+                timeline[index] = (*timeline[index][:3], began, done)
+                for m in together:
+                    started[m] = (started[m][0], began, done)
+                end = done
             stall = max(0.0, end - t_compute)
             group = start.meta.get("fbmt_group")
             records.append(
@@ -429,10 +487,15 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
                 compute += took
     running = []  # (first node, last node, kind, start's name, bytes) of what collectives allocate in flight
     if machine.comm_buffer:
+        # from where it begins running (not before its start): gloo's all-gather frees its flat copy
+        # when the transfer ends, its reduce-scatter's work object holds the input's copy until it is
+        # waited on (a bucket's members share one, dropped at the first member's wait)
         index = {n.name: i for i, n in enumerate(g.nodes)}
-        for c in records:  # from where it begins running (not before its start) to where it ends (before its wait)
+        for c in records:
             first = max(index[c.node], bisect.bisect_left(reached, c.began))
-            last = min(bisect.bisect_right(reached, c.ended) - 1, waited_at[c.node] - 1)
+            last = waited_at[c.node] - 1
+            if c.kind == "all_gather":
+                last = min(last, bisect.bisect_right(reached, c.ended) - 1)
             if last < first:
                 continue
             kind = "gathered" if c.kind == "all_gather" else "gradients"

@@ -29,6 +29,12 @@ def test_calibrate_measures_products_copies_nodes_and_every_collective_kind(tmp_
     assert sorted(k for k, _, _ in machine.links) == ["all_gather", "all_to_all_reduce", "reduce_scatter"]
     assert all(lat >= 0 and bw > 1e6 for _, lat, bw in machine.links) and machine.comm_slowdown >= 0
     assert machine.comm_buffer == pytest.approx(1.0, abs=0.1)  # gloo copies what it sends or reduces
+    assert machine.comm_stretch >= 0
+    # a CPU's attention and slow elementwise ops, measured
+    assert machine.attention_rates and all(d == "float32" and r > 1e6 for d, _, r in machine.attention_rates)
+    names = {name for name, _ in machine.elementwise_rates}
+    assert {"gelu", "gelu_backward", "silu", "_softmax", "native_layer_norm_backward"} <= names
+    assert all(r > 1e5 for _, r in machine.elementwise_rates)
     monkeypatch.setenv("FBMT_MACHINE", path)
     torch.manual_seed(0)
     program = fbmt.compile(torch.nn.Linear(8, 8), world_size=2).trace(torch.randn(4, 8))

@@ -233,3 +233,76 @@ def test_what_a_collective_allocates_while_it_runs_counts_where_the_machine_says
     at = gloo.memory.nodes.index(c.node)
     assert gloo.memory.total[at] == plain.memory.total[at] + c.bytes
     assert gloo.memory.total[at - 1] == plain.memory.total[at - 1]  # not before it is issued
+
+
+def test_a_reduce_scatter_holds_its_copy_until_its_wait_and_an_all_gather_until_it_ends():
+    # gloo frees an all-gather's flat copy when the transfer ends; a reduce-scatter's copy belongs to
+    # its work object, which lives until the wait: on a fast link the first is gone long before its
+    # wait, the second is not (measured on 2 gloo ranks with benchmarks/predict.py's model)
+    program = _program(world=2)  # the default schedule: collectives overlap compute
+    instant = dataclasses.replace(H200, latency=0.0, bus_bandwidth=1e18)  # each transfer ends where it begins
+    sim = simulate(program, dataclasses.replace(instant, comm_buffer=1.0))
+    extra = [a - b for a, b in zip(sim.memory.total, simulate(program, instant).memory.total)]
+    index = {name: i for i, name in enumerate(sim.memory.nodes)}
+    wait_of = {w.args[0].name: index[w.name] for w in program.graph.find_nodes(op="call_function", target=ops.wait)}
+    early = [c for c in sim.collectives if wait_of[c.node] - index[c.node] > 2]  # issued well before the wait
+    reductions = [c for c in early if c.kind == "reduce_scatter"]
+    gathers = [c for c in early if c.kind == "all_gather" and c.phase == "fwd"]  # no reduction runs beside them
+    assert reductions and gathers
+    assert all(extra[wait_of[c.node] - 1] >= c.bytes for c in reductions)
+    starts = {index[c.node] for c in sim.collectives}
+    checked = 0
+    for c in gathers:
+        assert extra[index[c.node]] >= c.bytes  # counted while it runs
+        later = range(index[c.node] + 1, wait_of[c.node])
+        ended = [i for i in later if i not in starts and sim.memory.times[i] > c.ended]
+        if ended:  # and gone once it has ended, before its wait
+            assert extra[ended[0]] == 0
+            checked += 1
+    assert checked
+
+
+def _node(program: fbmt.Program, name: str) -> torch.fx.Node:
+    return next(n for n in program.graph.nodes if n.op == "call_function" and ops.tables.op_name(n.target) == name)
+
+
+def test_attention_and_slow_elementwise_ops_take_the_rates_the_machine_measured():
+    program = _program()
+    attention = _node(program, "_scaled_dot_product_flash_attention_for_cpu")
+    backward = _node(program, "_scaled_dot_product_flash_attention_for_cpu_backward")
+    gelu = _node(program, "gelu")
+    plain = dataclasses.replace(H200, launch=0.0, memory_bandwidth=1e30)  # no op is bound by its bytes
+    # without measured attention, it runs at the product rate
+    assert compute_time(attention, plain) == pytest.approx(flops(attention) / plain.matmul_rate(1.0, torch.float32))
+    measured = dataclasses.replace(
+        plain,
+        attention_rates=(("float32", 1e3, 1e9), ("float32", 1e12, 4e9)),
+        elementwise_rates=(("gelu", 1e6),),
+    )
+    for n in (attention, backward):  # forward and backward, interpolated by FLOPs in log-log
+        rate = measured.attention_rate(flops(n), torch.float32)
+        assert 1e9 < rate < 4e9 and compute_time(n, measured) == pytest.approx(flops(n) / rate)
+    assert flops(backward) == pytest.approx(2.5 * flops(attention))
+    x = gelu.args[0].meta["val"]
+    assert compute_time(gelu, measured) == pytest.approx(x.numel() / 1e6)  # slower than its bytes move
+    assert compute_time(gelu, plain) < compute_time(gelu, measured)
+    fast = dataclasses.replace(measured, elementwise_rates=(("gelu", 1e30),))
+    assert compute_time(gelu, fast) == compute_time(gelu, plain)  # the roofline when that is longer
+    assert Machine.from_dict(measured.to_dict()) == measured
+
+
+def test_a_collective_runs_slower_beside_compute_and_at_full_speed_once_its_wait_stalls():
+    overlapped, serial = _program(world=2), _program(world=2, schedule="none")
+    stretched = dataclasses.replace(SLOW_LINK, comm_stretch=1.0)
+    # with no overlap nothing runs beside a collective: its wait follows its start
+    assert simulate(serial, stretched).step_s == pytest.approx(simulate(serial, SLOW_LINK).step_s)
+    # beside compute it runs twice as slow, and what is left when the wait stalls runs at full speed
+    plain, slow = simulate(overlapped, SLOW_LINK), simulate(overlapped, stretched)
+    assert slow.step_s > plain.step_s
+    for a, b in zip(plain.collectives, slow.collectives):
+        assert a.node == b.node
+        took, alone = b.ended - b.began, a.ended - a.began
+        assert alone * (1 - 1e-9) <= took <= 2 * alone * (1 + 1e-9)
+        if b.exposed:  # it stalled the compute stream, having run beside compute until its wait
+            beside = max(0.0, b.waited - b.began)
+            assert took == pytest.approx(beside + (alone - beside / 2))
