@@ -22,6 +22,8 @@ Measured, each as the median of several timed repetitions after a warm-up:
 - how much slower products run while collectives are in flight (`comm_slowdown`), and how much
   slower collectives run beside products (`comm_stretch`): gloo's threads share the cores with
   compute, NCCL's kernels the SMs;
+- how many collectives the backend runs at once (`comm_lanes`: gloo's work queue is served by
+  two threads, NCCL's stream by one), from the backend rather than measured;
 - on a CPU, what a collective allocates while it runs, per byte of its buffer (`comm_buffer`, from
   the torch profiler's allocation records): gloo copies the buffer it sends or reduces, and at a
   step's peak that copy counts as much as any activation. NCCL's buffers are outside the caching
@@ -466,6 +468,7 @@ def _measure(quick: bool, log: Callable) -> Machine:
         links=tuple(links),
         comm_slowdown=slowdown,
         comm_stretch=stretch,
+        comm_lanes=2 if backend == "gloo" else 1,
         view_cost=view,
         comm_buffer=buffer,
         attention_rates=tuple(attention),

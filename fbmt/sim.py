@@ -14,21 +14,22 @@ their FLOPs, at the rate measured for products, or attention calls, of that size
 machine has one, everything else by the bytes it reads and writes; views cost nothing). Where the
 machine measured an op's elements per second (a CPU core's transcendentals and normalizations run
 slower than their bytes move), the op takes the longer of the two times. A collective's start
-occupies the communication stream, in issue order, for its copies (the cast before an all-gather,
-the copy of the gradients into the reduction's buffer: they run on the runtime's copy stream, NOTE:
-[Copy stream] in runtime/collectives.py) plus `latency + (N - 1) / N * bytes / bus bandwidth` (ring
-all-gather / reduce-scatter; an all-to-all moves as many bytes), with each kind's own latency and
-bandwidth where they were measured; on one rank the copies run on the compute stream. Compute that
-runs while a collective is in flight is slowed by the machine's `comm_slowdown` (NCCL's kernels
-take SMs; gloo's threads take cores), and a collective beside compute by its `comm_stretch`. A
-`wait` stalls the compute stream until its collective is done (from the stall on, the collective
-runs alone, at full speed): that stall is *exposed communication*, recorded per collective. The memory curve replays the
-same order with each value alive from its definition to its last use (views keep their base alive;
-a reduce-scatter's input lives until its wait), which is how the runtime frees values, split into
-activations, gathered parameters and gradient buffers, plus what a collective allocates while it
-runs where the machine's `comm_buffer` says it does (gloo copies its buffer: an all-gather's copy
-lives while the transfer runs, a reduce-scatter's until its wait); persistent state
-(shards, gradients, optimizer) is not part of it.
+occupies the communication stream (one of the backend's `comm_lanes` workers: NCCL runs a process
+group's collectives one after another, gloo on two threads), in issue order, for its copies (the
+cast before an all-gather, the copy of the gradients into the reduction's buffer: they run on the
+runtime's copy stream, NOTE: [Copy stream] in runtime/collectives.py) plus `latency + (N - 1) / N *
+bytes / bus bandwidth` (ring all-gather / reduce-scatter; an all-to-all moves as many bytes), with
+each kind's own latency and bandwidth where they were measured; on one rank the copies run on the
+compute stream. Compute that runs while a collective is in flight is slowed by the machine's
+`comm_slowdown` (NCCL's kernels take SMs; gloo's threads take cores), and a collective beside
+compute by its `comm_stretch`. A `wait` stalls the compute stream until its collective is done (from
+the stall on, the collective runs alone, at full speed): that stall is *exposed communication*,
+recorded per collective. The memory curve replays the same order with each value alive from its
+definition to its last use (views keep their base alive; a reduce-scatter's input lives until its
+wait), which is how the runtime frees values, split into activations, gathered parameters and
+gradient buffers, plus what a collective allocates while it runs where the machine's `comm_buffer`
+says it does (gloo copies its buffer: an all-gather's copy lives while the transfer runs, a
+reduce-scatter's until its wait); persistent state (shards, gradients, optimizer) is not part of it.
 
 It is a model, to compare schedules and settings, not a promise: BENCHMARKS.md sets it against
 measurements.
@@ -79,6 +80,9 @@ class Machine:
     links: tuple[tuple[str, float, float], ...] = ()
     comm_slowdown: float = 0.0  # compute runs (1 + this) times slower while a collective is in flight
     comm_stretch: float = 0.0  # a collective runs (1 + this) times slower while compute runs beside it
+    # collectives the backend runs at once: NCCL one stream per process group; gloo a work queue
+    # served by two threads per device (ProcessGroupGloo's default)
+    comm_lanes: int = 1
     # seconds per view, reshape or unpacking node: the host's call, which a GPU hides behind the kernels
     # queued before it, but a CPU rank spends in line with its compute
     view_cost: float = 0.0
@@ -393,7 +397,8 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     saved on this host, else the H200 of BENCHMARKS.md."""
     machine = machine or default_machine(program.layout.world_size)
     g = program.graph
-    t_compute = t_comm = busy_comm = compute = 0.0
+    t_compute = busy_comm = compute = 0.0
+    lanes = [0.0] * max(1, machine.comm_lanes)  # when each of the backend's workers is free
     started: dict[fx.Node, tuple[float, float, float]] = {}  # start -> (issued, began, ended)
     exposed: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
     timeline = []
@@ -402,7 +407,7 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     blocks = {grp.index: grp.block for grp in program.layout.groups}
     members: list[tuple[fx.Node, float, int]] = []  # a bucket's starts so far: (start, copy time, bytes)
     split: dict[int, float] = {}  # a gather bucket -> the time to cut its buffer (at its first wait)
-    call: dict[fx.Node, tuple[int, list[fx.Node]]] = {}  # a start -> its call's timeline entry and starts
+    call: dict[fx.Node, tuple[int, list[fx.Node], int]] = {}  # a start -> its call's timeline entry, starts, lane
     waited_at: dict[str, int] = {}  # a start's name -> its wait's position (a bucket's: its first member's)
     bucket_waited: dict[int, int] = {}  # a bucket -> its first member's wait's position
     for n in g.nodes:
@@ -428,14 +433,15 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
                 host, comm = 0.0, host + comm
             t_compute += host
             compute += host
-            begin = max(t_compute, t_comm)
+            lane = min(range(len(lanes)), key=lanes.__getitem__)  # in issue order, on the first free worker
+            begin = max(t_compute, lanes[lane])
             comm *= 1 + machine.comm_stretch  # compute runs beside it, until a wait stalls for it
-            t_comm = begin + comm
+            lanes[lane] = begin + comm
             busy_comm += comm
             for m in issued:
-                started[m] = (t_compute, begin, t_comm)
-                call[m] = (len(timeline), issued)
-            timeline.append((n.name if len(issued) == 1 else f"bucket {bucket}", "comm", phase, begin, t_comm))
+                started[m] = (t_compute, begin, lanes[lane])
+                call[m] = (len(timeline), issued, lane)
+            timeline.append((n.name if len(issued) == 1 else f"bucket {bucket}", "comm", phase, begin, lanes[lane]))
         elif n.target is ops.wait:
             start = n.args[0]
             bucket = ops.bucket_of(start)
@@ -446,9 +452,9 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
                 since = max(t_compute, began)
                 done = since + (end - since) / (1 + machine.comm_stretch)
                 busy_comm -= end - done
-                if t_comm == end:
-                    t_comm = done
-                index, together = call[start]  # a bucket's members share the call
+                index, together, lane = call[start]  # a bucket's members share the call
+                if lanes[lane] == end:
+                    lanes[lane] = done
                 timeline[index] = (*timeline[index][:3], began, done)
                 for m in together:
                     started[m] = (started[m][0], began, done)
@@ -481,7 +487,7 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
         else:
             cost = compute_time(n, machine)
             if cost:
-                took = _stretched(cost, t_compute, t_comm, machine.comm_slowdown)
+                took = _stretched(cost, t_compute, max(lanes), machine.comm_slowdown)
                 timeline.append((n.name, "compute", phase, t_compute, t_compute + took))
                 t_compute += took
                 compute += took
@@ -504,7 +510,7 @@ def simulate(program: Program, machine: Machine | None = None) -> Simulation:
     return Simulation(
         machine=machine,
         world_size=program.layout.world_size,
-        step_s=max(t_compute, t_comm),
+        step_s=max(t_compute, *lanes),
         compute_s=compute,
         comm_s=busy_comm,
         exposed_comm_s=sum(exposed.values()),

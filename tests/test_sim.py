@@ -306,3 +306,17 @@ def test_a_collective_runs_slower_beside_compute_and_at_full_speed_once_its_wait
         if b.exposed:  # it stalled the compute stream, having run beside compute until its wait
             beside = max(0.0, b.waited - b.began)
             assert took == pytest.approx(beside + (alone - beside / 2))
+
+
+def test_a_backend_with_two_workers_runs_two_collectives_at_once():
+    program = _program(world=2)
+    one = simulate(program, SLOW_LINK)
+    two = simulate(program, dataclasses.replace(SLOW_LINK, comm_lanes=2))  # gloo's two threads
+    queued = [c for c in one.collectives if c.began > c.issued]  # behind another on the one stream
+    assert queued and two.step_s < one.step_s
+    by_name = {c.node: c for c in two.collectives}
+    assert any(by_name[c.node].began < c.began for c in queued)
+    for c in two.collectives:  # never more than two at once, each started in issue order
+        running = [o for o in two.collectives if o.began <= c.began < o.ended]
+        assert len(running) <= 2
+        assert all(o.began <= c.began for o in two.collectives if o.issued < c.issued)
