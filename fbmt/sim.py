@@ -339,12 +339,12 @@ def compute_time(n: fx.Node, machine: Machine) -> float:
     moved = nbytes(out) + sum(nbytes(_val(a)) for a in n.all_input_nodes)
     work = flops(n)
     rate = machine.matmul_flops
+    name = op_name(n.target)
     operand = next((v for v in map(_val, n.all_input_nodes) if isinstance(v, torch.Tensor)), out)
     if work and isinstance(operand, torch.Tensor):  # the operands' dtype and the product's size set the rate
-        attention = op_name(n.target) in _ATTENTION
-        rate = (machine.attention_rate if attention else machine.matmul_rate)(work, operand.dtype)
+        rate = (machine.attention_rate if name in _ATTENTION else machine.matmul_rate)(work, operand.dtype)
     seconds = max(work / rate, moved / machine.memory_bandwidth)
-    per = machine.elementwise_rate(op_name(n.target)) if machine.elementwise_rates else None
+    per = machine.elementwise_rate(name) if machine.elementwise_rates else None
     if per and isinstance(operand, torch.Tensor):
         seconds = max(seconds, operand.numel() / per)
     return machine.launch + seconds
