@@ -1,4 +1,4 @@
-"""What the per-call rank agreement costs (fbmt.distributed.agree: a host all-gather of the program's
+"""What the per-call rank agreement costs (fbmt.job.agree: a host all-gather of the program's
 digest on a gloo group, after noting the call count in the job's store), on this machine's CPU.
 
     python benchmarks/agreement.py [--ranks 2] [--calls 2000]
@@ -29,11 +29,11 @@ def _rank(rank: int, world: int, port: int, calls: int, out) -> None:
 
     fbmt.init_distributed(backend="gloo")
     for _ in range(50):  # warm-up: the group is made at the first call
-        fbmt.distributed.agree(1, "benchmark")
+        fbmt.job.agree(1, "benchmark")
     times = []
     for _ in range(calls):
         start = time.perf_counter()
-        fbmt.distributed.agree(1, "benchmark")
+        fbmt.job.agree(1, "benchmark")
         times.append(time.perf_counter() - start)
     out.put((rank, statistics.mean(times) * 1e6, statistics.median(times) * 1e6))
     dist.barrier()

@@ -1,4 +1,4 @@
-"""Tune the copy stream's bounded copy kernel (fbmt/runtime/copies.py) on this GPU.
+"""Tune the copy stream's bounded copy kernel (fbmt/compiler/collectives/copies.py) on this GPU.
 
     python benchmarks/copy_sweep.py [--out sweep.json]
 
@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from fbmt.runtime import copies
+from fbmt.compiler.collectives import copies
 
 TILES = [(8192, 8), (16384, 8), (16384, 16), (32768, 16), (32768, 32), (65536, 32), (65536, 16)]
 

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from fbmt.optim import AdamOffloadOptimizer
-from fbmt.optim.cpu_adam import native, simd_level
+from fbmt.integrations.optim import AdamOffloadOptimizer
+from fbmt.integrations.optim.cpu_adam import native, simd_level
 
 
 def median_time(fn, steps: int, warmup: int = 2) -> float:

@@ -222,7 +222,7 @@ def knobs(method: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        from fbmt.runtime import copies  # the knobs are read once and cached: read them again
+        from fbmt.compiler.collectives import copies  # the knobs are read once and cached: read them again
 
         for cached in (copies.tiling, copies.sum_tiling, copies.programs):
             cached.cache_clear()
@@ -713,7 +713,7 @@ def main() -> None:
         flush=True,
     )
     methods = args.methods.split(",")
-    from fbmt.runtime.graphs import WARMUP
+    from fbmt.compiler.runtime.graphs import WARMUP
 
     if any(m.endswith("-graph") for m in methods) and args.warmup <= WARMUP:
         ap.error(f"--warmup {args.warmup}: a -graph method warms up for {WARMUP} steps and captures in the next")

@@ -1,4 +1,4 @@
-"""Tune the reduce stream's bounded sum kernel (fbmt/runtime/copies.py, NOTE: [Narrow wire]) on this GPU.
+"""Tune the reduce stream's bounded sum kernel (fbmt/compiler/collectives/copies.py, NOTE: [Narrow wire]) on this GPU.
 
     python benchmarks/sum_sweep.py [--out sweep.json]
 
@@ -17,7 +17,7 @@ import os
 import torch
 from copy_sweep import beside, report, setup, timed  # benchmarks/copy_sweep.py: the same timers and report
 
-from fbmt.runtime import copies
+from fbmt.compiler.collectives import copies
 
 TILES = [(4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16), (32768, 32), (65536, 16), (65536, 32)]
 

@@ -2,25 +2,24 @@
 
 Two ways in: `fbmt.compile(model)` for a plain single-device module, and BMTrain's names
 (`import fbmt as bmt`: DistributedParameter, Block, TransformerBlockList, OptimManager, ...), which
-lower onto the same compiler (`fbmt/bmt`, NOTE: [Lowering]).
+lower onto the same compiler (`fbmt/integrations/bmt`, NOTE: [Lowering]).
 
-The tree is the pipeline (docs/ARCHITECTURE.md): `trace` -> `program` (with `layout` and the
-vocabulary of `ops`) -> `passes` -> `runtime`, joined by `pipeline` and `compiled`, behind `api`.
+The tree is three parts and what they share (docs/ARCHITECTURE.md): `compiler/` (trace -> program
+-> passes -> runtime), `integrations/` (BMTrain's names and optimizers, Hugging Face, the torch
+guards), `tools/` (the simulator, calibration, profiles, pictures, remat="auto"'s search), joined
+by `api.py` (`fbmt.compile`); beside them the main job (`train.py`), checkpoints, the model zoo.
 """
 
 import sys as _sys
 
-from fbmt import bmt, checkpoint, distributed, ops, optim, sim, viz
-from fbmt.api import CompiledModule, CompileOptions, compile
-from fbmt.bmt import global_var, inspect, loss, lr_scheduler, nn, utils
-from fbmt.bmt.block import Block, BMTrainModelWrapper, CheckpointBlock, TransformerBlockList
-from fbmt.bmt.module import DistributedModule, init_parameters
-from fbmt.bmt.parameter import DistributedParameter, ParameterInitializer
-from fbmt.bmt.store import load, save
-from fbmt.bmt.utils import see_memory
-from fbmt.calibration import calibrate
-from fbmt.decisions import Schedule
-from fbmt.distributed import (
+from fbmt import checkpoint, job
+from fbmt.api import compile
+from fbmt.compiler import CompiledModule, CompileOptions, Program, Schedule, TraceError, ops
+from fbmt.compiler.passes import register_strategy
+from fbmt.integrations import bmt, optim
+from fbmt.integrations.bmt import distributed, global_var, inspect, loss, lr_scheduler, nn, utils
+from fbmt.integrations.bmt.block import Block, BMTrainModelWrapper, CheckpointBlock, TransformerBlockList
+from fbmt.integrations.bmt.distributed import (
     config,
     gather_result,
     init_distributed,
@@ -31,16 +30,42 @@ from fbmt.distributed import (
     synchronize,
     world_size,
 )
-from fbmt.passes import register_strategy
-from fbmt.profiling import Profile, profile
-from fbmt.program import Program
-from fbmt.sim import simulate
-from fbmt.trace import TraceError
+from fbmt.integrations.bmt.module import DistributedModule, init_parameters
+from fbmt.integrations.bmt.parameter import DistributedParameter, ParameterInitializer
+from fbmt.integrations.bmt.store import load, save
+from fbmt.integrations.bmt.utils import see_memory
+from fbmt.tools import calibration, profiling, sim, viz
+from fbmt.tools.calibration import calibrate
+from fbmt.tools.profiling import Profile, profile
+from fbmt.tools.sim import simulate
 
-# BMTrain's module paths: `import bmtrain.lr_scheduler` (and the other five) has to work as
-# `import fbmt.lr_scheduler` too, so each of these names of fbmt/bmt is also registered under fbmt.
-for _module in (global_var, inspect, loss, lr_scheduler, nn, utils):
-    _sys.modules[f"fbmt.{_module.__name__.rsplit('.', 1)[1]}"] = _module
+
+def _alias(name: str, module: object) -> None:
+    """Make `fbmt.<name>` (and its submodules already imported) import as `module` (and its submodules):
+    the paths users and BMTrain scripts import keep working where the tree moved them, as `os.path` does."""
+    real = module.__name__
+    for key, found in list(_sys.modules.items()):
+        if key == real or key.startswith(real + "."):
+            _sys.modules[f"fbmt.{name}{key[len(real) :]}"] = found
+
+
+# BMTrain's module paths: `import bmtrain.lr_scheduler` (and the other five, and bmtrain.optim) has to work
+# as `import fbmt.lr_scheduler` too; and the tools keep their short paths (`python -m fbmt.calibration`).
+for _module in (
+    distributed,
+    global_var,
+    inspect,
+    loss,
+    lr_scheduler,
+    nn,
+    utils,
+    optim,
+    sim,
+    viz,
+    calibration,
+    profiling,
+):
+    _alias(_module.__name__.rsplit(".", 1)[1], _module)
 
 __all__ = [
     # fbmt.compile
@@ -80,6 +105,7 @@ __all__ = [
     "bmt",
     "checkpoint",
     "distributed",
+    "job",
     "global_var",
     "inspect",
     "loss",

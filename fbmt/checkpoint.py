@@ -52,10 +52,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from fbmt import distributed
-from fbmt.compiled import CompiledModule
+from fbmt import job
+from fbmt.compiler import CompiledModule, local_range
 from fbmt.files import fsync_dir, save_atomic, write_json_atomic
-from fbmt.layout import local_range
 
 __all__ = [
     "save",
@@ -135,7 +134,7 @@ def save(
     `wait()` returns the path. The next `save` or `load` waits for it first."""
     _require_compiled(model, "save")
     wait_for_pending()
-    rank, world = distributed.rank(), distributed.world_size()
+    rank, world = job.rank(), job.world_size()
     name = f"step-{int(step):08d}"
     final, partial = os.path.join(folder, name), os.path.join(folder, f".{name}.partial")
     started = time.perf_counter()
@@ -284,7 +283,7 @@ def load(
     if chosen is None:
         return None
     marker = _on_rank0(lambda: _read_marker(chosen), "")
-    rank, world = distributed.rank(), distributed.world_size()
+    rank, world = job.rank(), job.world_size()
     reader = dcp.FileSystemReader(chosen)
     saved = reader.read_metadata().state_dict_metadata
     sd: dict[str, Any] = {"model": _model_pieces(model)}
@@ -311,7 +310,7 @@ def load(
         dcp.load(sd, checkpoint_id=chosen, planner=_LoadPlanner(), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:
         raise CheckpointError(
-            f"fbmt.checkpoint.load: cannot load {chosen!r} into this {type(model._orig).__name__}: "
+            f"fbmt.checkpoint.load: cannot load {chosen!r} into this {type(model.module).__name__}: "
             f"{_first_line(e)}. Is it a checkpoint of this model (same parameter names and shapes)?"
         ) from e
     if restore_optim is not None:
@@ -459,7 +458,7 @@ def _parts(model: CompiledModule) -> dict[int, list[_Part]]:
             lo, hi = local_range(group, s, model.rank)
             parts.append(_Part(group, s, lo - base, max(lo, hi) - base, lo - s.offset))
         out[id(shard)] = parts
-        for s, view in zip(group.slots, model.views[group.index] if model.views is not None else []):
+        for s, view in zip(group.slots, model.slot_views(group.index)):
             lo, hi = local_range(group, s, model.rank)
             out[id(view)] = [_Part(group, s, 0, max(lo, hi) - lo, lo - s.offset)]
     return out
@@ -469,7 +468,7 @@ def _model_pieces(model: CompiledModule, copy: bool = False) -> dict[str, Any]:
     parts = _parts(model)
     pieces = {part.slot.name: part.of(shard, copy) for shard in model.flat_params for part in parts[id(shard)]}
     out: dict[str, Any] = {}
-    for k, v in model._orig.state_dict(keep_vars=True).items():  # every name, tied ones too, in torch's order
+    for k, v in model.module.state_dict(keep_vars=True).items():  # every name, tied ones too, in torch's order
         if k in model.layout.aliases:
             out[k] = pieces[model.layout.aliases[k]]
         else:
@@ -668,7 +667,7 @@ def _require_compiled(model: Any, what: str) -> None:
 def _on_rank0(fn: Any, what: str) -> Any:
     """Run `fn` on rank 0; every rank returns its result, or raises if it raised there."""
     result: list[Any] = [None, None]
-    if distributed.rank() == 0:
+    if job.rank() == 0:
         try:
             result = [fn(), None]
         except Exception as e:

@@ -1,8 +1,10 @@
 """Every environment variable fbmt reads, with what it does, read in this one place.
 
-`python -m fbmt.flags` prints them with their current values. Each is read when it is used (the
-copy tiles are read once per process, when the first copy kernel launches), so a test or a
-benchmark can set one for a part of a run.
+`python -m fbmt.flags` prints them with their current values: fbmt's own (`FLAGS`), and those the
+launcher (torchrun) or other tools set, which fbmt reads too (`LAUNCHER`, `OTHERS`). Each is read when
+it is used (the copy tiles are read once per process, when the first copy kernel launches), so a test
+or a benchmark can set one for a part of a run. No other module of fbmt reads `os.environ`
+(tests/test_layers.py checks it).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ MACHINE = Flag(
     "FBMT_MACHINE",
     str,
     "",
-    "a file: where fbmt.calibrate() saves this machine's profile and fbmt.simulate reads it "
-    "(default ~/.cache/fbmt/machine-<host>.json)",
+    "a file: where fbmt.calibrate() saves this machine's profile and fbmt.simulate reads it by default "
+    "(default ~/.cache/fbmt/machine-<host>-<ranks>.json); never what fbmt.compile(remat='auto') prices with",
 )
 INIT_TIMEOUT = Flag(
     "FBMT_INIT_TIMEOUT",
@@ -108,9 +110,27 @@ SUM_BLOCK = Flag(
 )
 SUM_WARPS = Flag("FBMT_SUM_WARPS", _power_of_two, 16, "warps per thread block of that sum kernel")
 
+# What the launcher sets (torchrun, or the tests' spawner); fbmt reads them to join the job.
+RANK: Flag[int | None] = Flag("RANK", int, None, "this process's rank in the job (torchrun)")
+WORLD_SIZE: Flag[int | None] = Flag("WORLD_SIZE", int, None, "the number of ranks in the job (torchrun)")
+LOCAL_RANK: Flag[int | None] = Flag("LOCAL_RANK", int, None, "this process's rank on its machine (torchrun)")
+LOCAL_WORLD_SIZE: Flag[int | None] = Flag("LOCAL_WORLD_SIZE", int, None, "ranks on this machine (torchrun)")
+MASTER_ADDR = Flag("MASTER_ADDR", str, "", "the host of the job's store (torchrun)")
+MASTER_PORT: Flag[int | None] = Flag("MASTER_PORT", int, None, "the port of the job's store (torchrun)")
+AGENT_STORE = Flag(
+    "TORCHELASTIC_USE_AGENT_STORE", str, "", "'True': torchrun's agent hosts the store (torchrun --rdzv-backend)"
+)
+RESTART_COUNT = Flag("TORCHELASTIC_RESTART_COUNT", int, 0, "how many times torchrun restarted the job's ranks")
+# Read for other libraries' sake.
+OMP_NUM_THREADS: Flag[int | None] = Flag(
+    "OMP_NUM_THREADS", int, None, "threads per CPU rank; the main job sets it for the ranks it launches"
+)
+MPLBACKEND = Flag("MPLBACKEND", str, "", "matplotlib's backend; fbmt.viz picks a headless one where it is unset")
+
 FLAGS = (
     CHECKS,
     DUMP_DIR,
+    MACHINE,
     INIT_TIMEOUT,
     TIMEOUT,
     NARROW_WIRE,
@@ -122,7 +142,16 @@ FLAGS = (
 )
 
 
+LAUNCHER = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, AGENT_STORE, RESTART_COUNT)
+OTHERS = (OMP_NUM_THREADS, MPLBACKEND)
+
+
+def is_set(flag: Flag) -> bool:
+    """Whether the variable is set to something (an empty value counts as unset)."""
+    return os.environ.get(flag.name, "") != ""
+
+
 if __name__ == "__main__":
-    for flag in FLAGS:
+    for flag in FLAGS + LAUNCHER + OTHERS:
         value = os.environ.get(flag.name)
         print(f"{flag.name:20s} {'(unset)' if value is None else repr(value):10s} {flag.help}")

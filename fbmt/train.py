@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fbmt
+from fbmt import flags
+from fbmt.compiler.passes import POLICIES, STRATEGIES, strategy_options
 from fbmt.files import save_atomic
 from fbmt.models import GPT, GPTConfig, init_weights
-from fbmt.passes import POLICIES, STRATEGIES
-from fbmt.passes.schedule import strategy_options
 
 
 def schedule_arg(text: str) -> str | tuple[str, dict] | fbmt.Schedule:
@@ -172,7 +172,7 @@ def launch(args: argparse.Namespace) -> int:
         *sys.argv[1:],
     ]
     threads = max(1, (os.cpu_count() or 2) // args.ranks)  # CPU ranks share the cores instead of oversubscribing
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(flags.OMP_NUM_THREADS.get() or threads))
     ranks = f"{args.ranks} rank{'s' if args.ranks > 1 else ''}"
     print(f"fbmt.train: launching {ranks}: {' '.join(cmd[1:])}", flush=True)
     return subprocess.call(cmd, env=env)
@@ -219,7 +219,7 @@ def progress(step: int, total: int, width: int = 24) -> str:
 def main(args: argparse.Namespace) -> None:
     fbmt.init_distributed(seed=args.seed)
     rank, world = fbmt.rank(), fbmt.world_size()
-    device = fbmt.distributed.local_device()
+    device = fbmt.job.local_device()
     cfg = GPTConfig(
         vocab_size=256,
         seq_len=args.seq_len,
@@ -404,6 +404,6 @@ def generate(model: torch.nn.Module, prompt: bytes, n: int, seq: int, device: to
 
 if __name__ == "__main__":
     arguments = parse_args()
-    if "RANK" not in os.environ:
+    if not flags.is_set(flags.RANK):
         sys.exit(launch(arguments))
     main(arguments)

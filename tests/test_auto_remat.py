@@ -1,6 +1,8 @@
 """remat="auto" with memory_budget: each block's recompute is chosen so the step's simulated peak fits
 the budget at the least recompute (NOTE: [Auto recompute]); a budget nothing fits is an error that
-names the smallest one that does; on 2 CPU ranks the measured peak fits too and training matches eager."""
+names the smallest one that does; on 2 CPU ranks the measured peak fits too and training matches eager;
+the choice is priced on a fixed cost model unless one is given, so ranks whose hosts hold different
+machine profiles compile the same program."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.passes.remat import cheapest_within
+from fbmt.tools.auto_remat import cheapest_within
 from tests.dist import run_ranks
 from tests.models.reference import gpt
 
@@ -43,8 +45,9 @@ def test_auto_fits_each_budget_between_the_least_and_the_most_memory():
     chosen, recompute = [], []
     for budget in (most, (most + least) // 2, least + (most - least) // 5):
         program = _program(remat="auto", memory_budget=budget)
-        assert _peak(program) <= budget, (budget, program.summary("remat"))
-        assert program.summary("remat").startswith("auto under ")
+        chosen_by = program.stats("remat").chosen
+        assert _peak(program) <= budget and chosen_by.budget == budget, (budget, program.summary("remat"))
+        assert chosen_by.peak == _peak(program) and chosen_by.policies == program.stats("remat").applied
         chosen.append(program.schedule().remat)
         recompute.append(fbmt.simulate(program, fbmt.sim.H200).compute_s)
     assert set(chosen[0].values()) == {"none"}  # everything fits: nothing is recomputed
@@ -109,21 +112,59 @@ def test_on_two_ranks_auto_trains_as_eager_and_its_measured_peak_fits_the_budget
         assert peaks["none"] > peaks["budget"] >= peaks["auto"], peaks
 
 
-def test_auto_chooses_the_prefetch_depth_of_the_fastest_simulated_step(tmp_path, monkeypatch):
+def test_auto_chooses_the_prefetch_depth_of_the_fastest_simulated_step(tmp_path):
     import dataclasses
-    import re
 
     slow = dataclasses.replace(fbmt.sim.H200, name="slow link", bus_bandwidth=2e8, latency=1e-5)
-    slow.save(str(tmp_path / "machine.json"))
-    monkeypatch.setenv("FBMT_MACHINE", str(tmp_path / "machine.json"))
-    program = _program(remat="auto", memory_budget=2**30)
-    line = program.summary("remat")
-    steps = {int(d): float(ms) for d, ms in re.findall(r"(\d): ([\d.]+) ms", line.split("by depth")[1])}
-    depth = int(re.search(r"prefetch depth (\d)", line).group(1))
+    program = _program(remat="auto", memory_budget=2**30, cost_model=slow)
+    chosen = program.stats("remat").chosen
+    steps, depth = chosen.steps, chosen.depth
     # the shallowest of those within 1% of the fastest (a deeper prefetch holds more)
     assert sorted(steps) == [1, 2, 3] and depth == min(d for d in steps if steps[d] <= min(steps.values()) * 1.01)
-    assert f"issued {depth} block(s) ahead" in program.summary("schedule")
-    assert fbmt.simulate(program).step_s * 1e3 == pytest.approx(steps[depth], abs=0.01)
+    assert program.stats("schedule").options["depth"] == depth
+    assert fbmt.simulate(program, slow).step_s == pytest.approx(steps[depth], rel=1e-9)
+    # a saved profile, given by its path, prices as the Machine does
+    slow.save(str(tmp_path / "machine.json"))
+    again = _program(remat="auto", memory_budget=2**30, cost_model=str(tmp_path / "machine.json"))
+    assert again.stats("remat").chosen == chosen
     # a depth the user set is kept
-    kept = _program(remat="auto", memory_budget=2**30, prefetch=3)
-    assert "prefetch depth" not in kept.summary("remat") and "issued 3 block(s) ahead" in kept.summary("schedule")
+    kept = _program(remat="auto", memory_budget=2**30, prefetch=3, cost_model=slow)
+    assert kept.stats("remat").chosen.depth is None and kept.stats("schedule").options == {"depth": 3}
+
+
+def test_a_cost_model_of_another_kind_is_named_at_compile():
+    with pytest.raises(TypeError, match=r"cost_model=3.*fbmt.sim.Machine"):
+        fbmt.compile(gpt(), remat="auto", memory_budget=2**30, cost_model=3)
+
+
+def _auto_under_a_profile_of_its_own(rank: int, world: int, folder: str) -> dict:
+    """Each rank's host cache holds another machine profile ($FBMT_MACHINE: where fbmt.calibrate saves
+    one); the ranks compile remat="auto" and train a step, which the per-call rank agreement refuses
+    if their programs differ."""
+    import os
+
+    from fbmt.compiler.program import format_graph
+    from tests.workers import _local, batch
+
+    os.environ["FBMT_MACHINE"] = os.path.join(folder, f"machine{rank}.json")
+    torch.manual_seed(0)
+    # a budget that binds where gloo's copies are counted ten times over (rank 1's profile), not otherwise
+    model = fbmt.compile(gpt(n_layer=4), remat="auto", memory_budget=400 * 1024, checks=True)
+    (idx,), _, tgt = batch("gpt", 0)
+    loss = model(_local(idx, rank, world), _local(tgt, rank, world))[1]
+    loss.backward()
+    return {"program": format_graph(model.program), "chosen": model.program.stats("remat").chosen}
+
+
+def test_ranks_with_other_machine_profiles_in_their_caches_compile_the_same_program(tmp_path):
+    import dataclasses
+
+    # rank 1's cache says its link is very slow (which would favour a deeper prefetch) and that gloo
+    # copies every buffer it sends ten times over (which would favour more recompute)
+    dataclasses.replace(fbmt.sim.H200, name="rank 0's").save(str(tmp_path / "machine0.json"))
+    slow = dataclasses.replace(fbmt.sim.H200, name="rank 1's", bus_bandwidth=1e8, latency=1e-3, comm_buffer=10.0)
+    slow.save(str(tmp_path / "machine1.json"))
+    first, second = run_ranks(2, _auto_under_a_profile_of_its_own, str(tmp_path))
+    assert first["program"] == second["program"] and first["chosen"] == second["chosen"]
+    # what the fixed default (fbmt.sim.H200) chooses, on every host: nothing to recompute, depth 1
+    assert set(first["chosen"].policies.values()) == {"none"} and first["chosen"].depth == 1

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fbmt
+from fbmt.compiler import meta
 from tests.models.reference import MLP, Buffered, batch, gpt, loss_of
 
 
@@ -34,9 +35,9 @@ def test_dropout_masks_match_eager_and_survive_recompute(remat):
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, msg=lambda m: f"{n}: {m}")
     if remat == "block":  # the masks are saved, never redrawn: no random op in the backward
-        bwd = [n for n in model.program.graph.nodes if n.meta.get("fbmt_phase") == "bwd"]
+        bwd = [n for n in model.program.graph.nodes if meta.phase(n) == "bwd"]
         assert not any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in bwd)
-        assert any(n.meta.get("fbmt_recompute") == "activation" for n in bwd)
+        assert any(meta.recompute(n) == "activation" for n in bwd)
 
 
 def test_train_eval_and_no_grad_inference():
@@ -44,7 +45,7 @@ def test_train_eval_and_no_grad_inference():
     (idx,), _, _ = batch("gpt", 1)
     ref.eval()
     model.eval()
-    assert not model._orig.training and not model._orig.h[0].drop.training
+    assert not model.module.training and not model.module.h[0].drop.training
     with torch.no_grad():
         out = model(idx)
         torch.testing.assert_close(out, ref(idx))
@@ -123,7 +124,7 @@ def test_a_buffer_assigned_a_new_tensor_is_read_by_the_next_call():
     ref, model = _pair(Buffered)
     (x,), kw, _ = batch("buffered", 0)
     model(x, **kw)
-    for m in (ref, model._orig):
+    for m in (ref, model.module):
         m.scale = torch.full((8,), 2.0)  # a new tensor, not an in-place update
     torch.testing.assert_close(model(x, **kw)["out"], ref(x, **kw)["out"])
 
@@ -185,7 +186,7 @@ def test_input_on_the_wrong_device_is_named():
 @pytest.mark.parametrize("var", ["FBMT_COPY_BLOCK", "FBMT_SUM_WARPS"])
 def test_a_copy_or_sum_tile_that_is_not_a_power_of_two_is_a_named_error(monkeypatch, var):
     from fbmt import flags
-    from fbmt.runtime import copies
+    from fbmt.compiler.collectives import copies
 
     tile = copies.tiling if "COPY" in var else copies.sum_tiling
     monkeypatch.setenv(var, "3")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.calibration import _fit
-from fbmt.sim import Machine
+from fbmt.tools.calibration import _fit
+from fbmt.tools.sim import Machine
 from tests.dist import run_ranks
 
 

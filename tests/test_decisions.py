@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.program import format_graph
+from fbmt.compiler.program import format_graph
 from tests.models.reference import gpt
 
 
@@ -47,7 +47,7 @@ def test_a_saved_schedule_replays_to_the_identical_program(tmp_path, options):
         schedule=fbmt.Schedule.load(path), **{k: v for k, v in options.items() if k in ("zero", "world_size")}
     )
     assert format_graph(replayed) == format_graph(original)
-    assert replayed.summary("schedule").startswith("replay: ")
+    assert replayed.stats("schedule").strategy == "replay"
     assert replayed.schedule().collectives == original.schedule().collectives
 
 
@@ -69,8 +69,9 @@ def test_a_replayed_training_schedule_leaves_evaluation_calls_to_the_default_str
     idx = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         forward_only = model.trace(idx)
-    assert "the saved schedule is of a training program" in forward_only.summary("schedule")
-    assert model.trace(idx, idx).summary("schedule").startswith("replay: ")
+    stats = forward_only.stats("schedule")
+    assert stats.strategy == "prefetch" and "the saved schedule is of a training program" in stats.fallback
+    assert model.trace(idx, idx).stats("schedule").strategy == "replay"
 
 
 def test_replay_refuses_a_program_it_was_not_taken_from():

@@ -2,17 +2,25 @@
 between fbmt's modules must point down or sideways in the picture of docs/ARCHITECTURE.md, never up
 and never in a circle. Imports under `if TYPE_CHECKING:` serve annotations only and are not counted.
 
-    base      flags, distributed, files, kernels/ (numba), _C                imports only base
-    ir        ops/, layout, program, objects, decisions                      + base
-    trace     trace                                                          + ir
-    sim       sim                                                            + ir
-    passes    passes/                                                        + ir, sim
-    runtime   runtime/                                                       + ir (never passes)
-    compiler  options, pipeline, compiled, api                               + trace, sim, passes, runtime
-    bmt       bmt/ (BMTrain's names)    only through the compiler's public entry points (PUBLIC)
-    optim     optim/                                                         + bmt (OptimManager)
-    models    models/                                                        nothing of fbmt
-    top       fbmt/__init__.py, train, checkpoint, calibration, profiling    anything
+    base          flags, job, files, kernels/ (numba), _C                         imports only base
+    compiler      compiler/: its own layers below                                 + base
+    integrations  integrations/ (bmt, optim, transformers, torch_guards)         + base, compiler's public names
+    tools         tools/ (sim, calibration, profiling, viz, auto_remat)          + base, compiler's public names
+    models        models/                                                         nothing of fbmt
+    top           fbmt/__init__.py, api, train, checkpoint                         + all, compiler's public names
+
+Inside the compiler:
+
+    ir       meta, collectives/, ops/, layout, program, objects, decisions, owners      + base
+    trace    trace                                                                      + ir
+    passes   passes/                                                                    + ir
+    runtime  runtime/                                                                   + ir (never passes)
+    front    options, plan, pipeline, module, agreement, api, the package               + the compiler
+
+The compiler's public names are the `__all__` of `fbmt.compiler` and of its packages `collectives`,
+`ops` and `passes`, the public names of `meta`, and the recording ops (`ops.record`, BMTrain's
+`inspect.record_tensor`). Every module of fbmt/ must be in one of these layers: a module the picture
+does not name is an error too.
 """
 
 from __future__ import annotations
@@ -25,50 +33,54 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "fbmt"
 
-GROUPS = [  # (module prefix, group); the longest matching prefix decides
+GROUPS = [  # (module prefix, group); the longest matching prefix decides; a module matching none is an error
     ("fbmt.flags", "base"),
-    ("fbmt.distributed", "base"),
+    ("fbmt.job", "base"),
     ("fbmt.files", "base"),
-    ("fbmt.checkpoint", "top"),
-    ("fbmt.calibration", "top"),
-    ("fbmt.profiling", "top"),
-    ("fbmt.viz", "top"),
     ("fbmt.kernels", "base"),
     ("fbmt._C", "base"),
-    ("fbmt.ops", "ir"),
-    ("fbmt.layout", "ir"),
-    ("fbmt.program", "ir"),
-    ("fbmt.objects", "ir"),
-    ("fbmt.decisions", "ir"),
-    ("fbmt.trace", "trace"),
-    ("fbmt.sim", "sim"),
-    ("fbmt.passes", "passes"),
-    ("fbmt.runtime", "runtime"),
-    ("fbmt.options", "compiler"),
-    ("fbmt.pipeline", "compiler"),
-    ("fbmt.compiled", "compiler"),
-    ("fbmt.api", "compiler"),
-    ("fbmt.bmt", "bmt"),
-    ("fbmt.optim", "optim"),
+    ("fbmt.compiler", "compiler.front"),
+    ("fbmt.compiler.meta", "compiler.ir"),
+    ("fbmt.compiler.collectives", "compiler.ir"),
+    ("fbmt.compiler.ops", "compiler.ir"),
+    ("fbmt.compiler.layout", "compiler.ir"),
+    ("fbmt.compiler.program", "compiler.ir"),
+    ("fbmt.compiler.objects", "compiler.ir"),
+    ("fbmt.compiler.decisions", "compiler.ir"),
+    ("fbmt.compiler.owners", "compiler.ir"),
+    ("fbmt.compiler.trace", "compiler.trace"),
+    ("fbmt.compiler.passes", "compiler.passes"),
+    ("fbmt.compiler.runtime", "compiler.runtime"),
+    ("fbmt.integrations", "integrations"),
+    ("fbmt.tools", "tools"),
     ("fbmt.models", "models"),
+    ("fbmt.api", "top"),
     ("fbmt.train", "top"),
-    ("fbmt", "top"),
+    ("fbmt.checkpoint", "top"),
 ]
+TOP_PACKAGE = "fbmt"  # fbmt/__init__.py itself: the public names
+COMPILER = {"compiler.ir", "compiler.trace", "compiler.passes", "compiler.runtime", "compiler.front"}
 ALLOWED = {
     "base": {"base"},
-    "ir": {"base", "ir"},
-    "trace": {"base", "ir", "trace"},
-    "sim": {"base", "ir", "sim"},
-    "passes": {"base", "ir", "sim", "passes"},
-    "runtime": {"base", "ir", "runtime"},
-    "compiler": {"base", "ir", "trace", "sim", "passes", "runtime", "compiler"},
-    "bmt": {"base", "bmt", "ir", "trace", "compiler"},  # the last three only through PUBLIC
-    "optim": {"base", "bmt", "optim"},
+    "compiler.ir": {"base", "compiler.ir"},
+    "compiler.trace": {"base", "compiler.ir", "compiler.trace"},
+    "compiler.passes": {"base", "compiler.ir", "compiler.passes"},
+    "compiler.runtime": {"base", "compiler.ir", "compiler.runtime"},
+    "compiler.front": {"base"} | COMPILER,
+    "integrations": {"base", "integrations"} | COMPILER,  # the compiler through PUBLIC only
+    "tools": {"base", "tools"} | COMPILER,  # the compiler through PUBLIC only
     "models": {"models"},
-    "top": {"base", "ir", "trace", "sim", "passes", "runtime", "compiler", "bmt", "optim", "models", "top"},
+    "top": {"base", "integrations", "tools", "models", "top"} | COMPILER,  # the compiler through PUBLIC only
 }
-# The compiler's entry points the BMTrain layer may use, and nothing else of it (public names only).
-PUBLIC = {"fbmt.api", "fbmt.layout", "fbmt.trace", "fbmt.ops.record"}
+# The compiler's entry points for what is built on it, and nothing else of it (names in their __all__).
+PUBLIC = {
+    "fbmt.compiler",
+    "fbmt.compiler.collectives",
+    "fbmt.compiler.ops",
+    "fbmt.compiler.ops.record",
+    "fbmt.compiler.passes",
+    "fbmt.compiler.meta",
+}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -101,7 +113,7 @@ def imports(path: Path, root: Path, modules: set[str]) -> list[tuple[str, list[s
             )
             if base is None or base.split(".")[0] != "fbmt":
                 continue
-            for a in node.names:  # `from fbmt import ops` imports the submodule fbmt.ops
+            for a in node.names:  # `from fbmt.compiler import ops` imports the submodule fbmt.compiler.ops
                 if f"{base}.{a.name}" in modules:
                     found.append((f"{base}.{a.name}", [], node.lineno))
                 else:
@@ -115,8 +127,19 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def group(name: str) -> str:
-    return max(((p, g) for p, g in GROUPS if name == p or name.startswith(p + ".")), key=lambda pg: len(pg[0]))[1]
+def group(name: str) -> str | None:
+    if name == TOP_PACKAGE:
+        return "top"
+    matches = [(p, g) for p, g in GROUPS if name == p or name.startswith(p + ".")]
+    return max(matches, key=lambda pg: len(pg[0]))[1] if matches else None
+
+
+def exported(path: Path) -> set[str] | None:
+    """The names a module's `__all__` lists (None where it has none)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return {e.value for e in node.value.elts}
+    return None
 
 
 def read_tree(root: Path) -> tuple[dict[str, Path], dict[str, list[tuple[str, list[str], int]]]]:
@@ -149,31 +172,39 @@ def find_cycle(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[str] 
     return None
 
 
+def violations(name: str, modules: dict[str, Path], edges: dict) -> list[str]:
+    """What module `name` imports against the picture."""
+    mine = group(name)
+    bad = []
+    for target, names, line in edges[name]:
+        theirs = group(target)
+        where = f"{name} (line {line}) imports {target}"
+        if theirs is None:
+            bad.append(f"{where}: {target} is in no layer")
+        elif theirs not in ALLOWED[mine]:
+            bad.append(f"{where}: {mine} may import only {sorted(ALLOWED[mine])}, not {theirs}")
+        elif mine not in COMPILER and theirs in COMPILER:
+            public = exported(modules[target]) if target in modules else None
+            private = [n for n in names if n.startswith("_") or (public is not None and n not in public)]
+            if target not in PUBLIC or private:
+                bad.append(
+                    f"{where} {names}: outside the compiler, only the public names of {sorted(PUBLIC)} "
+                    f"(their __all__) may be imported{f'; not {private}' if private else ''}"
+                )
+    return bad
+
+
 MODULES, EDGES = read_tree(ROOT)
 
 
-def test_every_module_is_in_a_layer():
-    assert all(group(name) for name in MODULES)
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_is_in_a_layer(name):
+    assert group(name) is not None, f"{name} is in no layer of the picture (tests/test_layers.py, docs/ARCHITECTURE.md)"
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_imports_point_down_the_layers(name):
-    mine = group(name)
-    bad = []
-    for target, names, line in EDGES[name]:
-        theirs = group(target)
-        where = f"{MODULES[name].relative_to(ROOT.parent)}:{line} imports {target}"
-        if theirs not in ALLOWED[mine]:
-            bad.append(f"{where}: {mine} may import only {sorted(ALLOWED[mine])}, not {theirs}")
-        elif (
-            mine == "bmt"
-            and theirs in ("ir", "trace", "compiler")
-            and (target not in PUBLIC or any(n.startswith("_") for n in names))
-        ):
-            bad.append(
-                f"{where} {names}: the BMTrain layer uses the compiler only through the public names of "
-                f"{sorted(PUBLIC)}"
-            )
+    bad = violations(name, MODULES, EDGES)
     assert not bad, "\n".join(dict.fromkeys(bad))
 
 
@@ -182,16 +213,50 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_the_checker_sees_a_violation_and_a_cycle(tmp_path):
-    """The checks above can fail: an upward import and a two-module cycle, written to a scratch tree."""
+def test_the_checker_sees_a_violation_a_private_name_and_a_cycle(tmp_path):
+    """The checks above can fail: an upward import, a name the compiler does not export, a module in
+    no layer, and a two-module cycle, written to a scratch tree."""
     fake = tmp_path / "fbmt"
-    (fake / "passes").mkdir(parents=True)
-    (fake / "runtime").mkdir()
-    for p in ("__init__.py", "passes/__init__.py", "runtime/__init__.py"):
-        (fake / p).write_text("")
-    (fake / "passes" / "x.py").write_text("from fbmt.runtime import y\n")
-    (fake / "runtime" / "y.py").write_text("def f():\n    from fbmt.passes.x import g\n")
-    _, edges = read_tree(fake)
-    assert ("fbmt.runtime.y", [], 1) in edges["fbmt.passes.x"] and group("fbmt.runtime.y") not in ALLOWED["passes"]
-    assert ("fbmt.passes.x", ["g"], 2) in edges["fbmt.runtime.y"]  # a function-level import counts too
-    assert find_cycle(edges) == ["fbmt.passes.x", "fbmt.runtime.y", "fbmt.passes.x"]
+    for folder in ("compiler/passes", "compiler/runtime", "tools"):
+        (fake / folder).mkdir(parents=True)
+    for p in ("__init__.py", "compiler/__init__.py", "compiler/passes/__init__.py", "compiler/runtime/__init__.py"):
+        (fake / p).write_text("__all__ = ['compile_module']\n")
+    (fake / "tools" / "__init__.py").write_text("")
+    (fake / "compiler" / "passes" / "x.py").write_text("from fbmt.compiler.runtime import y\n")
+    (fake / "compiler" / "runtime" / "y.py").write_text("def f():\n    from fbmt.compiler.passes.x import g\n")
+    (fake / "tools" / "z.py").write_text(
+        "from fbmt.compiler import _hidden, compile_module\nfrom fbmt.tools import w\n"
+    )
+    (fake / "pipeline.py").write_text("from fbmt.tools import z\n")
+    modules, edges = read_tree(fake)
+    assert ("fbmt.compiler.runtime.y", [], 1) in edges["fbmt.compiler.passes.x"]
+    assert any("compiler.passes may import only" in v for v in violations("fbmt.compiler.passes.x", modules, edges))
+    assert ("fbmt.compiler.passes.x", ["g"], 2) in edges["fbmt.compiler.runtime.y"]  # a function-level import counts
+    assert any("not ['_hidden']" in v for v in violations("fbmt.tools.z", modules, edges))
+    assert group("fbmt.pipeline") is None  # the old tree's top-level compiler modules are in no layer
+    assert find_cycle(edges) == ["fbmt.compiler.passes.x", "fbmt.compiler.runtime.y", "fbmt.compiler.passes.x"]
+
+
+def environment_reads(path: Path) -> list[int]:
+    """Lines where a module reads an environment variable itself (`os.environ[...]`, `.get`, `in`,
+    `os.getenv`) rather than through fbmt.flags; handing the whole environment on (`dict(os.environ,
+    ...)` for a child process) is no read."""
+    tree = ast.parse(path.read_text())
+    parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "getenv":
+            lines.append(node.lineno)
+        if isinstance(node, ast.Attribute) and node.attr == "environ":
+            parent = parents.get(id(node))
+            if not (isinstance(parent, ast.Call) and getattr(parent.func, "id", None) == "dict"):
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_only_flags_reads_the_environment(name):
+    if name == "fbmt.flags":
+        return
+    lines = environment_reads(MODULES[name])
+    assert not lines, f"{name} reads the environment at lines {lines}: declare the variable in fbmt/flags.py"

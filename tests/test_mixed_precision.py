@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import fbmt
-from fbmt import ops
+from fbmt.compiler import collectives as comm
 from tests.dist import run_ranks
 from tests.models.reference import gpt
 
@@ -105,23 +105,23 @@ def test_two_ranks_match_eager_bf16_compute_of_each_rank_averaged_in_the_reduce_
 def test_program_gathers_bf16_and_reduces_in_the_chosen_dtype():
     x, _ = _data(0)
     program = fbmt.compile(gpt(), world_size=4, param_dtype=BF16).trace(x)
-    gathers = [n for n in program.graph.nodes if n.target is ops.all_gather]
-    assert gathers and all(ops.gather_args(n).dtype == BF16 for n in gathers)  # cast before the wire
-    waits = [n for n in program.graph.nodes if n.target is ops.wait and n.args[0] in gathers]
+    gathers = [n for n in program.graph.nodes if n.target is comm.all_gather]
+    assert gathers and all(comm.gather_args(n).dtype == BF16 for n in gathers)  # cast before the wire
+    waits = [n for n in program.graph.nodes if n.target is comm.wait and n.args[0] in gathers]
     assert all(n.meta["val"].dtype == BF16 for n in waits)
 
     # fp32 reduction of bf16 gradients on one node: bf16 on the wire, summed in fp32 (NOTE: [Narrow wire])
     def reductions(p: fbmt.Program) -> list:
-        return [n for n in p.graph.nodes if n.target in ops.REDUCTIONS]
+        return [n for n in p.graph.nodes if comm.is_reduction(n)]
 
     narrow = reductions(program)
-    assert narrow and all(n.target is ops.all_to_all_reduce for n in narrow)
-    assert all(ops.reduction_args(n)[4:] == (BF16, torch.float32, torch.float32) for n in narrow)
+    assert narrow and all(n.target is comm.all_to_all_reduce for n in narrow)
+    assert all(comm.reduction_args(n)[4:] == (BF16, torch.float32, torch.float32) for n in narrow)
     ring = reductions(fbmt.compile(gpt(), world_size=4, param_dtype=BF16, narrow_wire=False).trace(x))
-    assert ring and all(n.target is ops.reduce_scatter for n in ring)
-    assert all(ops.reduction_args(n)[4:] == (torch.float32, torch.float32, torch.float32) for n in ring)
+    assert ring and all(n.target is comm.reduce_scatter for n in ring)
+    assert all(comm.reduction_args(n)[4:] == (torch.float32, torch.float32, torch.float32) for n in ring)
     low = reductions(fbmt.compile(gpt(), world_size=4, param_dtype=BF16, reduce_dtype=BF16).trace(x))
-    assert low and all(n.target is ops.reduce_scatter for n in low)
-    assert all(ops.reduction_args(n)[4:] == (BF16, BF16, torch.float32) for n in low)
+    assert low and all(n.target is comm.reduce_scatter for n in low)
+    assert all(comm.reduction_args(n)[4:] == (BF16, BF16, torch.float32) for n in low)
     with pytest.raises(ValueError, match="param_dtype"):
         fbmt.compile(gpt(), param_dtype=torch.int8)

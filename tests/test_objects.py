@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import fbmt
-from fbmt import objects
+from fbmt.compiler import objects
 
 
 class State:

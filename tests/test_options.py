@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import fbmt
+from fbmt.compiler import Plan
 from tests.models.reference import MLP
 
 
@@ -68,9 +69,10 @@ def test_blocks_as_a_list_or_with_policies():
     model = fbmt.compile(MLP(), world_size=2, blocks=["fc1", "fc2", "fc3"])
     assert model.layout.blocks == ("fc1", "act", "fc2", "fc3")  # the parameterless act is grouped on its own
     assert [g.block for g in model.layout.groups] == ["fc1", "fc2", "fc3"]
-    o = fbmt.CompileOptions(remat="none", blocks={"fc1": {"remat": "block", "zero": 2}, "fc2": {}})
-    assert o.blocks == ("fc1", "fc2") and o.block_policies == (("fc1", 2, "block"),)
-    assert o.zero_per_block == {"fc1": 2} and o.remat_per_block == {"fc1": "block"}
+    o = fbmt.CompileOptions(remat="none", blocks={"fc1": {"remat": "block", "zero": 2}, "fc2": {}, "fc3": {"zero": 2}})
+    assert o.block_paths == ["fc1", "fc2", "fc3"]
+    plan = Plan.of(o, world_size=2)  # resolved once: a block that sets one policy takes the default of the other
+    assert plan.zero_per_block == {"fc1": 2, "fc3": 2} and plan.remat_per_block == {"fc1": "block", "fc3": "none"}
 
 
 class _Scale(nn.Module):

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import fbmt
-from fbmt import ops
-from fbmt.sim import H200, Machine, _collective, compute_time, flops, simulate
+from fbmt.compiler import collectives as comm
+from fbmt.compiler import meta, ops
+from fbmt.tools.sim import H200, Machine, _collective, compute_time, flops, simulate
 from tests.models.reference import gpt
 
 SLOW_LINK = dataclasses.replace(H200, name="slow link", bus_bandwidth=1e6, latency=1e-3)
@@ -90,12 +91,12 @@ def test_collective_copies_run_on_the_communication_stream_when_there_is_one():
     for world in (1, 2):
         program = _program(world=world, **mixed)
         sim = simulate(program, copies_only)
-        starts = [n for n in program.graph.nodes if n.target in ops.STARTS]
+        starts = [n for n in program.graph.nodes if comm.is_start(n)]
         copies = sum(_collective(n, copies_only)[0] for n in starts)
         work = sum(
             compute_time(n, copies_only)
             for n in program.graph.nodes
-            if n.op == "call_function" and n.target not in ops.COLLECTIVES
+            if n.op == "call_function" and not comm.is_collective(n.target)
         )
         assert len(starts) > 0 and copies > 0
         if world == 2:
@@ -110,7 +111,7 @@ def test_the_simulator_charges_the_wire_the_program_chose():
     narrow, ring = _program(narrow_wire=True, **mixed), _program(narrow_wire=False, **mixed)
 
     def wire_bytes(program):
-        return sum(_collective(n, H200)[2] for n in program.graph.nodes if n.target in ops.REDUCTIONS)
+        return sum(_collective(n, H200)[2] for n in program.graph.nodes if comm.is_reduction(n))
 
     assert wire_bytes(ring) == 2 * wire_bytes(narrow)  # fp32 on the wire, not bf16
     assert simulate(narrow, H200).comm_s < simulate(ring, H200).comm_s
@@ -127,7 +128,7 @@ def test_each_collective_is_recorded_with_its_bytes_and_the_stall_of_its_wait():
     by_node = {c.node: c for c in sim.collectives}
     for n in starts:
         c = by_node[n.name]
-        assert c.bytes == fbmt.decisions.collective_bytes(n) > 0 and c.group == n.meta["fbmt_group"]
+        assert c.bytes == fbmt.compiler.collectives.wire_bytes(n) > 0 and c.group == meta.group(n)
         assert c.issued <= c.began <= c.ended and c.exposed == pytest.approx(c.ended - c.waited)  # waited at once
     assert sum(c.exposed for c in sim.collectives) == pytest.approx(sim.exposed_comm_s)
     table = sim.table().splitlines()
@@ -144,7 +145,7 @@ def test_the_memory_curve_is_split_by_kind_and_peaks_at_the_reported_peak():
         assert len(curve.nodes) == len(curve.times) == len(curve.activations) == len(curve.gathered)
         assert sum(b for _, _, b in curve.alive_at_peak) == curve.peak
         assert max(curve.gradients) > 0 and max(curve.gathered) > 0
-        turn = next(i for i, n in enumerate(program.graph.nodes) if n.meta.get("fbmt_phase") == "bwd")
+        turn = next(i for i, n in enumerate(program.graph.nodes) if meta.phase(n) == "bwd")
         gathered_at_turn[zero] = curve.gathered[turn]
     # ZeRO-2 holds every block's gathered buffer from its forward to its backward
     assert gathered_at_turn[2] > 2 * gathered_at_turn[3]
@@ -166,8 +167,8 @@ def test_the_chrome_trace_has_every_node_and_collective(tmp_path):
 def test_a_machine_profile_prices_each_collective_kind_and_product_size(tmp_path):
     program = _program()
     slow_scatter = dataclasses.replace(SLOW_LINK, links=(("reduce_scatter", 1e-3, 1e4),))
-    gathers = [n for n in program.collectives() if n.target in ops.GATHERS]
-    scatters = [n for n in program.collectives() if n.target is ops.reduce_scatter]
+    gathers = [n for n in program.collectives() if comm.is_gather(n)]
+    scatters = [n for n in program.collectives() if n.target is comm.reduce_scatter]
     assert _collective(gathers[0], slow_scatter) == _collective(gathers[0], SLOW_LINK)
     assert _collective(scatters[0], slow_scatter)[1] > 5 * _collective(scatters[0], SLOW_LINK)[1]
     rated = dataclasses.replace(H200, matmul_rates=(("float32", 1e6, 1e9), ("float32", 1e8, 1e11)))
@@ -244,7 +245,7 @@ def test_a_reduce_scatter_holds_its_copy_until_its_wait_and_an_all_gather_until_
     sim = simulate(program, dataclasses.replace(instant, comm_buffer=1.0))
     extra = [a - b for a, b in zip(sim.memory.total, simulate(program, instant).memory.total)]
     index = {name: i for i, name in enumerate(sim.memory.nodes)}
-    wait_of = {w.args[0].name: index[w.name] for w in program.graph.find_nodes(op="call_function", target=ops.wait)}
+    wait_of = {w.args[0].name: index[w.name] for w in program.graph.find_nodes(op="call_function", target=comm.wait)}
     early = [c for c in sim.collectives if wait_of[c.node] - index[c.node] > 2]  # issued well before the wait
     reductions = [c for c in early if c.kind == "reduce_scatter"]
     gathers = [c for c in early if c.kind == "all_gather" and c.phase == "fwd"]  # no reduction runs beside them

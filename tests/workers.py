@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import fbmt
+from fbmt.compiler import collectives as comm
 from tests.models.reference import BUILDERS, batch, loss_of
 
 CONFIGS = [
@@ -69,7 +70,8 @@ def train_compiled(name: str, rank: int, world: int, cfg: dict, steps: int = STE
         params=model.full_parameters(),
         buffers={n: b.clone() for n, b in model.named_buffers()},
         programs=len(model.programs),
-        remat=model.program.summary("remat"),
+        remat=model.program.stats("remat"),
+        shard=model.program.stats("shard"),
     )
 
 
@@ -138,7 +140,7 @@ def equivalence(rank: int, world: int, name: str) -> list[str]:
     return done
 
 
-def last_block_saved(rank: int, world: int) -> str:
+def last_block_saved(rank: int, world: int) -> object:
     """The last blocks save their activations and the first recomputes (NOTE: [Trailing blocks]), and
     training still matches eager."""
     cfg = dict(zero=3, remat="block", schedule="prefetch")
@@ -286,15 +288,13 @@ def narrow_pieces(rank: int) -> list[torch.Tensor]:
 def narrow_wire(rank: int, world: int) -> dict:
     """A group's bf16 gradients reduced in fp32, sent as bf16 (NOTE: [Narrow wire]) and as fp32, by
     the runtime and by the reference executor."""
-    from fbmt import ops
-    from fbmt.runtime import collectives as C
-    from fbmt.runtime.reference import REFERENCE
+    from fbmt.compiler.collectives import torch_impl as C
 
-    pieces, fp32 = narrow_pieces(rank), torch.float32
+    pieces, fp32, bf16 = narrow_pieces(rank), torch.float32, torch.bfloat16
     return {
-        "narrow": C.wait(C.all_to_all_reduce(pieces, world, 12, True, fp32, fp32)),
-        "ring": C.wait(C.reduce_scatter(pieces, world, 12, average=True, wire_dtype=fp32, out_dtype=fp32)),
-        "reference": REFERENCE[ops.all_to_all_reduce](pieces, world, 12, True, fp32, fp32),
+        "narrow": C.wait(C.all_to_all_reduce(pieces, world, 12, True, bf16, fp32, fp32)),
+        "ring": C.wait(C.reduce_scatter(pieces, world, 12, True, fp32, fp32, fp32)),
+        "reference": comm.kind_of(comm.all_to_all_reduce).reference(pieces, world, 12, True, bf16, fp32, fp32),
     }
 
 
@@ -302,7 +302,7 @@ def buckets(rank: int, world: int) -> dict:
     """Three groups' gathers and reductions as one bucket each and one by one (NOTE: [Buckets]):
     shards cast for the wire and not; gradient pieces that cross the ends of the ranks' chunks,
     averaged and summed, sent as bf16 and returned as fp32."""
-    from fbmt.runtime import collectives as C
+    from fbmt.compiler.collectives import torch_impl as C
 
     g = torch.Generator().manual_seed(rank)
     out: dict = {}
@@ -315,7 +315,7 @@ def buckets(rank: int, world: int) -> dict:
     padded = [-(-sum(p.numel() for p in ps) // world) * world for ps in groups]
     for average in (True, False):
         for wire, result in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
-            members = [(ps, world, n, average, wire, result) for ps, n in zip(groups, padded)]
+            members = [(ps, world, n, average, wire, wire, result) for ps, n in zip(groups, padded)]
             fused = [C.wait(h) for h in C.reduce_scatter_bucket(members)]
             alone = [C.wait(C.reduce_scatter(*m)) for m in members]
             out[f"reduce_scatter, average {average}, wire {wire}"] = (fused, alone)

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fbmt as bmt
+from fbmt.integrations.bmt.module import lower
 from tests.dist import run_ranks
 from tests.models.bmt import BLayer, BNet, D, PLayer, PNet, V, bmt_model, data, init_like_bmt, local, plain_reference
 
@@ -149,7 +150,7 @@ def test_load_reports_bad_files(tmp_path):
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    from fbmt.bmt.module import full_grad
+    from fbmt.integrations.bmt.module import full_grad
 
     return {n: full_grad(p) for n, p in model.named_parameters()}
 
@@ -280,9 +281,8 @@ def test_frozen_blocks_get_no_gradient_and_cost_no_reduction():
     for name, p in plain.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
-    summary = model.__dict__["_fbmt_compiled"].program.history
-    shard = next(r for r in summary if r.name == "shard").summary
-    assert "4 reduce-scatters" in shard, shard  # 5 groups, the frozen block's is not reduced
+    shard = lower(model).program.stats("shard")
+    assert shard.groups == 5 and shard.reductions == {"reduce_scatter": 4}, shard  # the frozen block's is not reduced
 
 
 def test_dropout_train_vs_eval():
@@ -303,13 +303,14 @@ def test_checkpoint_and_zero_level_policies_reach_the_passes():
     model = bmt_model(seed=0, use_checkpoint=False, zero_level=2)
     x, y = data(0)
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    history = {r.name: r.summary for r in model.__dict__["_fbmt_compiled"].program.history}
-    assert "no block recomputes" in history["remat"], history["remat"]
-    assert "zero=3 (3 blocks overridden)" in history["shard"], history["shard"]
+    program = lower(model).program  # the compiled module the BMTrain model runs as
+    assert program.stats("remat").declined == "no block recomputes (remat='none')", program.summary("remat")
+    shard = program.stats("shard")
+    assert shard.zero == 3 and set(shard.zero_by_block.values()) == {2} and len(shard.zero_by_block) == 3, shard
     model = bmt_model(seed=0)
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    history = {r.name: r.summary for r in model.__dict__["_fbmt_compiled"].program.history}
-    assert history["remat"].count("recomputed") == 3, history["remat"]  # the three Blocks, not emb/head
+    remat = lower(model).program.stats("remat")
+    assert [b.block for b in remat.blocks] == ["layers.0", "layers.1", "layers.2"], remat  # the Blocks, not emb/head
 
 
 def test_calling_a_part_of_a_lowered_model_is_an_error():

@@ -1,4 +1,4 @@
-"""The copy stream's bounded-grid copy kernel (fbmt/runtime/copies.py) against torch, on one GPU.
+"""The copy stream's bounded-grid copy kernel (fbmt/compiler/collectives/copies.py) against torch, on one GPU.
 
     python tests/gpu/copies_on_gpu.py
 
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from fbmt.runtime import copies
+from fbmt.compiler.collectives import copies
 
 
 def main() -> None:

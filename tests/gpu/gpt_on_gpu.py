@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fbmt
+from fbmt.compiler.runtime.graphs import WARMUP
 from fbmt.models import GPT, GPTConfig
-from fbmt.runtime.graphs import WARMUP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.models.reference import Llama  # noqa: E402
@@ -72,7 +72,7 @@ def graph_rules(model, rank: int, world: int, device) -> float:
 
     model.zero_grad()
     backward(*batches[0])
-    stolen = model.flat_params[0].grad.untyped_storage().data_ptr() in model._graphed[1]._grad_storage
+    stolen = model.flat_params[0].grad.untyped_storage().data_ptr() in model.graphs._grad_storage
     first = grads()
     model.zero_grad()
     backward(*batches[1])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.optim import AdamOffloadOptimizer, cpu_adam
+from fbmt.integrations.optim import AdamOffloadOptimizer, cpu_adam
 
 LEVELS = cpu_adam.supported_simd_levels()
 N = 3 * 4096 + 77  # not a multiple of any vector width or block: heads and tails are exercised

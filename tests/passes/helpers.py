@@ -8,13 +8,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fbmt import ops, pipeline
-from fbmt.layout import Layout, copy_into_shard, plan_layout
-from fbmt.options import CompileOptions
-from fbmt.passes import check, run_passes
-from fbmt.program import Program, Role
-from fbmt.runtime.reference import run_program
-from fbmt.trace import trace
+from fbmt.compiler import collectives as comm
+from fbmt.compiler import meta, ops, pipeline
+from fbmt.compiler.layout import Layout, copy_into_shard, plan_layout
+from fbmt.compiler.options import CompileOptions
+from fbmt.compiler.passes import check, run_passes
+from fbmt.compiler.plan import Plan
+from fbmt.compiler.program import Program, Role
+from fbmt.compiler.runtime.reference import run_program
+from fbmt.compiler.trace import trace
 
 
 def traced(model: nn.Module, *inputs: torch.Tensor, world_size: int = 1, **layout: Any) -> Program:
@@ -27,16 +29,16 @@ def traced(model: nn.Module, *inputs: torch.Tensor, world_size: int = 1, **layou
 
 def through(program: Program, last: str, **options: Any) -> Program:
     """`program` after the pipeline's passes up to, and without, pass `last`."""
-    passes = pipeline.passes(CompileOptions(**options), program.layout.world_size)
+    passes = pipeline.passes(Plan.of(CompileOptions(**options), program.layout.world_size))
     names = [name for name, _ in passes]
     return run_passes(program, passes[: names.index(last)], checks=True)
 
 
-def apply(fn: Any, program: Program, **options: Any) -> tuple[Program, str]:
-    """Run one pass and check the invariants of what it returns."""
-    out, summary = fn(program, **options)
+def apply(fn: Any, program: Program, **options: Any) -> tuple[Program, Any]:
+    """Run one pass and check the invariants of what it returns; the program and the pass's stats."""
+    out, stats = fn(program, **options)
     check(out, after=getattr(fn, "__name__", "pass"))
-    return out, summary
+    return out, stats
 
 
 def run(program: Program, model: nn.Module, inputs: list[torch.Tensor], tangents: list[torch.Tensor]) -> dict:
@@ -80,10 +82,13 @@ def assert_same_results(a: dict, b: dict, rtol: float = 1e-6, atol: float = 1e-6
             torch.testing.assert_close(a[kind][k], b[kind][k], rtol=rtol, atol=atol, msg=lambda m: f"{kind} {k}: {m}")
 
 
+REDUCTIONS = (comm.reduce_scatter, comm.all_to_all_reduce)  # the reduction kinds fbmt emits
+
+
 def nodes(program: Program, target: Any, phase: str | None = None) -> list:
     """The nodes calling `target` (or any of a tuple of targets), optionally of one phase."""
     targets = target if isinstance(target, tuple) else (target,)
-    return [n for n in program.graph.nodes if n.target in targets and (phase is None or n.meta["fbmt_phase"] == phase)]
+    return [n for n in program.graph.nodes if n.target in targets and (phase is None or meta.phase(n) == phase)]
 
 
 def tangents_for(program: Program, seed: int = 0) -> list[torch.Tensor]:

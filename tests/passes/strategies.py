@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import fbmt
-from fbmt import ops
-from fbmt.passes.schedule import collectives, issue_before, phase_begin
+from fbmt.compiler.passes.schedule import GATHER, collectives, issue_before, phase_begin
 
 
 @fbmt.register_strategy("all-at-start")
@@ -13,6 +12,6 @@ def gathers_all_at_the_start(program: fbmt.Program, *, phases: tuple[str, ...] =
     moved = 0
     for phase in phases:
         begin = phase_begin(program, phase)
-        for c in collectives(program, phase, ops.GATHERS):
+        for c in collectives(program, phase, GATHER):
             moved += issue_before(c, begin)
     return f"{moved} gathers issued when their phase begins"

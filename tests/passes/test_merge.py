@@ -7,10 +7,11 @@ import torch
 import torch.nn as nn
 
 import fbmt
-from fbmt import ops
-from fbmt.passes import merge_products
-from fbmt.program import FWD
-from fbmt.sim import peak_memory
+from fbmt.compiler import collectives as comm
+from fbmt.compiler import meta
+from fbmt.compiler.passes import merge_products
+from fbmt.compiler.program import FWD
+from fbmt.tools.sim import peak_memory
 from tests.dist import run_ranks
 from tests.models.reference import Llama, batch
 from tests.passes.helpers import apply, assert_same_results, run, tangents_for, through, traced
@@ -26,10 +27,10 @@ def _trace(model: nn.Module, *inputs: torch.Tensor, **cfg):
 
 def _products(program, phase: str) -> list[tuple[int, ...]]:
     """Shapes of the weights of the matrix products of a phase that read a gathered buffer."""
-    gathered = {n for n in program.graph.nodes if n.target is ops.wait and n.meta.get("fbmt_group") is not None}
+    gathered = {n for n in program.graph.nodes if n.target is comm.wait and meta.group(n) is not None}
     shapes = []
     for n in program.graph.nodes:
-        if n.target is aten.mm.default and n.meta["fbmt_phase"] == phase and n.args[1].target is aten.t.default:
+        if n.target is aten.mm.default and meta.phase(n) == phase and n.args[1].target is aten.t.default:
             w = n.args[1].args[0]
             view = w if w.target is aten.view.default else None
             if view is not None and view.args[0].target is aten.slice.Tensor and view.args[0].args[0] in gathered:
@@ -43,8 +44,8 @@ def test_merging_gives_the_same_outputs_and_gradients_up_to_the_order_of_sums(re
     model = Llama()
     (idx,), _, _ = batch("llama", 0)
     before = through(traced(model, idx), "merge", remat=remat)
-    after, summary = apply(merge_products, before)
-    assert "runs of 2" in summary and not summary.startswith("0 runs"), summary
+    after, stats = apply(merge_products, before)
+    assert 2 in stats.runs, stats  # q/k (and gate/up, three with v where they match)
     tangents = tangents_for(before)
     assert_same_results(run(before, model, [idx], tangents), run(after, model, [idx], tangents), rtol=1e-5, atol=1e-6)
 
@@ -74,13 +75,13 @@ def test_products_that_read_one_input_become_one_without_a_copy_or_more_memory(r
         and any(
             a.target is aten.view.default
             and a.args[0].target is aten.slice.Tensor
-            and a.args[0].args[0].target is ops.wait
+            and a.args[0].args[0].target is comm.wait
             for a in n.args[0]
         )
     ]
     assert not cats, cats
     # the merged gradients: each weight's gradient is a row slice of one product
-    assert "gradients merged for 4" in program.summary("merge"), program.summary("merge")
+    assert program.stats("merge").gradients == 4, program.summary("merge")
     # under mincut v is saved for attention's backward and stays its own product: merged with q and k,
     # the saved slice would keep all three outputs alive
     assert peak_memory(program) <= peak_memory(unmerged)
@@ -107,7 +108,7 @@ class _Apart(nn.Module):
 def test_products_apart_in_memory_or_viewed_as_contiguous_stay_apart_and_match_eager():
     x = torch.randn(4, 8)
     program = _trace(_Apart(), x, remat="none")
-    assert program.summary("merge").startswith("0 runs"), program.summary("merge")
+    assert program.stats("merge").runs == (), program.summary("merge")
     torch.manual_seed(0)
     ref = _Apart()
     model = fbmt.compile(_Apart(), remat="none", checks=True)
@@ -126,7 +127,7 @@ def test_merged_llama_matches_eager_with_inductor_regions():
     model.load_state_dict(ref.state_dict())
     (idx,), _, tgt = batch("llama", 0)
     lm_step_matches(model, ref, idx, tgt)
-    assert "gradients merged for 4" in model.program.summary("merge")  # q/k and gate/up of both layers
+    assert model.program.stats("merge").gradients == 4  # q/k and gate/up of both layers
 
 
 def _merged_llama(rank: int, world: int) -> list[str]:

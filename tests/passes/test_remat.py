@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import fbmt
-from fbmt import ops
-from fbmt.ops import expensive, is_view
-from fbmt.passes import recompute_blocks
-from fbmt.passes.remat import operand, saved_bytes
-from fbmt.program import BWD
+from fbmt.compiler import collectives as comm
+from fbmt.compiler import meta
+from fbmt.compiler.ops import expensive, is_view
+from fbmt.compiler.passes import recompute_blocks
+from fbmt.compiler.passes.remat import operand, saved_bytes
+from fbmt.compiler.program import BWD
 from tests.models.reference import batch, gpt, gpt_short
 from tests.passes.helpers import apply, assert_same_results, run, tangents_for, through, traced
 
@@ -31,18 +32,20 @@ def test_recomputing_gives_the_same_outputs_and_gradients(policy):
     model = _Stack()
     x = torch.randn(8, 4, 32)
     before = through(traced(model, x), "remat")
-    after, summary = apply(recompute_blocks, before, policy=policy)
-    copies = [n for n in after.graph.nodes if n.meta.get("fbmt_recompute") == "activation"]
-    assert copies and all(n.meta["fbmt_phase"] == BWD for n in copies), summary
-    assert "layers.0:" in summary and "recomputed" in summary
+    after, stats = apply(recompute_blocks, before, policy=policy)
+    copies = [n for n in after.graph.nodes if meta.recompute(n) == "activation"]
+    assert copies and all(meta.phase(n) == BWD for n in copies), stats
+    assert sum(b.recomputed for b in stats.blocks) == len(copies) and stats.blocks[0].block == "layers.0"
+    assert stats.applied["layers.0"] == policy and stats.declined is None
     tangents = tangents_for(before)
     assert_same_results(run(before, model, [x], tangents), run(after, model, [x], tangents))
 
 
 def test_remat_none_declines_and_says_why():
     before = through(traced(_Stack(), torch.randn(8, 4, 32)), "remat")
-    after, summary = apply(recompute_blocks, before, policy="none")
-    assert summary == "declined: no block recomputes (remat='none'); activations are saved"
+    after, stats = apply(recompute_blocks, before, policy="none")
+    assert stats.declined == "no block recomputes (remat='none')" and not stats.blocks
+    assert str(stats) == "declined: no block recomputes (remat='none'); activations are saved"
     assert [n.target for n in after.graph.nodes] == [n.target for n in before.graph.nodes]
 
 
@@ -50,19 +53,19 @@ def _recomputed(program):
     """The blocks whose backward recomputes a matrix product or a product's operand (the trailing
     blocks that save their activations still recompute other cheap ops, as remat="mincut" does)."""
     return {
-        n.meta.get("fbmt_block")
+        meta.block(n)
         for n in program.graph.nodes
-        if n.meta.get("fbmt_recompute") == "activation" and (expensive(n) or operand(n, BWD))
+        if meta.recompute(n) == "activation" and (expensive(n) or operand(n, BWD))
     }
 
 
 @pytest.mark.parametrize(
     "sequences, recomputed, saved",
     [
-        (4, set(), "h.0 ... lm_head (5 blocks): saved"),
-        (16, {"h.0"}, "h.1, h.2, ln_f, lm_head: saved"),
-        (24, {"h.0", "h.1"}, "h.2, ln_f, lm_head: saved"),
-        (32, {"h.0", "h.1", "h.2", "lm_head"}, "h.2, ln_f, lm_head: recomputed although the backward begins with them"),
+        (4, set(), (("h.0", "h.1", "h.2", "ln_f", "lm_head"), True)),
+        (16, {"h.0"}, (("h.1", "h.2", "ln_f", "lm_head"), True)),
+        (24, {"h.0", "h.1"}, (("h.2", "ln_f", "lm_head"), True)),
+        (32, {"h.0", "h.1", "h.2", "lm_head"}, (("h.2", "ln_f", "lm_head"), False)),
     ],
 )
 def test_remat_saves_the_last_blocks_whose_activations_fit_under_the_gradients(sequences, recomputed, saved):
@@ -72,7 +75,9 @@ def test_remat_saves_the_last_blocks_whose_activations_fit_under_the_gradients(s
     (idx,), _, tgt = batch("gpt_short", 0)
     program = model.trace(idx[:sequences], tgt[:sequences])
     assert _recomputed(program) == recomputed
-    assert saved in program.summary("remat")
+    trailing = program.stats("remat").trailing  # which blocks save, and whether they fit
+    assert (trailing.blocks, trailing.saved) == saved
+    assert (trailing.saved_bytes <= trailing.gradient_bytes) == trailing.saved
 
 
 @pytest.mark.parametrize("sequences, recomputed", [(8, set()), (32, {"h.0", "h.1", "h.2", "lm_head"})])
@@ -86,6 +91,8 @@ def test_selective_remat_saves_the_last_blocks_that_fit_too(sequences, recompute
 def test_the_last_block_recomputes_where_saving_it_would_raise_the_peak():
     program = _program()  # 8 x 16 tokens on 8 ranks: the saved activations outweigh the gradient shards
     assert _recomputed(program) >= {"h.0", "h.1", "h.2"}
+    trailing = program.stats("remat").trailing
+    assert trailing.blocks == ("h.2", "ln_f", "lm_head") and not trailing.saved
     assert "h.2, ln_f, lm_head: recomputed although the backward begins with them" in program.summary("remat")
 
 
@@ -100,11 +107,11 @@ def test_a_block_named_with_its_own_remat_policy_is_recomputed_even_last():
 
 def test_selective_remat_saves_matmuls_and_recomputes_the_cheap_ops():
     program = _program(remat="selective")
-    recomputed = [n for n in program.graph.nodes if n.meta.get("fbmt_recompute") == "activation"]
-    assert {"h.0", "h.1", "h.2"} <= {n.meta.get("fbmt_block") for n in recomputed}
+    recomputed = [n for n in program.graph.nodes if meta.recompute(n) == "activation"]
+    assert {"h.0", "h.1", "h.2"} <= {meta.block(n) for n in recomputed}
     assert recomputed and not any(expensive(n) for n in recomputed)
-    fwd_mms = [n for n in program.graph.nodes if expensive(n) and n.meta.get("fbmt_phase") == "fwd"]
-    assert any(u.meta.get("fbmt_phase") == "bwd" for n in fwd_mms for u in n.users)  # matmul outputs are saved
+    fwd_mms = [n for n in program.graph.nodes if expensive(n) and meta.phase(n) == "fwd"]
+    assert any(meta.phase(u) == "bwd" for n in fwd_mms for u in n.users)  # matmul outputs are saved
 
 
 class _SwiGLU(torch.nn.Module):
@@ -139,11 +146,7 @@ def test_mincut_remat_recomputes_cheap_ops_from_saved_values_but_no_product_oper
         model = fbmt.compile(_Stack(), world_size=2, checks=True, remat=remat)
         programs[remat] = model.trace(torch.randn(64, 8, 32))
     recomputed = {
-        remat: [
-            n
-            for n in p.graph.nodes
-            if n.meta.get("fbmt_recompute") == "activation" and n.meta.get("fbmt_block") == "layers.0"
-        ]
+        remat: [n for n in p.graph.nodes if meta.recompute(n) == "activation" and meta.block(n) == "layers.0"]
         for remat, p in programs.items()
     }
     # NOTE: [Min-cut]: SwiGLU's activation and the norm's x * rsqrt come back from the saved projection,
@@ -152,7 +155,7 @@ def test_mincut_remat_recomputes_cheap_ops_from_saved_values_but_no_product_oper
     assert {str(n.target) for n in recomputed["mincut"]} == {"aten.silu.default", "aten.mul.Tensor"}
     assert not any(operand(n, BWD) for n in recomputed["mincut"])
     assert any(operand(n, BWD) for n in recomputed["selective"])  # what "selective" recomputes instead
-    assert not any(expensive(n) for n in programs["mincut"].graph.nodes if n.meta.get("fbmt_recompute"))
+    assert not any(expensive(n) for n in programs["mincut"].graph.nodes if meta.recompute(n))
     saved = {remat: saved_bytes(p.graph, []) for remat, p in programs.items()}
     assert saved["selective"] < saved["mincut"] < 0.75 * saved["none"], saved
 
@@ -162,7 +165,7 @@ def test_recomputed_values_come_right_before_their_first_reader_and_block_remat_
     model = fbmt.compile(_Stack(), world_size=2, checks=True, remat="block")
     program = model.trace(torch.randn(64, 8, 32))
     nodes = list(program.graph.nodes)
-    copies = [n for n in nodes if n.meta.get("fbmt_recompute") == "activation"]
+    copies = [n for n in nodes if meta.recompute(n) == "activation"]
 
     def first_read(n):  # the first backward node that is not a copy and needs `n`, directly or through copies
         return min((first_read(u) if u in copies else nodes.index(u) for u in n.users), default=len(nodes))
@@ -170,15 +173,15 @@ def test_recomputed_values_come_right_before_their_first_reader_and_block_remat_
     # NOTE: [Late recompute]: between a copy and its first reader, nothing but other copies, collectives
     # and the views of a gathered group's parameters (the shard pass puts those before their first reader)
     def inserted(m):
-        return m in copies or is_view(m) or m.target in ops.COLLECTIVES
+        return m in copies or is_view(m) or comm.is_collective(m.target)
 
     for n in copies:
         assert all(map(inserted, nodes[nodes.index(n) + 1 : first_read(n)])), n
     # the block's forward path recomputes SwiGLU's activation for the saved product; the late copy that
     # the backward reads is recomputed again from the projection, as remat="mincut" recomputes it
-    silus = [n for n in copies if n.meta.get("fbmt_block") == "layers.0" and str(n.target) == "aten.silu.default"]
+    silus = [n for n in copies if meta.block(n) == "layers.0" and str(n.target) == "aten.silu.default"]
     assert len(silus) == 2
-    assert "recomputed (" in program.summary("remat") and " late)" in program.summary("remat")
+    assert any(b.late for b in program.stats("remat").blocks)
 
 
 def test_a_recomputed_multi_output_op_keeps_its_outputs_next_to_it():
@@ -189,8 +192,7 @@ def test_a_recomputed_multi_output_op_keeps_its_outputs_next_to_it():
     outputs = [
         n
         for n in nodes
-        if n.target is operator.getitem
-        and n.meta.get("fbmt_recompute") == n.args[0].meta.get("fbmt_recompute") == "activation"
+        if n.target is operator.getitem and meta.recompute(n) == meta.recompute(n.args[0]) == "activation"
     ]
     assert any(str(n.args[0].target) == "aten.native_layer_norm.default" for n in outputs)
     for n in outputs:

@@ -7,14 +7,29 @@ import pytest
 import torch
 
 import fbmt
-from fbmt import ops
-from fbmt.ops.tables import EFFECTFUL
-from fbmt.passes import STRATEGIES, schedule_overlap
-from fbmt.program import BWD, FWD, format_graph
+from fbmt.compiler import collectives as comm
+from fbmt.compiler import meta, ops
+from fbmt.compiler.collectives import GATHER, REDUCE
+from fbmt.compiler.ops.record import OPS as RECORDING
+from fbmt.compiler.passes import STRATEGIES, schedule_overlap
+from fbmt.compiler.program import BWD, FWD, format_graph
 from tests.dist import run_ranks
 from tests.models.reference import batch, gpt
 from tests.passes import strategies  # noqa: F401  (registers "all-at-start")
-from tests.passes.helpers import apply, assert_same_results, nodes, run, tangents_for, through, traced
+from tests.passes.helpers import (
+    REDUCTIONS,
+    apply,
+    assert_same_results,
+    nodes,
+    run,
+    tangents_for,
+    through,
+    traced,
+)
+
+
+def _communication_or_recording(n) -> bool:
+    return comm.is_collective(n.target) or n.target in RECORDING
 
 
 def _program(n_layer: int = 3, world: int = 8, **cfg):
@@ -29,16 +44,16 @@ def _first_compute(program, block: str, phase: str) -> int:
     return min(
         i
         for i, n in enumerate(nodes_)
-        if n.meta.get("fbmt_block") == block
-        and n.meta["fbmt_phase"] == phase
+        if meta.block(n) == block
+        and meta.phase(n) == phase
         and n.op == "call_function"
-        and n.target not in EFFECTFUL
+        and not _communication_or_recording(n)
     )
 
 
 def _gather_at(program, phase: str) -> dict[int, int]:
     pos = ops.node_order(program.graph)
-    return {n.meta["fbmt_group"]: pos[n] for n in nodes(program, ops.all_gather, phase)}
+    return {meta.group(n): pos[n] for n in nodes(program, comm.all_gather, phase)}
 
 
 @pytest.mark.parametrize("strategy", ["prefetch", "none"])
@@ -47,8 +62,10 @@ def test_a_strategy_only_reorders_the_program(strategy):
     model = gpt(n_layer=3)
     idx = torch.randint(0, 64, (2, 16))
     before = through(traced(model, idx), "schedule")
-    after, summary = apply(schedule_overlap, before, strategy=strategy, prefetch=1)
-    assert summary.startswith(f"{strategy}: ")
+    after, stats = apply(
+        schedule_overlap, before, strategy=strategy, options={"depth": 1} if strategy == "prefetch" else {}
+    )
+    assert stats.strategy == strategy and str(stats).startswith(f"{strategy}: ")
     assert sorted(n.name for n in after.graph.nodes) == sorted(n.name for n in before.graph.nodes)
     tangents = tangents_for(before)
     assert_same_results(run(before, model, [idx], tangents), run(after, model, [idx], tangents), rtol=0, atol=0)
@@ -64,18 +81,18 @@ def test_prefetch_issues_each_gather_that_many_blocks_ahead(prefetch):
         assert start[ahead] < before, f"h.{i + prefetch} is not gathered before h.{i} computes"
         if i + prefetch + 1 < 4:  # and no further ahead
             assert start[groups[f"h.{i + prefetch + 1}"]] > before, f"h.{i + prefetch + 1} gathered too early"
-    assert f"issued {prefetch} block(s) ahead" in program.summary("schedule")
+    assert program.stats("schedule").options == {"depth": prefetch}  # the option is the strategy's depth
 
 
 def test_reductions_overlap_the_backward_of_earlier_blocks():
     program = _program(schedule="prefetch")
     nodes_ = list(program.graph.nodes)
     pos = ops.node_order(program.graph)
-    rs = nodes(program, ops.REDUCTIONS, BWD)
+    rs = nodes(program, REDUCTIONS, BWD)
     later = [
         n
         for n in nodes_[pos[rs[0]] + 1 :]
-        if n.meta.get("fbmt_phase") == BWD and n.target not in EFFECTFUL and n.op == "call_function"
+        if meta.phase(n) == BWD and not _communication_or_recording(n) and n.op == "call_function"
     ]
     assert later, "the first reduce-scatter should overlap later backward compute"
     waits = [next(iter(r.users)) for r in rs]
@@ -114,8 +131,8 @@ def test_a_small_groups_reduction_does_not_wait_for_the_one_before():
     program = fbmt.compile(_Decoder(), world_size=2, checks=True).trace(torch.randn(4, 8, 32))
     pos = ops.node_order(program.graph)
     groups = {g.block: g.index for g in program.layout.groups}
-    starts = {n.meta["fbmt_group"]: n for n in nodes(program, ops.REDUCTIONS, BWD)}
-    waits = {g: next(u for u in n.users if u.target is ops.wait) for g, n in starts.items()}
+    starts = {meta.group(n): n for n in nodes(program, REDUCTIONS, BWD)}
+    waits = {g: next(u for u in n.users if u.target is comm.wait) for g, n in starts.items()}
     assert pos[starts[groups["output"]]] < pos[starts[groups["norm"]]]
     assert pos[waits[groups["output"]]] > pos[starts[groups["norm"]]]
     assert pos[waits[groups["output"]]] < pos[starts[groups["layers.1"]]]  # still one large one in flight
@@ -129,7 +146,7 @@ def test_backward_gathers_its_first_block_when_the_backward_begins():
     first_bwd = next(
         i
         for i, n in enumerate(nodes_)
-        if n.op == "call_function" and n.meta["fbmt_phase"] == BWD and n.target not in EFFECTFUL
+        if n.op == "call_function" and meta.phase(n) == BWD and not _communication_or_recording(n)
     )
     start = _gather_at(program, BWD)
     assert start[groups["ln_f"]] < first_bwd and start[groups["h.2"]] < first_bwd
@@ -139,7 +156,7 @@ def test_backward_gathers_its_first_block_when_the_backward_begins():
 def test_no_overlap_waits_right_after_each_start():
     program = _program(schedule="none")
     for n in program.collectives():
-        assert n.next.target is ops.wait and n.next.args[0] is n
+        assert n.next.target is comm.wait and n.next.args[0] is n
 
 
 def _trains_with_the_registered_strategy(rank: int, world: int) -> None:
@@ -156,9 +173,8 @@ def _trains_with_the_registered_strategy(rank: int, world: int) -> None:
 def test_a_registered_strategy_is_used_by_name_and_trains_as_eager():
     assert "all-at-start" in STRATEGIES  # registered by importing tests.passes.strategies
     program = _program(schedule="all-at-start")
-    assert program.summary("schedule").startswith("all-at-start: ") and "when their phase begins" in program.summary(
-        "schedule"
-    )
+    stats = program.stats("schedule")
+    assert stats.strategy == "all-at-start" and "when their phase begins" in stats.detail  # the strategy's own line
     first = min(_first_compute(program, g.block, FWD) for g in program.layout.groups)
     assert all(at < first for at in _gather_at(program, FWD).values())
     run_ranks(2, _trains_with_the_registered_strategy)
@@ -201,15 +217,15 @@ def test_every_built_in_strategy_only_moves_collectives(strategy):
     idx = torch.randint(0, 64, (2, 16))
     before = through(traced(model, idx), "schedule", zero=2)
     after, _ = apply(schedule_overlap, before, strategy=strategy)
-    compute = [n.name for n in before.graph.nodes if n.target not in ops.COLLECTIVES]
-    assert [n.name for n in after.graph.nodes if n.target not in ops.COLLECTIVES] == compute
+    compute = [n.name for n in before.graph.nodes if not comm.is_collective(n.target)]
+    assert [n.name for n in after.graph.nodes if not comm.is_collective(n.target)] == compute
     tangents = tangents_for(before)
     assert_same_results(run(before, model, [idx], tangents), run(after, model, [idx], tangents), rtol=0, atol=0)
 
 
 def test_strategy_options_are_passed_and_checked():
     deep = _program(n_layer=4, schedule=("prefetch", {"depth": 2}))
-    assert "issued 2 block(s) ahead" in deep.summary("schedule")
+    assert deep.stats("schedule").options == {"depth": 2}
     assert format_graph(deep) == format_graph(_program(n_layer=4, prefetch=2))
     with pytest.raises(ValueError, match=r"schedule='prefetch'.*unknown option\(s\) \['dept'\].*depth=1, small=16"):
         fbmt.compile(gpt(), schedule=("prefetch", {"dept": 2}))
@@ -219,13 +235,12 @@ def test_strategy_options_are_passed_and_checked():
 
 def _gathered_peak(program) -> int:
     """The most gathered-parameter bytes alive at once, in program order."""
-    from fbmt.decisions import collectives
+    from fbmt.compiler.collectives import collectives
 
     order = ops.node_order(program.graph)
     end = len(order)
     lives = [
-        (order[c.start], order[c.release] if c.release else end, c.bytes)
-        for c in collectives(program, None, ops.GATHERS)
+        (order[c.start], order[c.release] if c.release else end, c.bytes) for c in collectives(program, None, GATHER)
     ]
     return max(sum(b for s, e, b in lives if s <= p < e) for p in range(end))
 
@@ -238,7 +253,8 @@ def test_greedy_issues_gathers_as_early_as_its_memory_bound_allows():
     assert _gathered_peak(greedy) <= bound < _gathered_peak(_program(n_layer=4, schedule="all-at-start"))
     assert _gathered_peak(greedy) > _gathered_peak(none)  # it did prefetch
     # with no room beyond what the program holds anyway, no gather moves; with all the room, all go first
-    assert "0 gathers issued early" in _program(n_layer=4, schedule=("greedy", {"memory_bound": 0})).summary("schedule")
+    unmoved = _program(n_layer=4, schedule=("greedy", {"memory_bound": 0}))
+    assert _gather_at(unmoved, FWD) == _gather_at(none, FWD)
     everything = _program(n_layer=4, schedule=("greedy", {"memory_bound": 2**40}))
     first = min(_first_compute(everything, g.block, FWD) for g in everything.layout.groups)
     assert all(at < first for at in _gather_at(everything, FWD).values())
@@ -248,8 +264,8 @@ def test_fsdp2_counts_every_module_where_prefetch_skips_small_ones():
     torch.manual_seed(0)
     program = fbmt.compile(_Decoder(), world_size=2, checks=True, schedule="fsdp2").trace(torch.randn(4, 8, 32))
     groups = {g.block: g.index for g in program.layout.groups}
-    starts = {n.meta["fbmt_group"]: n for n in nodes(program, ops.REDUCTIONS, BWD)}
-    waits = {g: next(u for u in n.users if u.target is ops.wait) for g, n in starts.items()}
+    starts = {meta.group(n): n for n in nodes(program, REDUCTIONS, BWD)}
+    waits = {g: next(u for u in n.users if u.target is comm.wait) for g, n in starts.items()}
     # the output layer's reduction is waited when the final norm's is issued (FSDP2 frees it then)
     assert waits[groups["output"]].next is starts[groups["norm"]]
 
@@ -267,10 +283,10 @@ def test_bmtrain_prefetches_within_the_block_list_only():
 
 
 def test_a_move_that_reads_a_value_too_early_is_refused_naming_the_collective():
-    from fbmt.passes.schedule import ScheduleError, collectives, issue_before, phase_begin
+    from fbmt.compiler.passes.schedule import ScheduleError, collectives, issue_before, phase_begin
 
     program = _program().copy()
-    reduction = collectives(program, BWD, ops.REDUCTIONS)[0]
+    reduction = collectives(program, BWD, REDUCE)[0]
     with pytest.raises(ScheduleError, match=r"bwd reduce_scatter of group \d+ \(.*\): cannot be issued at .* before"):
         issue_before(reduction, phase_begin(program, BWD))
 
@@ -294,7 +310,7 @@ def test_a_strategys_own_default_depth_holds_unless_prefetch_is_set():
 
 def _buckets(program) -> list[list]:
     """The program's buckets, each its members' Collective records in program order."""
-    from fbmt.decisions import collectives
+    from fbmt.compiler.collectives import collectives
 
     order = ops.node_order(program.graph)
     by: dict[int, list] = {}
@@ -328,8 +344,8 @@ def test_bucket_fuses_consecutive_collectives_within_its_bytes():
 
 
 def test_a_bucket_runs_as_one_call_of_its_fused_implementation():
-    from fbmt.runtime import collectives as impl
-    from fbmt.runtime.partition import partition
+    from fbmt.compiler.collectives import torch_impl as impl
+    from fbmt.compiler.runtime.partition import partition
 
     program = _program(n_layer=3, world=2, schedule=("bucket", {"bucket_bytes": 2**30}))
     exe = partition(program)
@@ -337,19 +353,23 @@ def test_a_bucket_runs_as_one_call_of_its_fused_implementation():
         (exe.forward, [impl.all_gather_bucket]),
         (exe.backward, [impl.all_gather_bucket, impl.reduce_scatter_bucket]),
     ):
-        fused = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in impl.BUCKETED.values()]
+        fused = [
+            n.target
+            for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in (impl.all_gather_bucket, impl.reduce_scatter_bucket)
+        ]
         assert fused == kinds
         assert not any(n.target in (impl.all_gather, impl.reduce_scatter) for n in gm.graph.nodes)
 
 
 def test_fuse_refuses_collectives_one_call_cannot_carry():
-    from fbmt.passes.schedule import ScheduleError, collectives, fuse
+    from fbmt.compiler.passes.schedule import ScheduleError, collectives, fuse
 
     program = _program().copy()
-    gather, reduction = collectives(program, BWD, ops.GATHERS)[0], collectives(program, BWD, ops.REDUCTIONS)[0]
+    gather, reduction = collectives(program, BWD, GATHER)[0], collectives(program, BWD, REDUCE)[0]
     with pytest.raises(ScheduleError, match="a bucket is one call, of all_gathers or reduce_scatters of one phase"):
         fuse([gather, reduction])
-    first, second = collectives(program, FWD, ops.GATHERS)[:2]
+    first, second = collectives(program, FWD, GATHER)[:2]
     with pytest.raises(
         ScheduleError, match=r"fwd all_gather of group \d+ .*: cannot be issued in a bucket at .* after its own wait"
     ):

@@ -8,10 +8,20 @@ import pytest
 import torch
 
 import fbmt
-from fbmt import ops
-from fbmt.passes import shard_parameters
+from fbmt.compiler import collectives as comm
+from fbmt.compiler import meta
+from fbmt.compiler.passes import shard_parameters
 from tests.models.reference import batch, gpt
-from tests.passes.helpers import apply, assert_same_results, nodes, run, tangents_for, through, traced
+from tests.passes.helpers import (
+    REDUCTIONS,
+    apply,
+    assert_same_results,
+    nodes,
+    run,
+    tangents_for,
+    through,
+    traced,
+)
 
 
 def _program(**cfg):
@@ -22,7 +32,7 @@ def _program(**cfg):
 
 
 def _groups_read_in(program, phase):
-    return {n.meta["fbmt_group"] for n in nodes(program, ops.all_gather, phase)}
+    return {meta.group(n) for n in nodes(program, comm.all_gather, phase)}
 
 
 @pytest.mark.parametrize("zero", [3, 2])
@@ -31,10 +41,11 @@ def test_sharding_gives_the_same_outputs_and_gradients(zero):
     model = gpt()
     idx = torch.randint(0, 64, (2, 16))
     before = through(traced(model, idx), "shard", remat="none")
-    after, summary = apply(shard_parameters, before, zero=zero)
+    after, stats = apply(shard_parameters, before, zero=zero)
     assert {r.kind for r in after.inputs} == {"shard", "input", "tangent"}  # no full parameter is fed
     assert {r.kind for r in after.outputs} == {"output", "shard_grad"}
-    assert f"zero={zero}" in summary and "5 flat groups" in summary
+    assert stats.zero == zero and stats.groups == 5 and stats.reductions == {"reduce_scatter": 5}
+    assert stats.gathers == len(nodes(after, comm.all_gather)) > 5 if zero == 3 else stats.gathers == 5
     tangents = tangents_for(before)
     assert_same_results(run(before, model, [idx], tangents), run(after, model, [idx], tangents), rtol=0, atol=0)
 
@@ -44,9 +55,9 @@ def test_one_gather_per_block_and_phase_and_one_reduce_scatter(zero):
     program = _program(zero=zero)
     layout = program.layout
     assert layout.world_size == 8 and all(g.padded_numel % 8 == 0 for g in layout.groups)
-    fwd = [n.meta["fbmt_group"] for n in nodes(program, ops.all_gather, "fwd")]
-    bwd = [n.meta["fbmt_group"] for n in nodes(program, ops.all_gather, "bwd")]
-    rs = [n.meta["fbmt_group"] for n in nodes(program, ops.REDUCTIONS, "bwd")]
+    fwd = [meta.group(n) for n in nodes(program, comm.all_gather, "fwd")]
+    bwd = [meta.group(n) for n in nodes(program, comm.all_gather, "bwd")]
+    rs = [meta.group(n) for n in nodes(program, REDUCTIONS, "bwd")]
     assert sorted(fwd) == list(range(len(layout.groups)))  # every group gathered once in forward
     assert sorted(rs) == list(range(len(layout.groups)))  # every group reduced once
     blocks = [g.index for g in layout.groups if g.block.startswith("h.")]
@@ -55,7 +66,7 @@ def test_one_gather_per_block_and_phase_and_one_reduce_scatter(zero):
         assert bwd.index(blocks[-1]) < bwd.index(blocks[0])  # in reverse block order
     else:
         assert not set(blocks) & set(bwd)  # ZeRO-2 keeps the forward's gathered buffers
-    assert len(nodes(program, ops.release)) == len(fwd) + len(bwd)
+    assert len(nodes(program, comm.release)) == len(fwd) + len(bwd)
 
 
 def test_the_group_read_at_the_turnaround_stays_gathered_unless_its_block_asks_for_zero3():
@@ -65,7 +76,7 @@ def test_the_group_read_at_the_turnaround_stays_gathered_unless_its_block_asks_f
     bwd = _groups_read_in(program, "bwd")
     assert groups["wte"] not in bwd, "the turnaround group was gathered again for the backward"
     assert {groups["h.2"], groups["ln_f"]} <= bwd, "only the turnaround group may skip its backward gather"
-    assert "kept gathered across the turnaround: wte" in program.summary("shard")
+    assert program.stats("shard").turnaround == ("wte",)
     blocks = {b: {} for b in groups}
     blocks["wte"] = {"zero": 3}
     assert groups["wte"] in _groups_read_in(_program(blocks=blocks), "bwd")
@@ -83,19 +94,20 @@ def test_a_block_named_with_zero2_keeps_its_gather_and_the_others_gather_again()
 @pytest.mark.parametrize(
     "options, kind",
     [
-        (dict(param_dtype=torch.bfloat16), ops.all_to_all_reduce),  # bf16 gradients summed in fp32, one node
-        (dict(param_dtype=torch.bfloat16, narrow_wire=False), ops.reduce_scatter),  # as across nodes
-        (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), ops.reduce_scatter),  # nothing to narrow
-        (dict(), ops.reduce_scatter),  # fp32 all the way
+        (dict(param_dtype=torch.bfloat16), comm.all_to_all_reduce),  # bf16 gradients summed in fp32, one node
+        (dict(param_dtype=torch.bfloat16, narrow_wire=False), comm.reduce_scatter),  # as across nodes
+        (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16), comm.reduce_scatter),  # nothing to narrow
+        (dict(), comm.reduce_scatter),  # fp32 all the way
     ],
 )
 def test_the_shard_pass_chooses_the_wire_and_the_program_shows_it(options, kind):
     """NOTE: [Narrow wire]: every collective that runs is a node of the program."""
     program = _program(**options)
-    reductions = nodes(program, ops.REDUCTIONS)
+    reductions = nodes(program, REDUCTIONS)
     assert reductions and all(n.target is kind for n in reductions)
     assert kind.__name__ in str(program)
-    assert ("narrow wire" in program.summary("shard")) == (kind is ops.all_to_all_reduce)
+    assert program.stats("shard").reductions == {kind.__name__: len(reductions)}
+    assert ("narrow wire" in program.summary("shard")) == (kind is comm.all_to_all_reduce)
 
 
 def test_one_rank_never_narrows_its_wire():
@@ -103,4 +115,4 @@ def test_one_rank_never_narrows_its_wire():
     program = fbmt.compile(gpt(), world_size=1, param_dtype=torch.bfloat16, narrow_wire=True).trace(
         torch.randint(0, 64, (2, 16))
     )
-    assert not nodes(program, ops.all_to_all_reduce) and nodes(program, ops.reduce_scatter)
+    assert not nodes(program, comm.all_to_all_reduce) and nodes(program, comm.reduce_scatter)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import fbmt
-from fbmt import ops
-from fbmt.passes import VerifyError, check, verify_program
-from fbmt.program import FWD, Program
+from fbmt.compiler import collectives as comm
+from fbmt.compiler import meta
+from fbmt.compiler.passes import VerifyError, check, verify_program
+from fbmt.compiler.program import FWD, Note, Program
 from tests.models.reference import batch, gpt
 
 
@@ -26,27 +27,27 @@ def _first(program: Program, target) -> torch.fx.Node:
 
 
 def _drop_a_release(p: Program) -> None:
-    p.graph.erase_node(_first(p, ops.release))
+    p.graph.erase_node(_first(p, comm.release))
 
 
 def _release_early(p: Program) -> None:
-    release = _first(p, ops.release)
+    release = _first(p, comm.release)
     release.args[0].append(release)  # right after the wait, before the views are read
 
 
 def _wait_twice(p: Program) -> None:
-    wait = _first(p, ops.wait)
+    wait = _first(p, comm.wait)
     with p.graph.inserting_after(wait):
-        twin = p.graph.call_function(ops.wait, wait.args)
+        twin = p.graph.call_function(comm.wait, wait.args)
     twin.meta.update(wait.meta)
 
 
 def _no_phase(p: Program) -> None:
-    del next(n for n in p.graph.nodes if n.op == "call_function").meta["fbmt_phase"]
+    meta.clear(next(n for n in p.graph.nodes if n.op == "call_function"), "phase")
 
 
 def _gather_another_shard(p: Program) -> None:
-    gathers = [n for n in p.graph.nodes if n.target is ops.all_gather]
+    gathers = [n for n in p.graph.nodes if n.target is comm.all_gather]
     first, other = gathers[0], next(g for g in gathers if g.args[0] is not gathers[0].args[0])
     first.args = (other.args[0], *first.args[1:])  # the first group's buffer filled with another's weights
 
@@ -59,22 +60,24 @@ def _return_another_gradient(p: Program) -> None:
 
 
 def _gather_after_its_reader(p: Program) -> None:
-    start = [n for n in p.graph.nodes if n.target is ops.all_gather and n.meta.get("fbmt_phase") == "bwd"][1]
+    start = [n for n in p.graph.nodes if n.target is comm.all_gather and meta.phase(n) == "bwd"][1]
     wait = next(iter(start.users))
     p.output_node().prepend(start)  # a backward gather moved past everything, its readers included
     p.output_node().prepend(wait)
 
 
 def _bucket_apart(p: Program) -> None:
-    gathers = [n for n in p.graph.nodes if n.target is ops.all_gather]
-    gathers[0].meta["fbmt_bucket"] = gathers[2].meta["fbmt_bucket"] = 0  # fused, but not side by side
+    gathers = [n for n in p.graph.nodes if n.target is comm.all_gather]
+    meta.tag(gathers[0], bucket=0)  # fused, but not side by side
+    meta.tag(gathers[2], bucket=0)
 
 
 def _bucket_two_wire_dtypes(p: Program) -> None:
-    first, second = [n for n in p.graph.nodes if n.target is ops.all_gather][:2]
+    first, second = [n for n in p.graph.nodes if n.target is comm.all_gather][:2]
     first.append(second)  # side by side (gathered earlier: a legal prefetch)
     second.args = (second.args[0], second.args[1], torch.bfloat16)  # but cast for the wire, the other not
-    first.meta["fbmt_bucket"] = second.meta["fbmt_bucket"] = 0
+    meta.tag(first, bucket=0)
+    meta.tag(second, bucket=0)
 
 
 @pytest.mark.parametrize(
@@ -109,12 +112,12 @@ def test_a_forward_node_that_reads_a_tangent_is_rejected(program: Program):
     first = next(n for n in broken.graph.nodes if n.op == "call_function")
     with broken.graph.inserting_before(first):
         reader = broken.graph.call_function(torch.ops.aten.neg.default, (tangent,))
-    reader.meta["fbmt_phase"] = FWD
+    meta.tag(reader, phase=FWD)
     with pytest.raises(VerifyError, match="is a forward node that reads a tangent"):
         check(broken, after="by hand")
 
 
 def test_verify_as_a_pass_leaves_the_input_untouched(program: Program):
     before = list(program.history)
-    out, summary = verify_program(program)
-    assert summary == "ok" and out is not program and program.history == before
+    out, stats = verify_program(program)
+    assert stats == Note("ok") and out is not program and program.history == before

@@ -43,7 +43,7 @@ def test_a_bucket_gives_each_group_what_its_own_collective_gives(world):
 def test_a_buckets_columns_are_filled_row_after_row_and_the_rest_zeroed():
     # each rank's chunk of a group is a row of the group's columns in the bucket (NOTE: [Buckets]);
     # the padding must be zero: the last rank's shard gradient holds it, and gradient norms read it
-    from fbmt.runtime.collectives import _fill
+    from fbmt.compiler.collectives.torch_impl import _fill
 
     bucket = torch.full((4, 7), float("nan"))  # 4 ranks; this group's chunk is 3 of each row's 7
     pieces = [torch.arange(1.0, 3.0), torch.arange(3.0, 5.0)]  # 4 elements: the second crosses a row end

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import fbmt
-from fbmt.runtime import collectives, regions
-from fbmt.runtime.regions import Region
+from fbmt.compiler import meta
+from fbmt.compiler.collectives import GATHER, torch_impl
+from fbmt.compiler.runtime import regions
+from fbmt.compiler.runtime.regions import Region
 from tests.models.reference import gpt
 from tests.workers import lm_step_matches
 
@@ -23,12 +25,12 @@ def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile():
         x, y = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
         lm_step_matches(model, ref, x, y)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    exe = next(iter(model._executables.values()))
+    (exe,) = model.executables()
     regions = [m for gm in (exe.forward, exe.backward) for m in gm.modules() if isinstance(m, Region)]
     assert model.regions.hits > 0, model.regions  # the three identical blocks reuse compiled regions
     assert len(model.regions.compiled) < len(regions)
     kinds = [n.target for n in exe.forward.graph.nodes if n.op == "call_function"]
-    assert collectives.all_gather in kinds and collectives.wait in kinds  # communication stays outside regions
+    assert torch_impl.all_gather in kinds and torch_impl.wait in kinds  # communication stays outside regions
 
 
 def test_unknown_backend_is_rejected():
@@ -85,16 +87,16 @@ def test_a_collective_between_an_op_and_its_unpacking_keeps_them_in_one_region()
     """A strategy may issue a collective right after a multi-output op (a layer norm's backward),
     before its outputs are unpacked: the region still takes the op with its unpacking (Inductor's
     regions return flat tensors), and the step matches eager."""
-    from fbmt import ops
-    from fbmt.passes.schedule import collectives, issue_before
+    from fbmt.compiler import ops
+    from fbmt.compiler.passes.schedule import collectives, issue_before
 
     @fbmt.register_strategy("between-an-op-and-its-outputs")
     def between(program: fbmt.Program) -> str:
         g = program.graph
-        op = next(n for n in g.nodes if n.meta.get("fbmt_phase") == "bwd" and isinstance(n.meta.get("val"), tuple))
+        op = next(n for n in g.nodes if meta.phase(n) == "bwd" and isinstance(n.meta.get("val"), tuple))
         unpack = next(iter(op.users))
         order = ops.node_order(g)
-        late = [c for c in collectives(program, "bwd", ops.GATHERS) if order[c.start] > order[unpack]]
+        late = [c for c in collectives(program, "bwd", GATHER) if order[c.start] > order[unpack]]
         issue_before(late[0], unpack)
         return f"a gather between %{op.name} and its outputs"
 
@@ -104,4 +106,4 @@ def test_a_collective_between_an_op_and_its_unpacking_keeps_them_in_one_region()
     model = fbmt.compile(gpt(n_layer=2), backend="inductor", checks=True, schedule="between-an-op-and-its-outputs")
     x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
     lm_step_matches(model, ref, x, y)
-    assert "a gather between" in model.program.summary("schedule")
+    assert "a gather between" in model.program.stats("schedule").detail  # the strategy's own line

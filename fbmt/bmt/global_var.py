@@ -1,6 +1,0 @@
-"""`config`: what the job looks like (BMTrain's `bmtrain.global_var.config`), filled by
-`fbmt.init_distributed` (the dict lives in `fbmt.distributed`)."""
-
-from fbmt.distributed import config
-
-__all__ = ["config"]

@@ -1,0 +1,78 @@
+"""`compile_module`: the compiler's entry point, a plain module in, a `CompiledModule` out.
+
+`fbmt.compile` (fbmt/api.py) is what users call: it checks the options, then calls this with the
+class that adds the integrations and with remat="auto"'s search. This function plans the layout,
+builds this rank's shards (materializing a `meta` model block by block), takes the module over and
+resolves the options into a plan; nothing is traced until the first call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from fbmt import job
+from fbmt.compiler import owners
+from fbmt.compiler.layout import plan_layout
+from fbmt.compiler.module import CompiledModule
+from fbmt.compiler.options import CompileOptions
+from fbmt.compiler.pipeline import Search
+from fbmt.compiler.plan import Plan
+from fbmt.compiler.runtime.params import InitFn, build_shards
+
+
+def compile_module(
+    model: nn.Module,
+    options: CompileOptions,
+    *,
+    module_class: type[CompiledModule] = CompiledModule,
+    search: Search | None = None,
+    init_fn: InitFn | None = None,
+    **class_args: Any,
+) -> CompiledModule:
+    """Compile `model` for every rank of the job (`options`: docs/options.md) into a `module_class`.
+
+    The returned module's `parameters()` are this rank's flat shards: build any torch optimizer on
+    them. Its `state_dict()` holds full tensors under the original keys. The model is taken over:
+    its parameters are replaced by `meta` placeholders so only the shards hold memory. A model built
+    under `torch.device("meta")` is materialized block by block with `init_fn(module)` (default:
+    `options.init_fn`, else each module's `reset_parameters()`), so no rank ever holds the whole model.
+    `search`: remat="auto"'s (`pipeline.Search`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fbmt.compile expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, CompiledModule):
+        raise TypeError("fbmt.compile: this module is already compiled")
+    taken = owners.taken(model)
+    if taken is not None:
+        raise ValueError(
+            f"fbmt.compile: module '{taken or '<root>'}' ({type(model.get_submodule(taken)).__name__}) was "
+            "compiled before: its parameters live in the shards of the CompiledModule that call returned, "
+            "and it holds only meta placeholders (compiling it again would train fresh random weights). "
+            "Use that compiled module; for a second copy, copy.deepcopy the model before compiling it"
+        )
+    o = options
+    launched = job.launched_world_size()
+    if o.world_size is None and launched > 1 and not job.is_initialized():
+        raise RuntimeError(
+            f"fbmt.compile: this process is one of {launched} ranks (torchrun's WORLD_SIZE), but "
+            "torch.distributed is not initialized, so it would train a whole copy of the model alone "
+            "and no gradient would be averaged. Call fbmt.init_distributed() before fbmt.compile "
+            "(or pass world_size=1 to compile a single-rank model on purpose)"
+        )
+    world = o.world_size or job.world_size()
+    rank = job.rank() if world == job.world_size() else 0
+    device = job.compute_device(o.device)
+    if o.cuda_graph and device.type != "cuda":
+        raise ValueError(
+            f"fbmt.compile(cuda_graph=True): CUDA graphs need the model on a CUDA device, and this "
+            f"one compiles for {device}; pass device='cuda' or leave cuda_graph off"
+        )
+    plan = Plan.of(o, world)  # every option resolved and checked, before the model is touched (NOTE: [Plan])
+    layout = plan_layout(model, world, o.block_paths, param_dtype=o.param_dtype)
+    shards = build_shards(model, layout, rank, device, o.init_fn or init_fn)
+    compiled = module_class(
+        model, layout, shards, options=o, plan=plan, device=device, rank=rank, search=search, **class_args
+    )
+    owners.take(model)
+    return compiled

@@ -1,0 +1,336 @@
+"""The module `fbmt.compile` returns: shards as parameters, a program per input signature.
+
+`CompiledModule.forward` looks up (or builds, with `fbmt.compiler.pipeline.build`) the program for the
+call's input shapes, dtypes, training flags and grad mode, checks that every rank runs the same one,
+then runs it. With gradients, the forward and backward graphs run inside one `autograd.Function`
+(`runtime.autograd`), so the training loop stays plain PyTorch and autograd accumulates each shard's
+gradient into `shard.grad`. Its `state_dict` holds full tensors under the original names.
+
+It is the compiler's own module and knows nothing of the libraries around it: `fbmt.compile` returns
+a subclass that adds what they need (`fbmt/integrations`: Hugging Face's method lookup, accelerate's
+and DDP's, the torch guards), and BMTrain's layer a subclass whose parameters are per-parameter views.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fbmt.compiler import objects, owners, pipeline
+from fbmt.compiler.agreement import check_ranks_agree
+from fbmt.compiler.layout import Layout, copy_into_shard
+from fbmt.compiler.ops import record
+from fbmt.compiler.options import CompileOptions
+from fbmt.compiler.plan import Plan
+from fbmt.compiler.program import Program
+from fbmt.compiler.runtime.autograd import Routes, RunProgram
+from fbmt.compiler.runtime.graphs import Graphed
+from fbmt.compiler.runtime.params import Placeholders, broadcast_buffers, gather_group
+from fbmt.compiler.runtime.partition import Executable
+from fbmt.compiler.runtime.regions import RegionCache
+
+log = logging.getLogger("fbmt")
+
+
+class CompiledModule(nn.Module):
+    """A module compiled by `fbmt.compile`; see that function for the options."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: Layout,
+        shards: list[nn.Parameter],
+        *,
+        options: CompileOptions,
+        plan: Plan,
+        device: torch.device,
+        rank: int,
+        search: pipeline.Search | None = None,
+    ):
+        super().__init__()
+        self.__dict__["_orig"] = module  # not a submodule: its parameters are meta placeholders
+        self.flat_params = nn.ParameterList(shards)
+        owners.own_shards(shards, layout.groups)
+        self.layout, self.options, self.device, self.rank = layout, options, device, rank
+        self.plan = plan  # every option resolved once (NOTE: [Plan])
+        self.search = search  # remat="auto"'s (pipeline.Search)
+        self.programs: dict[Any, Program] = {}
+        self._executables: dict[Any, Executable] = {}
+        self.program: Program | None = None
+        self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
+        self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
+        # what every call reads, found once: walking the module tree on every call costs host time before the
+        # step's first kernel
+        self._submodules = list(module.modules())
+        self._buffer_owners: dict[str, tuple[nn.Module, str]] = {}  # buffer name -> (module, attribute)
+        self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
+        self._placeholders = Placeholders(module, layout, shards)
+        self.train(module.training)
+
+    @property
+    def module(self) -> nn.Module:
+        """The module compile took over: its structure, buffers and attributes; its parameters are
+        `meta` placeholders (their values live in `flat_params`)."""
+        return self._orig
+
+    # ---- calling ----
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        dtype = self.options.param_dtype
+        if dtype is not None:  # mixed precision: floating inputs in the compute dtype, as FSDP2 does
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, (args, kwargs)
+            )
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        inputs = objects.input_tensors(leaves)
+        for i, x in enumerate(inputs):
+            if x.device != self.device:
+                raise ValueError(
+                    f"fbmt: tensor input #{i} (shape {tuple(x.shape)}) is on {x.device}, but this "
+                    f"model's parameters are on {self.device}; move the inputs with .to({str(self.device)!r})"
+                )
+        trainable = self.trainable()
+        needs_grad = torch.is_grad_enabled() and (any(trainable) or any(x.requires_grad for x in inputs))
+        key = self._key(args, kwargs, needs_grad, trainable)
+        exe = self._executables.get(key)
+        if exe is None:
+            exe = self._build(key, args, kwargs, needs_grad, trainable)
+        program = self.programs[key]
+        check_ranks_agree(exe.signature, program)
+        if exe.updated_buffers and needs_grad and self.options.broadcast_buffers and self.layout.world_size > 1:
+            broadcast_buffers(dict(self._orig.named_buffers()), exe.updated_buffers)
+        feed = self._feed(exe, inputs)
+        if exe.backward is None:
+            with torch.no_grad():
+                outs = exe.run_forward(*feed)[0]
+        else:
+            # recording ops report from the host, which a replayed graph does not run
+            graphed = self.options.cuda_graph and not exe.records
+            runner = self._graphs(key, exe) if graphed else exe
+            outs = RunProgram.apply(exe, runner, self._routes(), *feed, *self._view_arguments())
+        flat = program.results.assemble(dict(zip(exe.output_keys, outs)), leaves)
+        return pytree.tree_unflatten(flat, program.out_spec)
+
+    def trace(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> Program:
+        """The transformed program for this call, without running it (works at any world size).
+
+        `device`: trace as if the parameters lived there (default: where they live). A model
+        compiled on "meta" for inspection or simulation traces on "cpu" fakes, so fused kernels
+        (attention) appear as they would on a real device instead of decomposed."""
+        trainable = self.trainable()
+        needs_grad = torch.is_grad_enabled() and any(trainable)
+        key = (*self._key(args, kwargs, needs_grad, trainable), str(device))
+        if key not in self.programs:
+            self._build(key, args, kwargs, needs_grad, trainable, device=device)
+        return self.programs[key]
+
+    def trainable(self) -> tuple[bool, ...]:
+        """Per flat group: does any of its parameters require a gradient now."""
+        self.check_parameters()
+        return tuple(p.requires_grad for p in self.flat_params._parameters.values())
+
+    def check_parameters(self) -> None:
+        """The module's parameters are still the placeholders compile left, and `requires_grad_` on one
+        or on a shard applies to its whole flat group (`runtime.params.Placeholders`)."""
+        self._placeholders.check(list(self.flat_params._parameters.values()))
+
+    def gradient_leaves(self) -> list[torch.Tensor]:
+        """The tensors autograd accumulates this model's gradients into (the flat shards)."""
+        return list(self.flat_params)
+
+    def slot_views(self, group: int) -> list[torch.Tensor]:
+        """Tensors that stand for this rank's part of each parameter of flat group `group`, beside its
+        shard (BMTrain's per-parameter views); none here: the shard is the only one."""
+        return []
+
+    def _routes(self) -> Routes | None:
+        """Which slice of each shard gradient is which extra argument's (view mode); None: the shards'."""
+        return None
+
+    def _view_arguments(self) -> list[torch.Tensor]:
+        """Extra leaves given to the autograd function, after the forward's inputs (view mode)."""
+        return []
+
+    def executables(self) -> list[Executable]:
+        """Every program built so far, as it runs (its forward and backward GraphModules)."""
+        return list(self._executables.values())
+
+    def _key(self, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...]) -> tuple:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        sig = tuple(
+            (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+            if isinstance(x, torch.Tensor)
+            else objects.fingerprint(x)
+            if objects.is_object(x)
+            else x
+            for x in leaves
+        )
+        # autocast changes what the forward computes, and tracing records its casts: a program per state
+        kinds = ("cpu",) if self.device.type in ("cpu", "meta") else ("cpu", self.device.type)  # meta has none
+        autocast = tuple(
+            (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) if torch.is_autocast_enabled(d) else False
+            for d in kinds
+        )
+        return (
+            spec,
+            sig,
+            tuple(m.training for m in self._submodules),
+            needs_grad,
+            trainable,
+            record.active(),
+            autocast,
+        )
+
+    def _build(
+        self,
+        key: tuple,
+        args: tuple,
+        kwargs: dict,
+        needs_grad: bool,
+        trainable: tuple[bool, ...],
+        device: torch.device | str | None = None,
+    ) -> Executable:
+        started = time.perf_counter()
+        if self.programs:
+            log.info("fbmt: compiling a new program for a new input signature (%d cached)", len(self.programs))
+        program, exe = pipeline.build(
+            self._orig,
+            self.layout,
+            self.plan,
+            args,
+            kwargs,
+            needs_grad=needs_grad,
+            trainable=trainable,
+            regions=self.regions,
+            device=torch.device(device) if device is not None else self.device,
+            search=self.search,
+        )
+        log.info("fbmt: traced, passed and partitioned in %.2fs", time.perf_counter() - started)
+        self.compile_seconds += time.perf_counter() - started
+        self.programs[key], self._executables[key], self.program = program, exe, program
+        return exe
+
+    def _feed(self, exe: Executable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        shards = list(self.flat_params._parameters.values())
+
+        def buffer(name: str) -> torch.Tensor:  # read at every call: a module may assign a new buffer tensor
+            if name not in self._buffer_owners:
+                path, _, attr = name.rpartition(".")
+                self._buffer_owners[name] = (self._orig.get_submodule(path), attr)
+            owner, attr = self._buffer_owners[name]
+            return owner._buffers[attr]
+
+        feeders: dict[str, Callable[[Any], torch.Tensor]] = {
+            "shard": shards.__getitem__,
+            "buffer": buffer,
+            "input": inputs.__getitem__,
+            "constant": exe.constants.__getitem__,
+        }
+        return [feeders[r.kind](r.key) for r in exe.fwd_inputs]
+
+    # ---- CUDA graphs (cuda_graph=True) ----
+    def _graphs(self, key: Any, exe: Executable) -> Graphed:
+        """The CUDA graphs of this training program (NOTE: [CUDA graphs]); one program's at a time."""
+        if self._graphed is None or self._graphed[0] != key:
+            if self._graphed is not None:
+                log.info("fbmt: cuda_graph: new input signature; dropping the previous program's graphs")
+            self.release_graphs()  # the old graphs' pool goes before the new one is made
+            self._graphed = (key, Graphed(exe, self.device, self.gradient_leaves()))
+        return self._graphed[1]
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs of `cuda_graph=True` and their memory; the next calls warm up and
+        capture again. Call it before `dist.destroy_process_group()`, which otherwise waits for them."""
+        if self._graphed is not None:
+            self._graphed[1].release()
+            self._graphed = None
+
+    @property
+    def graphs(self) -> Graphed | None:
+        """The CUDA graphs of the program captured last (cuda_graph=True), or None."""
+        return self._graphed[1] if self._graphed is not None else None
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing CUDA graphs (cuda_graph=True), 0 before the capture."""
+        return self._graphed[1].capture_seconds if self._graphed is not None else 0.0
+
+    # ---- module protocol ----
+    def train(self, mode: bool = True) -> CompiledModule:
+        super().train(mode)
+        self._orig.train(mode)
+        return self
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """The original module's buffers (replicated on every rank, not sharded)."""
+        return self._orig.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def gather(self, group: int) -> torch.Tensor:
+        """The whole flat buffer of flat group `group` (a collective: call it on every rank)."""
+        return gather_group(self.flat_params[group].detach(), self.layout.groups[group])
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, gathered whole, by canonical name (a collective: call it on every rank)."""
+        out = {}
+        with torch.no_grad():
+            for group, shard in zip(self.layout.groups, self.flat_params):
+                flat = gather_group(shard, group)
+                for s in group.slots:
+                    out[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape).clone()
+        return out
+
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient, gathered whole (a collective: call it on every rank)."""
+        out: dict[str, torch.Tensor | None] = {}
+        for group, shard in zip(self.layout.groups, self.flat_params):
+            flat = gather_group(shard.grad, group) if shard.grad is not None else None
+            for s in group.slots:
+                out[s.name] = None if flat is None else flat[s.offset : s.offset + s.numel].view(s.shape).clone()
+        return out
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The original module's state dict, with full (gathered) parameters. A collective."""
+        self.check_parameters()
+        full = self.full_parameters()
+        out = OrderedDict() if destination is None else destination
+        for k, v in self._orig.state_dict(keep_vars=True).items():
+            out[prefix + k] = full[self.layout.aliases[k]] if k in self.layout.aliases else v.detach()
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load full tensors (as `state_dict()` returns); each rank keeps only its shard."""
+        self.check_parameters()
+        expected = list(self._orig.state_dict(keep_vars=True))
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self._orig).__name__}: "
+                f"missing keys {missing}, unexpected keys {unexpected}"
+            )
+        by_canonical = {self.layout.aliases[k]: v for k, v in state_dict.items() if k in self.layout.aliases}
+        buffers = dict(self._orig.named_buffers())
+        with torch.no_grad():
+            for group, shard in zip(self.layout.groups, self.flat_params):
+                for s in group.slots:
+                    v = by_canonical.get(s.name)
+                    if v is not None and tuple(v.shape) != s.shape:
+                        raise RuntimeError(
+                            f"size mismatch for {s.name}: checkpoint has {tuple(v.shape)}, model has {s.shape}"
+                        )
+                copy_into_shard(shard, group, self.rank, by_canonical)
+            for k, b in buffers.items():
+                if k in state_dict:
+                    v = state_dict[k]
+                    if tuple(v.shape) != tuple(b.shape):  # copy_ would broadcast where torch refuses
+                        raise RuntimeError(
+                            f"size mismatch for {k}: checkpoint has {tuple(v.shape)}, model has {tuple(b.shape)}"
+                        )
+                    b.copy_(v)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)

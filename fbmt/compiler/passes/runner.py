@@ -1,0 +1,52 @@
+"""Run a list of passes: time, record, verify and dump every one of them.
+
+A pass is a plain function `(program) -> (program, stats)` (options bound with
+`functools.partial`, so the runner knows no pass's arguments). After each pass the runner appends a
+record (name, seconds, stats, the program's text) to the program's history, verifies the program
+when checks are on (a failure names the pass), and with a dump folder writes the text to
+`NN-name.txt` there, so plain `diff` shows what each pass changed. A disabled pass leaves the
+program as it was and says so in the history.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fbmt.compiler.passes.verify import check
+from fbmt.compiler.program import Note, Program
+
+Pass = Callable[[Program], tuple[Program, Any]]  # (the new program, the pass's stats record)
+REQUIRED = ("shard",)  # the runtime needs its collectives: it cannot be disabled
+
+
+def run_passes(
+    program: Program,
+    passes: list[tuple[str, Pass]],
+    *,
+    disable: tuple[str, ...] = (),
+    checks: bool = False,
+    dump_dir: str | None = None,
+) -> Program:
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        _dump(dump_dir, 0, "trace", program)
+    for i, (name, fn) in enumerate(passes, 1):
+        started = time.perf_counter()
+        if name in disable:
+            program, stats = program.copy(), Note("disabled by the user")
+        else:
+            program, stats = fn(program)
+        program.record(name, time.perf_counter() - started, stats)
+        if checks and name != "verify" and name not in disable:
+            check(program, after=name)
+        if dump_dir:
+            _dump(dump_dir, i, name, program)
+    return program
+
+
+def _dump(folder: str, index: int, name: str, program: Program) -> None:
+    with open(os.path.join(folder, f"{index:02d}-{name}.txt"), "w") as f:
+        f.write(str(program) + "\n")

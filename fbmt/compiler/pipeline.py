@@ -1,0 +1,124 @@
+"""The compiler, top to bottom: trace -> passes -> partition -> regions.
+
+`build` turns one call of a module (its arguments, grad mode and trainable groups) into the Program
+the passes made and the Executable that runs it. `fbmt.compile` has already planned the layout,
+resolved the options into a `Plan` and built the shards, since the optimizer needs
+`model.parameters()` before the first call; a `CompiledModule` calls `build` for every new input
+signature.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from fbmt.compiler.layout import Layout
+from fbmt.compiler.passes import (
+    Pass,
+    assign_blocks,
+    merge_products,
+    recompute_blocks,
+    run_passes,
+    schedule_overlap,
+    shard_parameters,
+    verify_program,
+)
+from fbmt.compiler.passes.remat import RematChoice
+from fbmt.compiler.program import Program
+from fbmt.compiler.runtime.partition import Executable, partition
+from fbmt.compiler.runtime.regions import RegionCache, split_regions
+from fbmt.compiler.trace import trace
+
+if TYPE_CHECKING:  # the plan is read, never made, here; plan.py checks `disable=` against PASS_NAMES
+    from fbmt.compiler.plan import Plan
+
+# remat="auto": a search that prices the traced program and returns each block's policy (NOTE: [Auto
+# recompute]); `fbmt.compile` gives the compiler `fbmt.tools.auto_remat.choose`, which simulates.
+Search = Callable[[Program, "Plan"], RematChoice]
+
+
+# The passes in order, each with the options it reads from the plan (NOTE: [Plan]).
+PIPELINE: tuple[tuple[str, Callable[..., Any], Callable[[Plan], dict[str, Any]]], ...] = (
+    ("blocks", assign_blocks, lambda plan: {}),  # tag forward nodes with their block
+    (  # recompute block activations in the backward instead of saving them
+        "remat",
+        recompute_blocks,
+        lambda plan: dict(policy=plan.remat, per_block=plan.remat_per_block, chosen=plan.chosen),
+    ),
+    ("merge", merge_products, lambda plan: {}),  # products that read one input become one
+    (  # ZeRO: flat shards, gathered before use, released after; gradients reduced into the shards
+        "shard",
+        shard_parameters,
+        lambda plan: dict(
+            zero=plan.zero,
+            per_block=plan.zero_per_block,
+            grad_reduce=plan.grad_reduce,
+            reduce_dtype=plan.reduce_dtype,
+            narrow_wire=plan.narrow_wire,
+        ),
+    ),
+    (  # overlap: where each collective is issued and waited
+        "schedule",
+        schedule_overlap,
+        lambda plan: dict(strategy=plan.strategy, options=plan.strategy_options),
+    ),
+    ("verify", verify_program, lambda plan: {}),  # the invariants, once more
+)
+PASS_NAMES = tuple(name for name, _, _ in PIPELINE)  # what `disable=` is checked against
+
+
+def passes(plan: Plan) -> list[tuple[str, Pass]]:
+    """The pipeline's passes with their options bound from `plan`, for `run_passes`."""
+    return [(name, functools.partial(fn, **bind(plan))) for name, fn, bind in PIPELINE]
+
+
+def run(program: Program, plan: Plan) -> Program:
+    """The passes of `plan` on a traced program."""
+    return run_passes(program, passes(plan), disable=plan.disable, checks=plan.checks, dump_dir=plan.dump_dir)
+
+
+def build(
+    module: nn.Module,
+    layout: Layout,
+    plan: Plan,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    needs_grad: bool,
+    trainable: tuple[bool, ...],
+    device: torch.device,
+    regions: RegionCache,
+    search: Search | None = None,
+) -> tuple[Program, Executable]:
+    # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
+    program = trace(
+        module,
+        layout,
+        dict(module.named_buffers()),
+        args,
+        kwargs,
+        param_device=device,
+        needs_grad=needs_grad,
+        trainable=trainable,
+    )
+    # 2. the passes: blocks, recompute, merged products, ZeRO sharding, overlap, checks
+    if plan.remat == "auto":
+        if search is None:
+            raise ValueError(
+                "fbmt.compile(remat='auto'): choosing each block's recompute needs a search over simulated "
+                "programs; compile through fbmt.compile, which provides one (fbmt.tools.auto_remat.choose)"
+            )
+        plan = plan.with_choice(search(program, plan))  # each block's policy, and the depth it chose
+    program = run(program, plan)
+    # 3. partition into a forward and a backward GraphModule whose collectives run on torch.distributed
+    exe = partition(program)
+    # 4. with backend="inductor", compile the compute between collectives (identical blocks share it)
+    if plan.backend == "inductor":
+        exe.forward = split_regions(exe.forward, regions)
+        if exe.backward is not None:
+            exe.backward = split_regions(exe.backward, regions)
+    return program, exe

@@ -1,0 +1,277 @@
+"""The IR every pass reads and returns: a joint forward+backward fx graph plus typed metadata.
+
+A `Program` is what `fbmt.trace` produces and what each pass in `fbmt.passes` transforms. It
+holds:
+
+- `graph`: one aten-level `torch.fx.Graph` with the forward *and* the backward of one call of the
+  model. Every node carries its phase (``"fwd"`` or ``"bwd"``); forward nodes carry their module
+  (the innermost module path that produced them) and, after the blocks pass, their block: facts
+  read and written through `fbmt.compiler.meta`.
+- `inputs` / `outputs`: the role of each placeholder and each output slot (a parameter, a buffer,
+  a user input, a tangent, a shard, a shard gradient, ...), so the runtime knows what to feed.
+- `layout`: how parameters are grouped into flat, sharded buffers (`fbmt.layout`, decided at
+  compile time, since `model.parameters()` must exist before the first call).
+- `history`: one record per pass: its name, time, a summary, and the program text after it, so a
+  notebook can show each pass's diff.
+
+Its nodes are aten ops and the ops of `fbmt.ops` (collectives, recording).
+
+See NOTE: [Phases] below for how forward and backward are told apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fbmt.compiler import collectives, meta, objects, ops
+from fbmt.compiler.layout import Layout
+from fbmt.compiler.meta import BWD as BWD
+from fbmt.compiler.meta import FWD as FWD
+
+# NOTE: [Phases]
+# The joint graph is traced as "forward, then autograd.grad", so every forward node precedes every
+# backward node. Trace stamps each node's phase (`meta.phase`); passes stamp the nodes they insert.
+# The partitioner splits by phase, never by re-deriving dependencies, and `verify` checks that the
+# phases are contiguous (all "fwd" before all "bwd") and that no forward node reads a tangent.
+# The two values are defined with the node facts (fbmt.compiler.meta) and named here too.
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a placeholder or output slot is. `key` is a name or an index, by kind."""
+
+    # param | buffer | input | constant | tangent | shard | output | grad | input_grad | shard_grad
+    kind: str
+    key: Any
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{self.key}]"
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did: its name, how long it took, its stats, and the program after it.
+
+    `stats` is the pass's own typed record (`BlockStats`, `RematStats`, `ShardStats`, ...: counts,
+    the policies it applied, what it declined and why), which tests and tools read; its `str()` is
+    the one line `print(program)` shows (NOTE: [Pass stats] in passes/__init__.py)."""
+
+    name: str
+    seconds: float
+    stats: Any
+    text: str
+
+    @property
+    def summary(self) -> str:
+        """The stats as the one line `print(program)` shows."""
+        return str(self.stats)
+
+
+@dataclass(frozen=True)
+class Note:
+    """The stats of a step that has nothing to count: one sentence (what tracing left out, a pass
+    disabled by the user)."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class Results:
+    """How a call's result is put together from a program's outputs (NOTE: [Objects in a call]).
+
+    Output slots are keyed `i` (leaf `i` of the result is that tensor), `("object", i, j)` (the
+    j-th tensor of the object at leaf `i`, one the forward made) and `("state", a, j)` (the j-th
+    tensor of the argument object at input leaf `a`, as the forward leaves it)."""
+
+    n_leaves: int
+    constants: dict[int, Any] = field(default_factory=dict)  # leaves that are no tensor: as traced
+    objects: dict[int, Any] = field(default_factory=dict)  # leaf -> the traced object, the template
+    returned: dict[int, int] = field(default_factory=dict)  # leaf -> input leaf of the object returned
+    states: dict[int, Any] = field(default_factory=dict)  # input leaf -> that object after the forward
+    notes: list[str] = field(default_factory=list)  # what tracing left out, for the program's summary
+
+    def assemble(self, values: dict[Any, Any], inputs: list[Any]) -> list[Any]:
+        """The result's leaves from the program's outputs by key; brings every argument object
+        (`inputs`: the call's input leaves) to the state the forward leaves it in."""
+
+        def held(where: str, i: int, template: Any) -> list[Any]:
+            return [values[(where, i, j)] for j in range(len(objects.tensors_in(template)))]
+
+        for a, template in self.states.items():
+            objects.update_in_place(inputs[a], objects.rebuild(template, held("state", a, template)))
+        leaves: list[Any] = [values.get(i) for i in range(self.n_leaves)]
+        for i, v in self.constants.items():
+            leaves[i] = v
+        for i, template in self.objects.items():
+            leaves[i] = objects.rebuild(template, held("object", i, template))
+        for i, a in self.returned.items():
+            leaves[i] = inputs[a]
+        return leaves
+
+
+@dataclass
+class Program:
+    graph: fx.Graph
+    inputs: list[Role]  # one per placeholder, in order
+    outputs: list[Role]  # one per slot of the output node's flat list
+    layout: Layout
+    out_spec: Any  # pytree spec of the user's output
+    results: Results  # how the "output" slots and the traced values make that output's leaves
+    needs_grad: bool  # False: a forward-only (inference) program, no tangents, no backward
+    # tensors the forward made from Python values (placeholders of kind "constant"), by name
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the recompute policy the remat pass applied to each block (NOTE: [Schedules] in fbmt/decisions.py)
+    remat: dict[str, str] = field(default_factory=dict)
+    history: list[PassRecord] = field(default_factory=list)
+
+    # ---- structure helpers passes share -------------------------------------------------
+    def placeholders(self) -> list[fx.Node]:
+        """The graph's inputs, in the order of `self.inputs`."""
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def placeholder(self, kind: str, key: Any) -> fx.Node | None:
+        """The input node with role (`kind`, `key`), e.g. ("param", "fc.weight"); None if absent."""
+        for node, role in zip(self.placeholders(), self.inputs):
+            if role.kind == kind and role.key == key:
+                return node
+        return None
+
+    def output_node(self) -> fx.Node:
+        """The graph's output node (the last)."""
+        return next(iter(reversed(self.graph.nodes)))
+
+    def output_values(self) -> list[Any]:
+        """What the program returns, in the order of `self.outputs`."""
+        return list(self.output_node().args[0])
+
+    def set_outputs(self, values: list[Any], roles: list[Role]) -> None:
+        """Replace what the program returns, with the role of each value."""
+        out = self.output_node()
+        out.args = (list(values),)
+        self.outputs = list(roles)
+
+    def copy(self) -> Program:
+        """A deep copy of the graph (node metadata included) with the same layout."""
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        graph.output(graph.graph_copy(self.graph, env))  # graph_copy returns the mapped outputs
+        return dataclasses.replace(
+            self, graph=graph, inputs=list(self.inputs), outputs=list(self.outputs), history=list(self.history)
+        )
+
+    def record(self, name: str, seconds: float, stats: Any) -> None:
+        """Append a pass's record (the runner does this after every pass)."""
+        self.history.append(PassRecord(name, seconds, stats, format_graph(self)))
+
+    def stats(self, name: str) -> Any:
+        """What pass `name` did, as its typed record (its last), e.g. `program.stats("shard").gathers`."""
+        for r in reversed(self.history):
+            if r.name == name:
+                return r.stats
+        raise KeyError(f"no pass named {name!r} ran; passes: {[r.name for r in self.history]}")
+
+    def summary(self, name: str) -> str:
+        """What pass `name` did, as the line `print(program)` shows, e.g. `program.summary("remat")`."""
+        return str(self.stats(name))
+
+    def schedule(self) -> Any:
+        """The decisions the passes made on this program, as an `fbmt.Schedule` (to print, save,
+        compare with another and replay: NOTE: [Schedules] in fbmt/decisions.py)."""
+        from fbmt.compiler.decisions import Schedule
+
+        return Schedule.of(self)
+
+    def collectives(self) -> list[fx.Node]:
+        """The start node of every collective, in program order."""
+        return [n for n in self.graph.nodes if collectives.is_start(n)]
+
+    def collective_signature(self) -> str:
+        """A digest of the ordered collective sequence (kind, group, phase) and the groups' sizes: the
+        runtime compares it across ranks before a program first runs, so ranks that traced different
+        programs fail with a message instead of hanging in mismatched collectives."""
+        parts = [f"{n.target.__name__}:{meta.group(n)}:{meta.phase(n)}:{meta.bucket(n)}" for n in self.collectives()]
+        sizes = [f"{grp.index}:{grp.padded_numel}:{grp.dtype}" for grp in self.layout.groups]
+        return hashlib.sha1("|".join(parts + sizes).encode()).hexdigest()[:16]
+
+    def fake(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A fake tensor in this program's fake mode, on its parameters' device (None if untraced)."""
+        for n in self.placeholders():
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+                return ops.fake_like(v, shape, dtype)
+        return None
+
+    def __str__(self) -> str:
+        head = [
+            f"# fbmt Program: world_size={self.layout.world_size}, "
+            f"{len(self.layout.blocks)} blocks, {len(self.layout.groups)} flat groups, "
+            f"{'forward+backward' if self.needs_grad else 'forward only'}"
+        ]
+        for r in self.history:
+            head.append(f"# pass {r.name:<10} {r.seconds * 1e3:7.1f} ms  {r.summary}")
+        return "\n".join(head) + "\n" + format_graph(self)
+
+    __repr__ = __str__
+
+
+# ---- printing -----------------------------------------------------------------------------
+
+
+def _fmt_arg(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return "%" + a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt_arg(x) for x in a)
+        return f"[{inner}]"
+    if isinstance(a, torch.dtype):
+        return str(a).removeprefix("torch.")
+    return repr(a)
+
+
+def _fmt_val(node: fx.Node) -> str:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+    return ""
+
+
+def _target_name(t: Any) -> str:
+    if isinstance(t, torch._ops.OpOverload):
+        return str(t).removeprefix("aten.").removesuffix(".default")
+    return getattr(t, "__name__", str(t))
+
+
+def format_graph(program: Program) -> str:
+    """One line per node: `%name: dtype[shape] = op(args)   # phase block [recompute]`."""
+    roles = dict(zip(program.placeholders(), program.inputs))
+    lines = []
+    for n in program.graph.nodes:
+        if n.op == "placeholder":
+            lines.append(f"%{n.name}: {_fmt_val(n)} = input {roles.get(n, '?')}")
+            continue
+        if n.op == "output":
+            outs = ", ".join(
+                f"{r}=%{v.name}" if isinstance(v, fx.Node) else f"{r}={v!r}" for r, v in zip(program.outputs, n.args[0])
+            )
+            lines.append(f"return {outs}")
+            continue
+        args = [_fmt_arg(a) for a in n.args] + [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]
+        note = [meta.phase(n) or "?"]
+        if meta.block(n) is not None:
+            note.append(meta.block(n) or "<root>")
+        if meta.recompute(n):
+            note.append(f"recompute:{meta.recompute(n)}")
+        if meta.bucket(n) is not None:
+            note.append(f"bucket:{meta.bucket(n)}")
+        lhs = f"%{n.name}: {_fmt_val(n)}" if _fmt_val(n) else f"%{n.name}"
+        lines.append(f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {' '.join(note)}")
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""Autograd glue: run an Executable's forward, and its backward when autograd asks, as one
+`torch.autograd.Function`, so the training loop stays plain PyTorch: `loss.backward()` runs the
+compiled backward, and autograd accumulates each shard's gradient into `shard.grad`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fbmt.compiler.runtime.graphs import Graphed
+from fbmt.compiler.runtime.partition import Executable
+
+Routes = dict[int, list[tuple[int, int, int]]]  # group -> (view index, lo, hi in the shard) of each view
+
+
+class RunProgram(torch.autograd.Function):
+    """Runs an Executable's forward, and its backward when autograd asks, through `runner`: the
+    Executable itself, or its CUDA graphs (`Graphed`).
+
+    `args` are the forward graph's inputs, then (view mode) the per-parameter views: `routes` says
+    which slice of each shard gradient is the gradient of which view argument.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, exe: Executable, runner: Executable | Graphed, routes: Routes | None, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        outs, saved = runner.run_forward(*args[: len(exe.fwd_inputs)])
+        ctx.exe, ctx.runner, ctx.routes, ctx.saved, ctx.n_args = exe, runner, routes, saved, len(args)
+        diff = set(exe.diff_outputs)
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        exe = ctx.exe
+        if ctx.saved is None:
+            raise RuntimeError(
+                "fbmt: backward through the same compiled call twice is not supported "
+                "(its saved values were freed); run the forward again"
+            )
+        tangents = [grads[i].contiguous() for i in exe.diff_outputs]
+        saved, ctx.saved = ctx.saved, None  # the graph empties the list: each value dies at its last use
+        results = ctx.runner.run_backward(saved, *tangents)
+        out: list[torch.Tensor | None] = [None] * ctx.n_args
+        for arg, result in exe.grad_slots:
+            grad, role = results[result], exe.fwd_inputs[arg]
+            if ctx.routes is not None and role.kind == "shard":
+                if grad is not None:
+                    for view, lo, hi in ctx.routes[role.key]:
+                        out[len(exe.fwd_inputs) + view] = grad[lo:hi]
+            else:
+                out[arg] = grad
+        return (None, None, None, *out)

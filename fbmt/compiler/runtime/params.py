@@ -1,0 +1,254 @@
+"""Flat shards: build them from a module (materializing `meta` modules block by block), gather them.
+
+NOTE: [Materializing shard by shard]
+A model built under `torch.device("meta")` has no storage. For each block in turn, its parameters
+(and the buffers of its modules) get real storage on the target device, filled with a value no
+initializer writes (NaN); each module that owns them is initialized (`_initializer`: an init_fn, a
+Hugging Face model's own `_init_weights`, or the module's `reset_parameters()`); a tensor the
+initializer left unset is an error, not uninitialized memory; this rank copies its slice into the
+shards; the block goes back to `meta`. Every rank draws the same random numbers (one seed
+broadcast from rank 0), so the slices agree, and no rank holds more than one block of full
+parameters at a time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fbmt.compiler import owners as owners_
+from fbmt.compiler.collectives import torch_impl
+from fbmt.compiler.layout import FlatGroup, Layout, copy_into_shard
+from fbmt.compiler.owners import Placeholder
+
+InitFn = Callable[[nn.Module], None]
+
+
+def build_shards(
+    module: nn.Module, layout: Layout, rank: int, device: torch.device, init_fn: InitFn | None
+) -> list[nn.Parameter]:
+    refs = _param_refs(module)
+    shards = []
+    with torch.no_grad():
+        seed = _shared_seed() if any(p.is_meta for p in module.parameters()) else None
+        for block in layout.blocks:
+            groups = [g for g in layout.groups if g.block == block]
+            names = [s.name for g in groups for s in g.slots]
+            if seed is not None:
+                _materialize(module, layout, block, names, refs, device, init_fn, seed)
+            params = dict(module.named_parameters())
+            for g in groups:
+                assert g.index == len(shards), "shards must come out in layout.groups order (the runtime zips them)"
+                shard = torch.zeros(g.shard_numel, dtype=g.dtype, device=device)
+                copy_into_shard(shard, g, rank, params)
+                shards.append(nn.Parameter(shard, requires_grad=g.requires_grad))
+            for n in names:
+                _to_meta(params[n], refs, n)
+            del params  # the block's full tensors die here, before the next block is materialized
+    for m in module.modules():  # buffers are replicated: every rank keeps them whole, on the device
+        for k, b in m._buffers.items():
+            if b is not None:
+                if b.is_meta:
+                    raise ValueError(
+                        f"buffer '{k}' of {type(m).__name__} is on the meta device and no block "
+                        "initialized it; give fbmt.compile an init_fn(module) that fills it"
+                    )
+                m._buffers[k] = b.to(device)
+    return shards
+
+
+def gather_group(shard: torch.Tensor, group: FlatGroup) -> torch.Tensor:
+    """The whole flat buffer of a group (a blocking all-gather)."""
+    return torch_impl.wait(torch_impl.all_gather(shard.detach(), group.world_size))
+
+
+def _param_refs(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    refs: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for m in module.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                refs[id(p)].append((m, k))
+    return refs
+
+
+def _swap(p: torch.Tensor, new: nn.Parameter, refs: dict, name: str) -> None:
+    # An optimizer built on the module before compiling still holds `p`, which nothing updates any
+    # more: the registry lets fbmt refuse such an optimizer at its first step (integrations/torch_guards.py).
+    owners_.moved(p, name)
+    owners = refs.pop(id(p))
+    for m, k in owners:
+        m._parameters[k] = new  # tied parameters stay tied: every owner gets the same object
+    refs[id(new)] = owners
+
+
+def _to_meta(p: torch.Tensor, refs: dict, name: str) -> None:
+    if not p.is_meta:
+        _swap(p, Placeholder(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad), refs, name)
+
+
+def _shared_seed() -> int:
+    seed = [
+        int(torch.randint(0, 2**62, (), device="cpu").item())
+    ]  # explicit: compile may run under a meta device context
+    if dist.is_initialized():
+        dist.broadcast_object_list(seed, src=0)
+    return seed[0]
+
+
+def _materialize(
+    module: nn.Module,
+    layout: Layout,
+    block: str,
+    names: list[str],
+    refs: dict,
+    device: torch.device,
+    init_fn: InitFn | None,
+    seed: int,
+) -> None:
+    owners: dict[str, nn.Module] = {}
+    fresh: dict[str, torch.Tensor] = {}  # what was materialized, each filled with a value no init writes
+    params = dict(module.named_parameters())
+    for n in names:
+        path = n.rpartition(".")[0]
+        owners[path] = module.get_submodule(path)
+        p = params[n]
+        fresh[n] = _unset_like(p, device)
+        _swap(p, nn.Parameter(fresh[n], requires_grad=p.requires_grad), refs, n)
+    for path, m in module.named_modules():
+        if layout.block_of_module(path) == block and any(b is not None and b.is_meta for b in m._buffers.values()):
+            owners[path] = m
+            for k, b in m._buffers.items():
+                if b is not None and b.is_meta:
+                    m._buffers[k] = fresh[f"{path}.{k}" if path else k] = _unset_like(b, device)
+    initialize = _initializer(module, init_fn)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed + layout.blocks.index(block))
+        for path, m in owners.items():
+            initialize(path, m)
+    # An initializer that skips a tensor (a Hugging Face _init_weights that does not know a module, a
+    # reset_parameters that forgets a buffer) would leave uninitialized memory: refuse instead. On the
+    # meta device (a model compiled only to be inspected or simulated) there are no values to check.
+    unset = [n for n, t in fresh.items() if device.type != "meta" and _still_unset(t)]
+    if unset:
+        raise ValueError(
+            f"fbmt.compile: the model was built on the meta device, and initializing it left {unset[:4]} without "
+            "values (its module's reset_parameters(), or the model's _init_weights, does not set them); pass "
+            "fbmt.compile(..., init_fn=fn) where fn(module) initializes what each module owns directly"
+        )
+
+
+def _unset_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Storage for `t` on `device`, filled with NaN (floating point) or the smallest integer."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return torch.full_like(t, float("nan"), device=device)
+    if t.dtype == torch.bool:
+        return torch.zeros_like(t, device=device)  # no value marks a bool as unset
+    return torch.full_like(t, torch.iinfo(t.dtype).min, device=device)
+
+
+def _still_unset(t: torch.Tensor) -> bool:
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return bool(t.isnan().all()) and t.numel() > 0
+    if t.dtype == torch.bool:
+        return False
+    return bool((t == torch.iinfo(t.dtype).min).all()) and t.numel() > 0
+
+
+def _initializer(root: nn.Module, init_fn: InitFn | None) -> Callable[[str, nn.Module], None]:
+    """How each module that owns meta state gets its values: `init_fn(module)` (which `fbmt.compile`
+    makes a Hugging Face model's own `_init_weights`, what `from_config` runs, where the user gives
+    none); else the module's `reset_parameters()` (torch's modules) or `_reset_parameters()`
+    (nn.MultiheadAttention, and modules written after it)."""
+
+    def initialize(path: str, m: nn.Module) -> None:
+        if init_fn is not None:
+            init_fn(m)
+        elif callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+        elif callable(getattr(m, "_reset_parameters", None)):
+            m._reset_parameters()
+        else:
+            owned = [k for k, v in [*m._parameters.items(), *m._buffers.items()] if v is not None]
+            raise ValueError(
+                f"module '{path or '<root>'}' ({type(m).__name__}) was built on the meta device and owns "
+                f"{owned} directly, but has no reset_parameters() to give them values; add a "
+                "reset_parameters() to it that initializes what it owns (torch's own modules have one), or "
+                "pass fbmt.compile(..., init_fn=fn) where fn(module) does"
+            )
+
+    return initialize
+
+
+class Placeholders:
+    """The `meta` placeholders a compiled module's parameters became, by owner: a user who deletes,
+    replaces or (un)freezes one after compiling must not be ignored silently."""
+
+    def __init__(self, module: nn.Module, layout: Layout, shards: list[nn.Parameter]):
+        group_of = {s.name: g.index for g in layout.groups for s in g.slots}
+        self.layout, self.shards = layout, list(shards)  # what the flat shards must stay
+        self.held = [
+            (m, k, p, name, group_of[layout.aliases[name]])
+            for path, m in module.named_modules(remove_duplicate=False)
+            for k, p in m._parameters.items()
+            if p is not None
+            for name in [f"{path}.{k}" if path else k]
+        ]
+        self.seen = self._flags(self.shards)
+
+    def _flags(self, shards: list[nn.Parameter]) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        return tuple(p.requires_grad for _, _, p, _, _ in self.held), tuple(p.requires_grad for p in shards)
+
+    def check(self, current: list[nn.Parameter]) -> None:
+        """The module's parameters are still the placeholders compile left, the flat shards (`current`)
+        still the ones it made, and `requires_grad_` on a placeholder (`model.fc.weight.requires_grad_(False)`)
+        or on a shard applies to the shard's whole group."""
+        if len(current) != len(self.shards) or any(a is not b for a, b in zip(current, self.shards)):
+            raise RuntimeError(
+                "fbmt: the compiled model's flat shards were replaced after fbmt.compile (FSDP's fully_shard or "
+                "FullyShardedDataParallel around a compiled model does this): fbmt already shards the parameters "
+                "and reduces the gradients; use the compiled model as it is, without FSDP or DDP around it"
+            )
+        for m, k, p, name, _ in self.held:
+            if m._parameters.get(k) is not p:
+                raise RuntimeError(
+                    f"fbmt: parameter '{name}' was deleted or replaced after fbmt.compile, but the compiled "
+                    "program computes with the original, whose values live in the flat shards; change the "
+                    "module before compiling it, or load new values with model.load_state_dict(...)"
+                )
+        flags = self._flags(current)
+        if flags == self.seen:
+            return
+        if flags[0] != self.seen[0]:  # a placeholder changed: its whole group follows
+            for group in self.layout.groups:
+                mine = [(name, p.requires_grad) for _, _, p, name, g in self.held if g == group.index]
+                wanted = {rg for _, rg in mine}
+                if len(wanted) > 1:
+                    frozen = [n for n, rg in mine if not rg]
+                    raise RuntimeError(
+                        f"fbmt: {frozen[:3]} of flat group '{group.name}' are frozen but other parameters of "
+                        "that group still train, and a group's shard trains as one. Freeze before fbmt.compile "
+                        "(frozen parameters then get a shard of their own), or freeze the whole block "
+                        f"'{group.block or '<root>'}' (e.g. model.get_submodule(...).requires_grad_(False))"
+                    )
+                current[group.index].requires_grad_(wanted.pop())
+        else:  # a shard changed (through model.parameters()): its placeholders follow, for the next check
+            for _, _, p, _, g in self.held:
+                p.requires_grad_(current[g].requires_grad)
+        self.seen = self._flags(current)
+
+
+def broadcast_buffers(buffers: dict[str, torch.Tensor], names: list[str]) -> None:
+    """Rank 0's values of these buffers on every rank (`broadcast_buffers`), one broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for name in names:
+        by_dtype.setdefault(buffers[name].dtype, []).append(buffers[name])
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            dist.broadcast(flat, src=0)
+            for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(v.view_as(t))

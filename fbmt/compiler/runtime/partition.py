@@ -1,0 +1,221 @@
+"""Partition a joint Program into a forward and a backward GraphModule.
+
+The split is by phase (NOTE: [Phases]). The forward graph takes the Program's non-tangent inputs
+and returns the user's outputs followed by the *saved* values: every forward node or input that a
+backward node reads. The backward graph takes the saved values (one list, see `take`) and the tangents and returns the
+gradient slots (shard gradients, input gradients) in the Program's output order. After the passes,
+what is saved is exactly what remat and shard chose: block boundaries, random masks and (ZeRO-2)
+gathered buffers. Dead pure nodes are dropped; effectful ones (collectives, random ops, buffer
+updates) are kept.
+
+NOTE: [Lowering the IR]
+A Program's collective nodes call the functions of `fbmt.compiler.collectives`, which say what a node
+means and do not run. The graphs built here call their kinds' implementations instead (the table's
+`implementation`, and `torch_impl.wait`), and
+leave out the `release` markers: the generated code drops every value after its last use, so once
+a buffer's last reader ran nothing references it and the caching allocator gets it back (`verify`
+proved no view of it is read later). So the IR is the same for the simulator, the passes and the
+runtime, and only this module knows how it runs. The starts of one bucket (NOTE: [Buckets] in
+fbmt/compiler/collectives) become one call of their kind's `bucketed` implementation, and each
+member the handle it returns for that member.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fbmt.compiler import collectives as comm
+from fbmt.compiler import meta, ops
+from fbmt.compiler.collectives import torch_impl
+from fbmt.compiler.ops import record
+from fbmt.compiler.program import BWD, FWD, Program, Role
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Executable:
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    fwd_inputs: list[Role]  # what to feed the forward graph, in order
+    n_outputs: int  # the forward graph's first n_outputs results are the user's tensor outputs
+    output_keys: list[int]  # leaf index in the user's output of each of those
+    diff_outputs: list[int]  # positions (among the n_outputs) that receive a tangent, in tangent order
+    grad_roles: list[Role]  # what each backward result is
+    grad_slots: list[tuple[int, int]]  # (forward argument index, backward result index) of each gradient
+    signature: str  # digest of the collective sequence, compared across ranks before the first run
+    records: bool  # its graphs report to a recorder from the host (NOTE in fbmt/ops/record.py)
+    constants: dict[str, torch.Tensor]  # what to feed the inputs of kind "constant", by name
+    updated_buffers: list[str]  # the buffers the forward writes (BatchNorm's running statistics)
+
+    def run_forward(self, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
+        """The user's outputs, and the values saved for the backward."""
+        results = self.forward(*args)
+        return list(results[: self.n_outputs]), list(results[self.n_outputs :])
+
+    def run_backward(self, saved: list[Any], *tangents: torch.Tensor) -> list[torch.Tensor | None]:
+        """The gradients (`grad_roles`); takes the saved values out of `saved` as it goes (`take`)."""
+        assert self.backward is not None
+        return list(self.backward(saved, *tangents))
+
+
+def partition(program: Program) -> Executable:
+    g = program.graph
+    roles = dict(zip(program.placeholders(), program.inputs))
+    tangents = [n for n in program.placeholders() if roles[n].kind == "tangent"]
+    out_pairs = list(zip(program.outputs, program.output_values()))
+    user_out = [(r, v) for r, v in out_pairs if r.kind == "output"]
+    grad_out = [(r, v) for r, v in out_pairs if r.kind != "output"]
+    bwd_nodes = [n for n in g.nodes if meta.phase(n) == BWD]
+    bwd_set = set(bwd_nodes)
+    saved = list(
+        dict.fromkeys(a for n in bwd_nodes for a in n.all_input_nodes if a not in bwd_set and a not in tangents)
+    )
+    mutated = {n.args[0] for n in g.nodes if n.target is aten.copy_.default and meta.phase(n) == FWD}
+
+    # ---- forward ----
+    fg = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    fwd_inputs = []
+    for n in program.placeholders():
+        if roles[n].kind != "tangent":
+            env[n] = fg.node_copy(n)
+            fwd_inputs.append(roles[n])
+    saved_values: dict[fx.Node, fx.Node] = {}
+    for n in saved:  # a buffer the forward overwrites must be saved as it was read, not as it ends
+        if n in mutated:
+            saved_values[n] = fg.call_function(aten.clone.default, (env[n],))
+    for n in g.nodes:
+        if meta.phase(n) == FWD:
+            env[n] = fg.node_copy(n, env.__getitem__)
+    fg.output(
+        tuple(
+            [env[v] if isinstance(v, fx.Node) else v for _, v in user_out]
+            + [saved_values.get(n) or env[n] for n in saved]
+        )
+    )
+    _lower(fg)
+
+    # ---- backward ----
+    backward = None
+    if program.needs_grad:
+        bg = fx.Graph()
+        benv: dict[fx.Node, fx.Node] = {}
+        box = bg.placeholder("saved")  # one list, emptied as it is read: see `take`
+        for i, n in enumerate(saved):
+            benv[n] = bg.call_function(take, (box, i))
+            benv[n].meta = dict(n.meta)
+        for n in tangents:
+            benv[n] = bg.node_copy(n)
+        for n in bwd_nodes:
+            benv[n] = bg.node_copy(n, benv.__getitem__)
+        bg.output(tuple(benv[v] if isinstance(v, fx.Node) else v for _, v in grad_out))
+        _lower(bg)
+        backward = fx.GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
+
+    diff_keys = [roles[t].key for t in tangents]
+    result_of = {r: i for i, (r, _) in enumerate(grad_out)}
+    wants = {"shard": "shard_grad", "input": "input_grad"}
+    grad_slots = [
+        (i, result_of[Role(wants[r.kind], r.key)])
+        for i, r in enumerate(fwd_inputs)
+        if r.kind in wants and Role(wants[r.kind], r.key) in result_of
+    ]
+    output_keys = [r.key for r, _ in user_out]
+    return Executable(
+        forward=fx.GraphModule(torch.nn.Module(), fg, class_name="FbmtForward"),
+        backward=backward,
+        fwd_inputs=fwd_inputs,
+        n_outputs=len(user_out),
+        output_keys=output_keys,
+        diff_outputs=[output_keys.index(k) for k in diff_keys],
+        grad_roles=[r for r, _ in grad_out],
+        grad_slots=grad_slots,
+        signature=program.collective_signature(),
+        records=record.holds_records(g),
+        constants=program.constants,
+        updated_buffers=[roles[n].key for n in program.placeholders() if n in mutated and roles[n].kind == "buffer"],
+    )
+
+
+def take(box: list, i: int) -> Any:
+    """Hand over `box[i]` and forget it there.
+
+    The backward graph receives the forward's saved values as one list and takes each out, so the
+    list holds no reference and each value is freed at its last use in the backward, as eager
+    autograd frees saved tensors (a tuple of arguments would keep them all until the end).
+    """
+    value, box[i] = box[i], None
+    return value
+
+
+# NOTE: [Ops that need grad mode]
+# Both graphs run with autograd off (inside an autograd.Function, and inside autograd's backward),
+# and one kernel reads the mode rather than its arguments: oneDNN's LSTM layer on CPU
+# (`mkldnn_rnn_layer`) returns no workspace under no_grad even with train=True, and its backward
+# then fails on the missing workspace. Such an op runs with autograd on; its inputs require no
+# gradient, so nothing is recorded.
+def _with_grad_mode(op: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.enable_grad():
+            return op(*args, **kwargs)
+
+    run.__name__ = f"{op.overloadpacket.__name__}_with_grad_mode"
+    return run
+
+
+_NEEDS_GRAD_MODE = {aten.mkldnn_rnn_layer.default: _with_grad_mode(aten.mkldnn_rnn_layer.default)}
+
+
+def _fuse_buckets(g: fx.Graph) -> None:
+    """Each run of one bucket's adjacent starts that agree on what one call needs (`verify` checked
+    that a bucket is one such run; this holds without it) becomes one call of the bucket's
+    implementation, each member a `getitem` of its handle."""
+    runs: list[list[fx.Node]] = []
+    for n in g.nodes:
+        kind = comm.kind_of(n) if n.op == "call_function" else None
+        bucket = meta.bucket(n) if kind is not None and kind.bucketable else None
+        if bucket is None:
+            continue
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and meta.bucket(last) == bucket
+            and last.next is n
+            and comm.bucket_key(last) == comm.bucket_key(n)
+        ):
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    for members in runs:
+        if len(members) < 2:
+            continue
+        args = [tuple(comm.gather_args(m)) if comm.is_gather(m) else tuple(m.args) for m in members]
+        with g.inserting_before(members[0]):
+            fused = g.call_function(comm.kind_of(members[0]).bucketed, (args,))
+        fused.meta = {k: v for k, v in members[0].meta.items() if k != "val"}
+        for i, m in enumerate(members):
+            m.target, m.args, m.kwargs = operator.getitem, (fused, i), {}
+
+
+def _lower(g: fx.Graph) -> None:
+    """Drop dead pure nodes and the `release` markers; collective nodes call their implementations
+    (NOTE: [Lowering the IR]), and the ops of NOTE: [Ops that need grad mode] run with autograd on."""
+    for n in reversed(list(g.nodes)):
+        if n.op == "call_function" and (comm.is_release(n) or not n.users and not ops.effectful(n.target)):
+            g.erase_node(n)
+    _fuse_buckets(g)
+    for n in g.nodes:
+        kind = comm.kind_of(n) if n.op == "call_function" else None
+        if kind is not None:
+            n.target = kind.implementation
+        elif comm.is_wait(n):
+            n.target = torch_impl.wait
+        elif n.op == "call_function" and n.target in _NEEDS_GRAD_MODE:
+            n.target = _NEEDS_GRAD_MODE[n.target]
+    g.lint()

@@ -1,0 +1,502 @@
+"""Trace a module's forward *and* backward into one functional, aten-level fx graph.
+
+Requires: a module whose parameters may live on any device, `meta` included (tracing runs on fake
+tensors, so a 13B model traces without being materialized), and a `Layout` from the compile step.
+Ensures: a `Program` whose graph is functional (no in-place ops except one `copy_` per mutated
+buffer, placed at the end of the forward), every node stamped with its phase (NOTE: [Phases]) and
+every forward node with the innermost module path that produced it.
+
+How: `make_fx` over `torch.func.functional_call` + `torch.autograd.grad` gives the joint graph,
+in-place ops included; a second `make_fx` over `torch.func.functionalize` of that graph removes the
+mutations (the functional transforms refuse `requires_grad_` inside, hence two steps). Global
+module hooks tag each node with its module while the first trace runs; an Interpreter carries the
+tags through the second.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call, functionalize
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+from fbmt.compiler import meta, objects
+from fbmt.compiler.layout import Layout
+from fbmt.compiler.ops import record
+from fbmt.compiler.program import BWD, FWD, Program, Results, Role
+
+aten = torch.ops.aten
+
+
+# NOTE: [Ops whose schema hides a mutation]
+# `aten.native_batch_norm` (what nn.BatchNorm runs in training) updates the running statistics in
+# place, but its schema does not say so: functionalization keeps it as it is, and a copy of it
+# that recompute places in the backward updates the statistics a second time. Traced as the op
+# torch introduced to say what it mutates (`_native_batch_norm_legit`, torch's own decomposition,
+# which AOTAutograd uses too), the update becomes a value, written back once, in the forward.
+# On CUDA, BatchNorm and the recurrent layers pick cuDNN while they are traced (`cudnn_batch_norm`
+# hides the same update; cuDNN's RNN repacks its weights through their storage, which fake tensors
+# have none of), so tracing runs with cuDNN off: the program holds the native kernels, and
+# convolutions, which choose cuDNN inside their kernel, are unaffected.
+def _native_batch_norm(*args: Any) -> Any:
+    from torch._decomp.decompositions import native_batch_norm_decomposition
+
+    return native_batch_norm_decomposition(*args)
+
+
+_DECOMPOSITIONS = {aten.native_batch_norm.default: _native_batch_norm}
+
+
+_fakes_registered = False
+
+
+def _grouped_mm_of_any_dtype() -> None:
+    """`aten._grouped_mm` (Hugging Face's default mixture-of-experts kernel) runs in float32 on CPU and
+    CUDA, but its meta kernel, which tracing runs, accepts only bfloat16 (torch 2.11-2.13): a fake
+    kernel of fbmt's answers the shapes for the other dtypes, as the real kernel computes them.
+
+    It goes into torch's table of fake kernels (a private one: torch has no public way to add to a
+    built-in op's fake kernel) on the first trace of the process, never when fbmt is imported."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+
+    def applies(func: Any) -> bool:
+        return func is aten._grouped_mm.default
+
+    def fake(
+        mode: FakeTensorMode, func: Any, a: Any, b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None
+    ):
+        if a.dtype == torch.bfloat16 or bias is not None:
+            return NotImplemented  # the meta kernel's own checks and shapes
+        if a.dim() == 2 and b.dim() == 2:
+            shape = [offs.shape[0], a.shape[0], b.shape[1]]
+        elif a.dim() == 2:
+            shape = [a.shape[0], b.shape[-1]]
+        elif b.dim() == 2:
+            shape = [a.shape[1], b.shape[1]]
+        else:
+            shape = [a.shape[0], a.shape[1], b.shape[-1]]
+        with mode:
+            return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
+
+    from torch._subclasses import fake_impls
+
+    fake_impls.register_op_impl(applies)(fake)
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced; the message names the module, the op and the source line."""
+
+
+_depth = 0
+
+
+def tracing() -> bool:
+    """True while fbmt traces a module (its forward then runs on fake tensors)."""
+    return _depth > 0
+
+
+@contextmanager
+def _tracing() -> Iterator[None]:
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+@_tracing()  # a fresh context for every call: tracing() is True while it runs
+@torch.backends.cudnn.flags(enabled=False)  # NOTE: [Ops whose schema hides a mutation]
+def trace(
+    module: nn.Module,
+    layout: Layout,
+    buffers: dict[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    *,
+    param_device: torch.device,
+    needs_grad: bool,
+    trainable: tuple[bool, ...] | None = None,
+) -> Program:
+    """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring).
+
+    `trainable[k]` says whether group k's parameters get gradients (default: `group.requires_grad`).
+    """
+    started = time.perf_counter()
+    _grouped_mm_of_any_dtype()
+    fake_mode = FakeTensorMode()
+    rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
+    params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]
+    with fake_mode:
+        fake_params = [torch.empty(shape, dtype=dt, device=param_device) for _, shape, dt, _ in params]
+    fake_buffers = [fake_mode.from_tensor(b) for b in buffers.values()]
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    in_objects = {i: objects.tensors_in(x) for i, x in enumerate(leaves) if objects.is_object(x)}
+    real_inputs = objects.input_tensors(leaves)
+    fake_inputs = [fake_mode.from_tensor(x) for x in real_inputs]
+    input_rg = [needs_grad and x.requires_grad for x in real_inputs]
+    names = [p[0] for p in params] + list(buffers)
+    param_rg = [needs_grad and p[3] for p in params]
+
+    def call(ps: list, bs: list, xs: list) -> tuple[Any, dict[int, Any]]:
+        """The forward on these tensors, and the copies of the argument objects it was given."""
+        full = list(leaves)
+        for i, x in zip(tensor_pos, xs):
+            full[i] = x
+        at, copies = len(tensor_pos), {}
+        for i, held in in_objects.items():  # a copy holding fakes: the caller's object is never touched
+            full[i] = copies[i] = objects.rebuild(leaves[i], xs[at : at + len(held)])
+            at += len(held)
+        a, kw = pytree.tree_unflatten(full, in_spec)
+        return functional_call(module, dict(zip(names, [*ps, *bs])), a, kw), copies
+
+    # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
+    # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
+    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode:
+        with torch.enable_grad() if needs_grad else torch.no_grad():
+            probe, copies = call(
+                [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)],
+                [b.clone() for b in fake_buffers],
+                [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)],
+            )
+    out_leaves, out_spec = pytree.tree_flatten(probe)
+    results = _Results(out_leaves, copies, drop_caches=needs_grad and kwargs.get("use_cache") is not True)
+    probe_outs = results.tensors(out_leaves, copies)
+    diff_out = [k for k, o in zip(results.keys, probe_outs) if needs_grad and o.requires_grad]
+    wrt_params = [i for i, rg in enumerate(param_rg) if rg]
+    wrt_inputs = [i for i, rg in enumerate(input_rg) if rg]
+    needs_grad = needs_grad and bool(diff_out) and bool(wrt_params or wrt_inputs)
+    if not needs_grad:
+        diff_out = []
+    with fake_mode:
+        by_key = dict(zip(results.keys, probe_outs))
+        fake_tangents = [torch.empty(by_key[k].shape, dtype=by_key[k].dtype, device=by_key[k].device) for k in diff_out]
+    del probe, copies, probe_outs, by_key
+
+    n_p, n_b, n_x = len(fake_params), len(fake_buffers), len(fake_inputs)
+    diff_pos = [results.keys.index(k) for k in diff_out]
+
+    def joint(*flat: torch.Tensor) -> list:
+        ps, bs = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
+        xs, ts = list(flat[n_p + n_b : n_p + n_b + n_x]), list(flat[n_p + n_b + n_x :])
+        if needs_grad:
+            ps = [p.detach().requires_grad_(rg) for p, rg in zip(ps, param_rg)]
+            xs = [x.detach().requires_grad_(rg) for x, rg in zip(xs, input_rg)]
+        with torch.enable_grad() if needs_grad else torch.no_grad():
+            out, copies = call(ps, bs, xs)
+        tensors = results.tensors(pytree.tree_leaves(out), copies)
+        if not needs_grad:
+            return tensors
+        wrt = [ps[i] for i in wrt_params] + [xs[i] for i in wrt_inputs]
+        grads = torch.autograd.grad([tensors[i] for i in diff_pos], wrt, ts, allow_unused=True)
+        return [*tensors, *grads]
+
+    flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
+    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
+        first = make_fx(joint, tracing_mode="fake", decomposition_table=_DECOMPOSITIONS)(*flat_in)
+    with _translate_errors(module):
+        gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
+            *flat_in
+        )
+
+    constants = _lift_constants(gm, before=n_p + n_b + n_x)
+    inputs = (
+        [Role("param", p[0]) for p in params]
+        + [Role("buffer", b) for b in buffers]
+        + [Role("input", i) for i in range(n_x)]
+        + [Role("constant", k) for k in constants]
+        + [Role("tangent", i) for i in diff_out]
+    )
+    outputs = [Role("output", k) for k in results.keys] + (
+        [Role("grad", params[i][0]) for i in wrt_params] + [Role("input_grad", i) for i in wrt_inputs]
+        if needs_grad
+        else []
+    )
+    program = Program(
+        graph=gm.graph,
+        inputs=inputs,
+        outputs=outputs,
+        layout=layout,
+        out_spec=out_spec,
+        results=results.plan,
+        needs_grad=needs_grad,
+        constants=constants,
+    )
+    _canonicalize(program)
+    stats = TraceStats(tuple(constants), tuple(results.plan.notes))
+    if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself
+        program.record("trace", time.perf_counter() - started, stats)
+    return program
+
+
+@dataclass(frozen=True)
+class TraceStats:
+    """What tracing did that a reader of the program should know (NOTE: [Pass stats])."""
+
+    constants: tuple[str, ...]  # tensor constants the forward made, lifted as inputs of kind "constant"
+    notes: tuple[str, ...]  # what tracing left out (a cache a training call dropped)
+
+    def __str__(self) -> str:
+        lifted = [f"lifted {len(self.constants)} tensor constants as inputs: {', '.join(self.constants)}"]
+        return "; ".join((lifted if self.constants else []) + list(self.notes))
+
+
+# NOTE: [Objects in a call]
+# A call's arguments and results are pytrees (`ModelOutput` is one), but some leaves are objects
+# that hold tensors: a Hugging Face cache. An argument object's tensors become inputs of the
+# program, and the forward runs on a copy holding fakes (`fbmt.objects`). A result's leaves are
+# then one of: a tensor (an output), an argument object (its state after the forward is a set of
+# outputs, `Results.states`; at run time the caller's object is brought to that state and
+# returned itself, as eager returns the object it mutated), an object the forward made (its
+# tensors are outputs, rebuilt around the traced object), or a plain value (returned as traced).
+# A training call drops a cache its forward made, unless called with use_cache=True: every
+# layer's keys and values would be outputs with gradients, a zero tensor each in the backward,
+# for a cache no training step reads. It returns a `DroppedCache` that raises on any use instead,
+# and says so in the program's summary.
+
+
+class _Results:
+    """Which tensors of a traced call are the program's outputs, and their keys (`Results`)."""
+
+    def __init__(self, leaves: list[Any], copies: dict[int, Any], *, drop_caches: bool):
+        self.plan = Results(n_leaves=len(leaves))
+        self.sources: list[tuple[str, int]] = []
+        self.keys: list[Any] = []
+        argument = {id(c): a for a, c in copies.items()}
+        for i, o in enumerate(leaves):
+            if isinstance(o, torch.Tensor):
+                self.sources.append(("tensor", i))
+                self.keys.append(i)
+            elif id(o) in argument:
+                self.plan.returned[i] = argument[id(o)]
+            elif objects.is_object(o) and objects.tensors_in(o):
+                if drop_caches and type(o).__name__.endswith("Cache"):
+                    self.plan.constants[i] = objects.DroppedCache(type(o).__name__)
+                    self.plan.notes.append(
+                        f"dropped the {type(o).__name__} the forward built (result leaf {i}): a training call "
+                        "keeps it only when called with use_cache=True"
+                    )
+                    continue
+                self.plan.objects[i] = o
+                self.sources.append(("object", i))
+                self.keys += [("object", i, j) for j in range(len(objects.tensors_in(o)))]
+            else:
+                self.plan.constants[i] = o
+        for a, c in copies.items():
+            self.plan.states[a] = c
+            self.sources.append(("state", a))
+            self.keys += [("state", a, j) for j in range(len(objects.tensors_in(c)))]
+
+    def tensors(self, leaves: list[Any], copies: dict[int, Any]) -> list[torch.Tensor]:
+        """The output tensors of one call of the forward, in the order of `keys`."""
+        out: list[torch.Tensor] = []
+        for kind, i in self.sources:
+            out += [leaves[i]] if kind == "tensor" else objects.tensors_in(leaves[i] if kind == "object" else copies[i])
+        if len(out) != len(self.keys):
+            raise TraceError(
+                f"fbmt.compile: the forward returned {len(out)} tensors where its first run returned "
+                f"{len(self.keys)}; a forward must return the same structure each time it runs"
+            )
+        return out
+
+
+def _lift_constants(gm: fx.GraphModule, before: int) -> dict[str, torch.Tensor]:
+    """Tensors the forward makes from Python values (`torch.tensor([])` in a cache's set-up, the
+    scalar of `x[:, 0] = 1.0`) are attributes of the traced module (`_tensor_constant0`); the
+    program is a graph alone, so each becomes an input of kind "constant" (placed before the
+    tangents, the `before`-th placeholder on), and the Program keeps its value."""
+    constants: dict[str, torch.Tensor] = {}
+    anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][before - 1] if before else None
+    for n in list(gm.graph.nodes):
+        if n.op != "get_attr":
+            continue
+        value = getattr(gm, n.target)
+        if not isinstance(value, torch.Tensor):
+            raise TraceError(f"fbmt.compile: the traced forward reads a non-tensor attribute {n.target!r}")
+        with gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before():
+            lifted = gm.graph.placeholder(n.target)
+        lifted.meta.update(n.meta)
+        n.replace_all_uses_with(lifted)
+        gm.graph.erase_node(n)
+        constants[n.target] = value.detach()
+        anchor = lifted
+    return constants
+
+
+def _canonicalize(program: Program) -> None:
+    """Flatten the output, drop no-op detaches, stamp phases, move buffer updates into the forward."""
+    g = program.graph
+    out = program.output_node()
+    (values,) = out.args
+    out.args = (list(pytree.tree_leaves(values, is_leaf=lambda x: x is None)),)
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target in (aten.detach.default, aten.alias.default):
+            n.replace_all_uses_with(n.args[0])
+            g.erase_node(n)
+    placeholders = set(program.placeholders())
+    # Functionalization writes mutated inputs back with copy_ at the very end; those are forward effects.
+    epilogue = [
+        n for n in g.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in placeholders
+    ]
+    last_fwd = None
+    for n in g.nodes:
+        if n.op == "call_function" and meta.module(n) is not None and n not in epilogue:
+            last_fwd = n
+    for n in epilogue:
+        (last_fwd or next(iter(g.nodes))).append(n)
+        last_fwd = n
+        meta.tag(n, module="")
+    phase = FWD
+    for n in g.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        meta.tag(n, phase=phase)
+        if n is last_fwd:
+            phase = BWD
+    g.lint()
+
+
+class _TagCarrier(fx.Interpreter):
+    """Runs the first trace under functionalization and copies module tags onto the new nodes."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        graph = get_proxy_mode().tracer.graph
+        before = graph._root.prev
+        result = super().run_node(n)
+        path = meta.module(n)
+        if path is not None:
+            k = before.next
+            while k is not graph._root:
+                meta.tag_missing(k, module=path)
+                k = k.next
+        return result
+
+
+class _ModuleTagger:
+    """Global module hooks that tag each traced node with the innermost module that made it."""
+
+    def __init__(self, module: nn.Module):
+        self.paths = {m: name for name, m in module.named_modules(remove_duplicate=False)}
+        self.stack: list[tuple[str, fx.Node]] = []
+
+    def _pre(self, mod: nn.Module, args: Any) -> None:
+        if mod in self.paths:
+            mode = get_proxy_mode()
+            self.stack.append((self.paths[mod], mode.tracer.graph._root.prev if mode is not None else None))
+
+    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if mod not in self.paths or not self.stack:
+            return
+        path, start = self.stack.pop()
+        if start is None:  # the fake probe: no graph to tag, the stack only serves error messages
+            return
+        root = start.graph._root
+        k = start.next
+        while k is not root:
+            meta.tag_missing(k, module=path)
+            k = k.next
+
+    @property
+    def current(self) -> str | None:
+        return self.stack[-1][0] if self.stack else None
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        pre = nn.modules.module.register_module_forward_pre_hook(self._pre)
+        post = nn.modules.module.register_module_forward_hook(self._post)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+
+
+def _prints(tagger: _ModuleTagger) -> Any:
+    """print() in the forward becomes an op of the program (NOTE in fbmt/ops/record.py)."""
+    return record.prints_traced(lambda: f"'{tagger.current or '<root>'}'")
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["fbmt"]))
+
+
+def _user_frame(exc: BaseException) -> str:
+    """`file:line: source` of the innermost frame in the user's code, or '' if there is none."""
+    found = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        f = frame.filename
+        if f.startswith(_LIBRARY_DIRS) or "/lib/python" in f and "site-packages" not in f:
+            continue
+        line = (frame.line or linecache.getline(f, frame.lineno)).strip()
+        found = f"{f}:{frame.lineno}: {line}"
+    return found
+
+
+_HINTS = {
+    "DataDependentOutputException": "the value of a tensor decides Python control flow or is read "
+    "with .item()/.tolist()/bool(); tracing runs on fake tensors that have no values. Use "
+    "torch.where / masking instead of `if`, or compute the value outside the model and pass it in",
+    "DynamicOutputShapeException": "the output shape depends on tensor values (nonzero, masked_select, "
+    "unique, ...); use fixed-shape alternatives (torch.where with a mask)",
+    "PrintError": "print() inside a traced forward runs as an op of the program, on every call, and "
+    "prints the tensors it is given as arguments",
+    "UnsupportedOperatorException": "this operator has no fake-tensor implementation; "
+    "register one with torch.library.register_fake or move the op outside the model",
+}
+
+
+_HINT_PROVIDERS: list[Callable[[nn.Module, str], str | None]] = []
+
+
+def register_trace_hint(provider: Callable[[nn.Module, str], str | None]) -> None:
+    """Add `provider(module, exception kind) -> hint or None` to what a trace error suggests (an
+    integration knows its library's settings: fbmt/integrations/transformers.py)."""
+    if provider not in _HINT_PROVIDERS:
+        _HINT_PROVIDERS.append(provider)
+
+
+@contextmanager
+def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
+    tagger = _ModuleTagger(module)
+    try:
+        yield tagger
+    except TraceError:
+        raise
+    except Exception as e:  # translate any tracing failure into one actionable message
+        kind = type(e).__name__
+        op = getattr(e, "func", None)
+        where = tagger.current
+        path = "<root>" if where == "" else where or "<unknown>"
+        mod = module.get_submodule(where).__class__.__name__ if where else module.__class__.__name__
+        first = (str(e).strip().splitlines() or [kind])[0]
+        hint = _HINTS.get(
+            kind,
+            "see the original error above; if the module is fine in eager mode, please report it with this message",
+        )
+        for provider in _HINT_PROVIDERS:  # what libraries around the compiler know (integrations)
+            hint = provider(module, kind) or hint
+        at = _user_frame(e)
+        msg = (
+            f"fbmt.compile could not trace module '{path}' ({mod})"
+            + (f", op {op}" if op is not None else "")
+            + f": {kind}: {first}\n"
+            + (f"  at {at}\n" if at else "")
+            + f"  why: {hint}."
+        )
+        raise TraceError(msg) from e

@@ -1,0 +1,158 @@
+"""Guards on torch's own entry points around a compiled model, installed by `fbmt.compile`.
+
+A compiled model's parameters are this rank's flat shards, and the module it took over holds `meta`
+placeholders. Three habits of training scripts would then go wrong without an error; each is
+caught here, on torch's documented hooks where torch has one:
+
+- an optimizer built on the model *before* compiling holds parameters nothing reads any more: an
+  optimizer step pre-hook (`register_optimizer_step_pre_hook`) refuses it at its first step, naming
+  the parameter, and refuses a weight-decay split by name that cannot see inside flat shards;
+- `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` would clip each rank's shard by that
+  shard's own norm (NOTE: [Global gradient norms]);
+- DDP or FSDP around the compiled model would broadcast over the shards and reduce reduced
+  gradients: `NoDataParallel`, a base of the class `fbmt.compile` returns, refuses DDP when it is
+  constructed (the shards' check refuses FSDP's replaced parameters at the next call).
+
+`install(leaves)` puts the two process-wide hooks in place (once per process) and registers the
+tensors whose gradients are sharded; the BMTrain layer installs them for its views too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fbmt.compiler import group_of, moved_name
+
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters checked
+_hook: Any = None  # the optimizer step pre-hook's handle, once installed
+
+
+def install(leaves: list[torch.Tensor]) -> None:
+    """The optimizer check and the global gradient norm, for a compiled model whose gradients
+    accumulate into `leaves` (its flat shards, or BMTrain's views of them)."""
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook = register_optimizer_step_pre_hook(_check_optimizer)
+    _global_gradient_norms(leaves)
+
+
+class NoDataParallel:
+    """A base of the compiled model's class: DDP reads this property first thing in its constructor."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        # DistributedDataParallel reads this first thing in its constructor: before its start-up
+        # broadcast would overwrite every rank's shards with rank 0's, and its all-reduce would sum
+        # gradients that fbmt has already reduced.
+        raise RuntimeError(
+            "fbmt: torch.nn.parallel.DistributedDataParallel wraps a model fbmt.compile already distributes "
+            "(each rank holds its own shard of every parameter, and the compiled backward reduces the "
+            "gradients); its start-up broadcast would overwrite the shards. Use the compiled model as it is "
+            "(with HF Trainer/accelerate, do not let it wrap the model in DDP)"
+        )
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer that holds a parameter compile took over fails at its first step (it would update
+    a tensor nothing reads any more, and the model would silently not train)."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked.get(optimizer) == count:  # checked, and no parameter added since
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = moved_name(p)
+            if name is not None:
+                raise RuntimeError(
+                    f"fbmt: this {type(optimizer).__name__} holds parameter '{name}' of a module that "
+                    "fbmt.compile took over; its values now live in the compiled model's flat shards, so "
+                    "this optimizer would never change the model. Build the optimizer after compiling, on "
+                    "the compiled model: torch.optim.AdamW(model.parameters())"
+                )
+    _refuse_a_decay_split_that_cannot_see_into_shards(optimizer)
+    _checked[optimizer] = count
+
+
+def _refuse_a_decay_split_that_cannot_see_into_shards(optimizer: torch.optim.Optimizer) -> None:
+    """HF Trainer (and scripts written like it) split parameters by name into a decayed group and a
+    weight_decay=0 group for biases and norm weights. On a compiled model the names are the flat
+    shards', so the second group comes out empty and biases and norms decay: unlike eager, silently."""
+    groups = optimizer.param_groups
+    if not any(g.get("weight_decay", 0) == 0 and not g["params"] for g in groups):
+        return
+    for g in groups:
+        if g.get("weight_decay", 0) > 0:
+            for p in g["params"]:
+                group = group_of(p)
+                exempt = [s.name for s in group.slots if "bias" in s.name or "norm" in s.name.lower()] if group else []
+                if exempt:
+                    raise RuntimeError(
+                        f"fbmt: this {type(optimizer).__name__} decays flat shard '{group.name}', which holds "
+                        f"{exempt[:2]}, while its weight_decay=0 group (meant for biases and norm weights) is empty: "
+                        "a split by parameter name (HF Trainer's) cannot see inside flat shards. Decay every "
+                        "parameter on purpose, e.g. Trainer(..., optimizers=(torch.optim.AdamW(model.parameters(), "
+                        "weight_decay=wd), None)), or set weight_decay=0"
+                    )
+
+
+# NOTE: [Global gradient norms]
+# `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, which nearly every training script
+# calls, would clip each rank's shard by that shard's norm: each rank a different factor, none the
+# true one. Its norm comes from `torch.nn.utils.clip_grad._get_total_norm`, looked up at every call,
+# so fbmt replaces that one function (which also serves scripts that imported clip_grad_norm_
+# before fbmt): where the gradients are those of compiled models' shards, it adds up every rank's
+# part (an all-reduce; call it on every rank, as one does), and elsewhere it is torch's own. torch
+# offers no hook for this; the replacement is installed by `fbmt.compile` (never at import), once.
+_SHARDS: weakref.WeakSet = weakref.WeakSet()
+_installed_norm: Callable | None = None
+
+
+def _global_gradient_norms(leaves: list[torch.Tensor]) -> None:
+    global _installed_norm
+    _SHARDS.update(leaves)
+    import torch.nn.utils.clip_grad as clip_grad
+
+    if getattr(clip_grad, "_get_total_norm", None) is None:  # a torch without it: say so, never be silent
+        raise RuntimeError(
+            f"fbmt: torch {torch.__version__} has no torch.nn.utils.clip_grad._get_total_norm, through which fbmt "
+            "makes clip_grad_norm_ use the norm over every rank's shards; use a torch fbmt supports (2.11+)"
+        )
+    if clip_grad._get_total_norm is not _installed_norm:
+        _installed_norm = clip_grad._get_total_norm = _total_norm(clip_grad._get_total_norm)
+
+
+def _total_norm(torch_norm: Callable) -> Callable:
+    def total_norm(
+        tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        sharded = {id(p.grad) for p in list(_SHARDS) if p.grad is not None}
+        mine = [id(t) in sharded for t in tensors]
+        if not any(mine) or not dist.is_initialized() or dist.get_world_size() == 1:
+            return torch_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        if not all(mine):
+            raise RuntimeError(
+                "fbmt: clip_grad_norm_ got gradients of a compiled model's shards together with others; the "
+                "shards' norm sums over ranks and the others' does not: clip them in separate calls"
+            )
+        norm_type = float(norm_type)
+        local = torch_norm(tensors, norm_type, False, foreach)
+        total = local.float() if norm_type == float("inf") else local.float() ** norm_type
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)
+        if norm_type != float("inf"):
+            total = total ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+                "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        return total.to(local.dtype)
+
+    return total_norm

@@ -1,0 +1,136 @@
+"""What Hugging Face's libraries read from a model, on a compiled one (NOTE: [The wrapped model's methods]).
+
+`fbmt.compile` returns an instance of a subclass of `Forwarding` made for the wrapped model's class:
+- its `forward` presents the wrapped model's signature (HF's Trainer keeps only the dataset columns
+  that `inspect.signature(model.forward)` names; `generate()` checks its arguments the same way);
+- the wrapped model's methods and properties (`generate`, `prepare_inputs_for_generation`, ...) are
+  found on the compiled model and bound to it, and its class-level lookups reach the wrapped class
+  (`generate` runs `getattr(type(self), "_sample")`);
+- accelerate (under Trainer) sees it as already prepared, so it neither wraps it in DDP nor runs its
+  forward under autocast (refused with what to do instead).
+It also gives a model built on `meta` its own `_init_weights` as the initializer (`init_fn`), what
+`from_config` runs, and adds the mixture-of-experts hint to the compiler's trace errors.
+
+NOTE: [The wrapped model's methods]
+Libraries read the model they are given. A method of the original model is looked up on the
+original's class and bound to the compiled module, so that inside it `self(...)` runs the compiled
+program and `self.parameters()`/`self.device` are the shards'; bound to the original, it would run
+the original forward on meta placeholders. Attributes that are not methods (`config`, submodules)
+are the original's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+
+from fbmt.compiler import CompiledModule, register_trace_hint
+
+
+class _Wrapping(type):
+    """The class of each compiled module forwards class-level lookups to the wrapped module's class."""
+
+    def __getattr__(cls, name: str) -> Any:
+        wrapped = cls.__dict__.get("wrapped_class")
+        if wrapped is None or name.startswith("__"):
+            raise AttributeError(f"type object {cls.__name__!r} has no attribute {name!r}")
+        return getattr(wrapped, name)
+
+
+_classes: dict[tuple[type, type], type] = {}
+
+
+def compiled_class(base: type, wrapped: type) -> type:
+    """The subclass of `base` (a `Forwarding` class) for a compiled `wrapped` model: one per pair."""
+    if (base, wrapped) not in _classes:
+        name = f"CompiledModule[{wrapped.__qualname__}]"
+        namespace = {"wrapped_class": wrapped, "__qualname__": name, "forward": _presenting_signature(wrapped)}
+        _classes[base, wrapped] = _Wrapping("CompiledModule", (base,), namespace)
+    return _classes[base, wrapped]
+
+
+class Forwarding(CompiledModule, metaclass=_Wrapping):
+    """A compiled module that answers for the module it wraps (NOTE: [The wrapped model's methods])."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            orig = self.__dict__.get("_orig")
+            if orig is None:
+                raise
+        found = inspect.getattr_static(type(orig), name, None)
+        if isinstance(found, (types.FunctionType, property)) and name not in vars(orig):
+            return found.fget(self) if isinstance(found, property) else types.MethodType(found, self)
+        return getattr(orig, name)
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        # accelerate (under HF Trainer) wraps a model it has not prepared in DDP, and runs its forward
+        # under autocast for bf16=True/fp16=True: the first is refused (integrations/torch_guards.py),
+        # the second would trace the autocast casts into the program. A compiled model needs neither:
+        # it is prepared.
+        state = sys.modules.get("accelerate.state")
+        precision = _mixed_precision(state) if state is not None else None
+        if precision not in (None, "no"):
+            raise RuntimeError(
+                f"fbmt: accelerate is set to mixed precision {str(precision)!r} (TrainingArguments(bf16=True) or "
+                "fp16=True), which runs the forward under autocast; fbmt compiles mixed precision into the program "
+                "instead: leave bf16/fp16 off and compile with fbmt.compile(model, param_dtype=torch.bfloat16)"
+            )
+        return True
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        pass  # accelerate marks what it prepared; a compiled model stays prepared
+
+
+def _mixed_precision(state: Any) -> str | None:
+    """accelerate's mixed-precision setting, where an AcceleratorState was made (its public property
+    raises before one is)."""
+    shared = getattr(state.AcceleratorState, "_shared_state", {})
+    return shared.get("_mixed_precision") if shared else None
+
+
+def _presenting_signature(wrapped: type) -> Callable:
+    """The compiled class's `forward`, with the wrapped class's signature and docstring."""
+
+    def forward(self: CompiledModule, *args: Any, **kwargs: Any) -> Any:
+        return CompiledModule.forward(self, *args, **kwargs)
+
+    try:
+        forward.__signature__ = inspect.signature(wrapped.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read: keep (*args, **kwargs)
+        pass
+    forward.__doc__ = wrapped.forward.__doc__
+    forward.__qualname__ = f"{wrapped.__qualname__}.forward (compiled by fbmt)"
+    return forward
+
+
+def default_init_fn(model: nn.Module) -> Callable[[nn.Module], None] | None:
+    """A Hugging Face model's own `_init_weights(module)` (what `from_config` runs; fbmt's zoo defines
+    it too, to read its checkpoint), for a model built on `meta`; None for other models."""
+    init = getattr(model, "_init_weights", None) if hasattr(model, "config") else None
+    return init if callable(init) else None
+
+
+def _experts_hint(module: nn.Module, kind: str) -> str | None:
+    """Transformers' mixture-of-experts layers other than "grouped_mm" choose experts by value."""
+    experts = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if kind not in ("DynamicOutputShapeException", "DataDependentOutputException") or experts in (None, "grouped_mm"):
+        return None
+    return (
+        f"this model's mixture-of-experts layers run transformers' {experts!r} experts, which choose "
+        'the experts to run by value; build or load it with experts_implementation="grouped_mm" '
+        "(transformers' default), e.g. AutoModelForCausalLM.from_config(config, "
+        'experts_implementation="grouped_mm") or from_pretrained(path, experts_implementation='
+        '"grouped_mm"), which fbmt traces'
+    )
+
+
+register_trace_hint(_experts_hint)
