@@ -12,8 +12,9 @@
 #                FSDP2 + compile (called with use_cache=False, its best), interleaved
 #   predict      the simulator against measurement after fbmt.calibrate(): the 1.36B (bf16, eager) on every
 #                GPU for five strategy/recompute settings (benchmarks/predict.py)
-#   restructure  1.36B with block recompute: this commit against the one before the restructuring
-#                (70a60a9, written as fbmt_base by base_package.sh), interleaved; then the checks
+#   restructure  1.36B with block recompute: this commit against the one before the move into compiler/,
+#                integrations/ and tools/ (c27dbcd, written as fbmt_base by base_package.sh; carry .base where
+#                the machine has no git history), interleaved
 # Every stage installs fbmt into the machine's own python3 first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,9 +65,8 @@ case $stage in
     run 13_block 330 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 \
       --loss-in-model --methods fbmt-inductor,fsdp2-compile --out "$out/13_block.json" ;;
   restructure)
-    bash benchmarks/base_package.sh 70a60a9 .base > /dev/null || { echo "no commit 70a60a9 here: carry .base"; }
+    [ -d .base/fbmt_base ] || bash benchmarks/base_package.sh c27dbcd .base > /dev/null || { echo "carry .base"; exit 1; }
     run restructure_1.36_block 300 benchmarks/gpu_train.py $b136 --remat block --warmup 3 --steps 30 --interleave \
-      --base .base --methods base-fbmt-inductor,fbmt-inductor --out "$out/restructure_1.36_block.json"
-    checks ;;
+      --base .base --methods base-fbmt-inductor,fbmt-inductor --out "$out/restructure_1.36_block.json" ;;
   *) echo "unknown stage $stage (see the head of $0)"; exit 2 ;;
 esac

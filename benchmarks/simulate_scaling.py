@@ -4,7 +4,7 @@
 
 For each GPU count, compiles the Llama-style model of benchmarks/llama.py on `meta` for that world
 size (bf16 compute, fp32 reduction, the configuration's recompute setting), traces one step on fake
-CPU tensors and replays it on the H200 cost model (fbmt/sim.py): step time, tokens/s per GPU,
+CPU tensors and replays it on the H200 cost model (fbmt/tools/sim.py): step time, tokens/s per GPU,
 efficiency vs 2 GPUs, exposed communication, communication busy time, peak program memory. The
 model prices ops one by one (as backend="eager" runs them) and does not model NCCL slowing compute.
 """

@@ -50,7 +50,7 @@ def _alias(name: str, module: object) -> None:
 
 
 # BMTrain's module paths: `import bmtrain.lr_scheduler` (and the other five, and bmtrain.optim) has to work
-# as `import fbmt.lr_scheduler` too; and the tools keep their short paths (`python -m fbmt.calibration`).
+# as `import fbmt.lr_scheduler` too; and the tools keep their short paths (`import fbmt.sim`).
 for _module in (
     distributed,
     global_var,

@@ -25,6 +25,10 @@ __all__ = ["compile", "CompileOptions", "CompiledModule"]
 class _Compiled(torch_guards.NoDataParallel, transformers.Forwarding):
     """The compiled module's class: the compiler's module with the integrations' behaviour."""
 
+    def _adopt(self) -> None:
+        super()._adopt()
+        torch_guards.install(self.gradient_leaves())  # its shards' gradients sum over ranks in clip_grad_norm_
+
 
 def compile(model: nn.Module, **options: Any) -> CompiledModule:
     """Compile `model` for training on every rank of the job; the options are `CompileOptions`'
@@ -41,11 +45,9 @@ def compile(model: nn.Module, **options: Any) -> CompiledModule:
     if o.remat == "auto":
         auto_remat.machine_of(o.cost_model)  # a cost model of the wrong kind is named now, not at the first call
     cls = transformers.compiled_class(_Compiled, type(model)) if isinstance(model, nn.Module) else _Compiled
-    compiled = compile_module(
+    return compile_module(
         model, o, module_class=cls, search=auto_remat.choose, init_fn=transformers.default_init_fn(model)
     )
-    torch_guards.install(compiled.gradient_leaves())
-    return compiled
 
 
 # `inspect.signature(fbmt.compile)` and help() show every option with its default.

@@ -310,7 +310,7 @@ def load(
         dcp.load(sd, checkpoint_id=chosen, planner=_LoadPlanner(), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:
         raise CheckpointError(
-            f"fbmt.checkpoint.load: cannot load {chosen!r} into this {type(model.module).__name__}: "
+            f"fbmt.checkpoint.load: cannot load {chosen!r} into this {type(model.compiled_from).__name__}: "
             f"{_first_line(e)}. Is it a checkpoint of this model (same parameter names and shapes)?"
         ) from e
     if restore_optim is not None:
@@ -468,7 +468,7 @@ def _model_pieces(model: CompiledModule, copy: bool = False) -> dict[str, Any]:
     parts = _parts(model)
     pieces = {part.slot.name: part.of(shard, copy) for shard in model.flat_params for part in parts[id(shard)]}
     out: dict[str, Any] = {}
-    for k, v in model.module.state_dict(keep_vars=True).items():  # every name, tied ones too, in torch's order
+    for k, v in model.compiled_from.state_dict(keep_vars=True).items():  # every name, tied ones too, in torch's order
         if k in model.layout.aliases:
             out[k] = pieces[model.layout.aliases[k]]
         else:

@@ -1,7 +1,7 @@
 """Files written atomically: a crash mid-write never leaves a truncated file behind.
 
 (Sharded checkpoints are in `fbmt/checkpoint.py`; BMTrain's `save`/`load` of a model's full state
-dict in `fbmt/bmt/store.py`.)"""
+dict in `fbmt/integrations/bmt/store.py`.)"""
 
 from __future__ import annotations
 

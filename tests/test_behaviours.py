@@ -45,7 +45,7 @@ def test_train_eval_and_no_grad_inference():
     (idx,), _, _ = batch("gpt", 1)
     ref.eval()
     model.eval()
-    assert not model.module.training and not model.module.h[0].drop.training
+    assert not model.compiled_from.training and not model.compiled_from.h[0].drop.training
     with torch.no_grad():
         out = model(idx)
         torch.testing.assert_close(out, ref(idx))
@@ -124,7 +124,7 @@ def test_a_buffer_assigned_a_new_tensor_is_read_by_the_next_call():
     ref, model = _pair(Buffered)
     (x,), kw, _ = batch("buffered", 0)
     model(x, **kw)
-    for m in (ref, model.module):
+    for m in (ref, model.compiled_from):
         m.scale = torch.full((8,), 2.0)  # a new tensor, not an in-place update
     torch.testing.assert_close(model(x, **kw)["out"], ref(x, **kw)["out"])
 
@@ -232,3 +232,17 @@ def test_a_deep_copy_of_a_compiled_model_computes_with_its_own_parameters():
             p.mul_(0.5)
     torch.testing.assert_close(twin(x), ref(x))
     torch.testing.assert_close(model(x), before)
+
+
+def test_the_ddp_unwrap_idiom_keeps_the_compiled_model():
+    """Scripts unwrap DDP before saving with `model.module if hasattr(model, "module") else model`; on a
+    compiled model that must keep the model itself, whose state_dict gathers the shards, not reach the
+    module it took over, which holds meta placeholders."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = fbmt.compile(copy.deepcopy(ref))
+    unwrapped = model.module if hasattr(model, "module") else model
+    assert unwrapped is model
+    state = unwrapped.state_dict()
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(state[name], p)

@@ -14,10 +14,12 @@ from tests.dist import run_ranks
 from tests.models.reference import batch, gpt, loss_of
 
 
-def _clipped(rank: int, world: int, norm_type: float) -> None:
+def _clipped(rank: int, world: int, norm_type: float, twin: bool = False) -> None:
     torch.manual_seed(0)
     ref = gpt()
     model = fbmt.compile(copy.deepcopy(ref))
+    if twin:  # a deep copy of the compiled model (an EMA twin) clips as the original does
+        model = copy.deepcopy(model)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
     for step in range(3):
         (idx,), _, tgt = batch("gpt", step)
@@ -41,3 +43,7 @@ def test_clip_grad_norm_uses_the_norm_over_every_ranks_shards():
 
 def test_clip_grad_norm_of_the_largest_gradient_too():
     run_ranks(2, _clipped, float("inf"))
+
+
+def test_a_deep_copy_of_a_compiled_model_clips_by_the_norm_over_every_rank_too():
+    run_ranks(2, _clipped, 2.0, True)

@@ -81,7 +81,7 @@ def test_a_parameter_deleted_or_replaced_after_compile_is_refused():
     with pytest.raises(RuntimeError, match=r"parameter 'fc3.weight' was deleted or replaced after fbmt.compile"):
         model(batch("mlp", 0)[0][0])
     _, model = _mlp()
-    del model.module.fc1.bias
+    del model.compiled_from.fc1.bias
     with pytest.raises(RuntimeError, match=r"'fc1.bias' was deleted or replaced"):
         model.state_dict()
 

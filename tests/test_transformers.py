@@ -157,7 +157,7 @@ def test_forward_presents_the_models_signature():
     model = fbmt.compile(copy.deepcopy(ref))
     assert inspect.signature(model.forward) == inspect.signature(ref.forward)
     assert "input_ids" in inspect.signature(model.forward).parameters
-    assert model.config is model.module.config and model.device == torch.device("cpu")
+    assert model.config is model.compiled_from.config and model.device == torch.device("cpu")
     assert model.main_input_name == "input_ids" and model.can_generate()
 
 

@@ -71,8 +71,6 @@ def compile_module(
     plan = Plan.of(o, world)  # every option resolved and checked, before the model is touched (NOTE: [Plan])
     layout = plan_layout(model, world, o.block_paths, param_dtype=o.param_dtype)
     shards = build_shards(model, layout, rank, device, o.init_fn or init_fn)
-    compiled = module_class(
+    return module_class(
         model, layout, shards, options=o, plan=plan, device=device, rank=rank, search=search, **class_args
     )
-    owners.take(model)
-    return compiled

@@ -13,6 +13,7 @@ and DDP's, the torch guards), and BMTrain's layer a subclass whose parameters ar
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import OrderedDict
@@ -57,7 +58,6 @@ class CompiledModule(nn.Module):
         super().__init__()
         self.__dict__["_orig"] = module  # not a submodule: its parameters are meta placeholders
         self.flat_params = nn.ParameterList(shards)
-        owners.own_shards(shards, layout.groups)
         self.layout, self.options, self.device, self.rank = layout, options, device, rank
         self.plan = plan  # every option resolved once (NOTE: [Plan])
         self.search = search  # remat="auto"'s (pipeline.Search)
@@ -73,11 +73,30 @@ class CompiledModule(nn.Module):
         self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
         self._placeholders = Placeholders(module, layout, shards)
         self.train(module.training)
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Register what this module owns beside it (`owners`): its shards' groups, the module it
+        took over. A subclass adds what its integrations keep (the torch guards' shards)."""
+        owners.own_shards(list(self.flat_params), self.layout.groups)
+        owners.take(self._orig)
+
+    def __deepcopy__(self, memo: dict) -> CompiledModule:
+        """A copy (an EMA twin) computes with copies of the shards, and owns them as the original owns
+        its own (`_adopt`): a copy's gradient norms, shard groups and placeholders are known too."""
+        cls = type(self)
+        twin = cls.__new__(cls)
+        memo[id(self)] = twin
+        for k, v in self.__dict__.items():
+            twin.__dict__[k] = copy.deepcopy(v, memo)
+        twin._adopt()
+        return twin
 
     @property
-    def module(self) -> nn.Module:
+    def compiled_from(self) -> nn.Module:
         """The module compile took over: its structure, buffers and attributes; its parameters are
-        `meta` placeholders (their values live in `flat_params`)."""
+        `meta` placeholders (their values live in `flat_params`). Not named `module`: scripts unwrap
+        DDP with `model.module if hasattr(model, "module") else model`, and would save placeholders."""
         return self._orig
 
     # ---- calling ----

@@ -1,6 +1,6 @@
 """The IR every pass reads and returns: a joint forward+backward fx graph plus typed metadata.
 
-A `Program` is what `fbmt.trace` produces and what each pass in `fbmt.passes` transforms. It
+A `Program` is what `trace` produces and what each pass in `passes/` transforms. It
 holds:
 
 - `graph`: one aten-level `torch.fx.Graph` with the forward *and* the backward of one call of the
@@ -9,12 +9,13 @@ holds:
   read and written through `fbmt.compiler.meta`.
 - `inputs` / `outputs`: the role of each placeholder and each output slot (a parameter, a buffer,
   a user input, a tangent, a shard, a shard gradient, ...), so the runtime knows what to feed.
-- `layout`: how parameters are grouped into flat, sharded buffers (`fbmt.layout`, decided at
+- `layout`: how parameters are grouped into flat, sharded buffers (`layout`, decided at
   compile time, since `model.parameters()` must exist before the first call).
 - `history`: one record per pass: its name, time, a summary, and the program text after it, so a
   notebook can show each pass's diff.
 
-Its nodes are aten ops and the ops of `fbmt.ops` (collectives, recording).
+Its nodes are aten ops, the communication nodes of `collectives/`, and the recording ops of
+`ops.record`.
 
 See NOTE: [Phases] below for how forward and backward are told apart.
 """
@@ -129,7 +130,7 @@ class Program:
     needs_grad: bool  # False: a forward-only (inference) program, no tangents, no backward
     # tensors the forward made from Python values (placeholders of kind "constant"), by name
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
-    # the recompute policy the remat pass applied to each block (NOTE: [Schedules] in fbmt/decisions.py)
+    # the recompute policy the remat pass applied to each block (NOTE: [Schedules] in fbmt/compiler/decisions.py)
     remat: dict[str, str] = field(default_factory=dict)
     history: list[PassRecord] = field(default_factory=list)
 
@@ -185,7 +186,7 @@ class Program:
 
     def schedule(self) -> Any:
         """The decisions the passes made on this program, as an `fbmt.Schedule` (to print, save,
-        compare with another and replay: NOTE: [Schedules] in fbmt/decisions.py)."""
+        compare with another and replay: NOTE: [Schedules] in fbmt/compiler/decisions.py)."""
         from fbmt.compiler.decisions import Schedule
 
         return Schedule.of(self)

@@ -261,7 +261,7 @@ class TraceStats:
 # NOTE: [Objects in a call]
 # A call's arguments and results are pytrees (`ModelOutput` is one), but some leaves are objects
 # that hold tensors: a Hugging Face cache. An argument object's tensors become inputs of the
-# program, and the forward runs on a copy holding fakes (`fbmt.objects`). A result's leaves are
+# program, and the forward runs on a copy holding fakes (`fbmt.compiler.objects`). A result's leaves are
 # then one of: a tensor (an output), an argument object (its state after the forward is a set of
 # outputs, `Results.states`; at run time the caller's object is brought to that state and
 # returned itself, as eager returns the object it mutated), an object the forward made (its
@@ -429,7 +429,7 @@ class _ModuleTagger:
 
 
 def _prints(tagger: _ModuleTagger) -> Any:
-    """print() in the forward becomes an op of the program (NOTE in fbmt/ops/record.py)."""
+    """print() in the forward becomes an op of the program (NOTE in fbmt/compiler/ops/record.py)."""
     return record.prints_traced(lambda: f"'{tagger.current or '<root>'}'")
 
 

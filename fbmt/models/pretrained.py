@@ -276,15 +276,15 @@ class PretrainedModel(nn.Module, abc.ABC):
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return
         config = self.config
-        shapes = {n: tuple(p.shape) for n, p in self._orig_or_self().named_parameters()}
+        model = self._model()
         out: dict[str, torch.Tensor] = {}
-        for name, source in self._orig_or_self().hf_names().items():
-            sizes = [shapes[name][0] // len(source.names)] * len(source.names)
-            sizes = self._orig_or_self().split_sizes(name, sizes)
+        for name, source in model.hf_names().items():
+            sizes = [state[name].shape[0] // len(source.names)] * len(source.names)
+            sizes = model.split_sizes(name, sizes)
             out.update(source.split(state[name].detach().cpu(), sizes))
         os.makedirs(folder, exist_ok=True)
         hf = config.to_hf()
-        hf["architectures"] = [self._orig_or_self().hf_architecture]
+        hf["architectures"] = [model.hf_architecture]
         # each file whole or not at all: a crash while saving over an earlier save leaves that one intact
         _write_whole(os.path.join(folder, WEIGHTS), lambda path: save_file(out, path, metadata={"format": "pt"}))
         _write_whole(os.path.join(folder, CONFIG), lambda path: _dump_json(hf, path))
@@ -293,8 +293,11 @@ class PretrainedModel(nn.Module, abc.ABC):
         """The row counts of each source of a fused parameter (default: equal parts)."""
         return even
 
-    def _orig_or_self(self) -> PretrainedModel:
-        return self.__dict__.get("_orig", self)
+    def _model(self) -> PretrainedModel:
+        """This model; on a compiled one (whose methods run bound to the compiled module), the model it
+        was compiled from (`compiled_from`, fbmt.compile's public name for it), whose methods' `super()`
+        needs an instance of their class."""
+        return getattr(self, "compiled_from", self)
 
 
 def _write_whole(path: str, write: Callable[[str], None]) -> None:

@@ -1,6 +1,6 @@
 """`fbmt.calibrate()`: measure this machine and save the profile the simulator uses by default.
 
-    python -m fbmt.calibration --ranks 2          # CPU: 2 local gloo ranks; GPU: NCCL between 2 GPUs
+    python -m fbmt.tools.calibration --ranks 2          # CPU: 2 local gloo ranks; GPU: NCCL between 2 GPUs
     machine = fbmt.calibrate()                  # inside a job: every rank calls it; rank 0 saves
     print(fbmt.simulate(program))               # now priced with this machine's numbers
 
@@ -177,7 +177,7 @@ def _matmul_rates(device: torch.device, quick: bool) -> list[tuple[str, float, f
 
 def _attention_rates(device: torch.device, quick: bool) -> list[tuple[str, float, float]]:
     """Causal attention's achieved rate, forward and backward together, by the FLOPs of one call as
-    `fbmt.ops.flops` counts them (a backward as 2.5 forwards), at head size 64."""
+    `fbmt.compiler.ops.flops` counts them (a backward as 2.5 forwards), at head size 64."""
     import torch.nn.functional as F
 
     shapes = ((16, 128), (4, 512)) if quick else ((32, 64), (16, 128), (8, 256), (4, 512))
@@ -519,7 +519,7 @@ def _spawned(ranks: int, quick: bool) -> Machine:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fbmt.calibration", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fbmt.tools.calibration", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="local ranks to measure with (one per GPU on GPUs)")
     p.add_argument("--quick", action="store_true", help="fewer sizes (about half the time)")
     p.add_argument("--out", default=None, help="where to save the profile (default: where fbmt.simulate looks)")

@@ -90,7 +90,7 @@ class Machine:
     # sees them: gloo copies the buffer it sends or reduces; NCCL's buffers are its own
     comm_buffer: float = 0.0
     # measured attention kernels, forward and backward together: (dtype name, FLOPs of one call as
-    # `fbmt.ops.flops` counts them, achieved FLOP/s), interpolated by FLOPs; where none are listed,
+    # `fbmt.compiler.ops.flops` counts them, achieved FLOP/s), interpolated by FLOPs; where none are listed,
     # attention runs at the product rate, as flash kernels do on a GPU
     attention_rates: tuple[tuple[str, float, float], ...] = ()
     # ops a core computes slower than it moves their bytes (transcendentals, normalizations,
@@ -179,7 +179,7 @@ H200 = Machine(
 
 def profile_path(world_size: int) -> str:
     """Where `fbmt.calibrate()` saves this machine's profile for jobs of `world_size` ranks (NOTE:
-    [Calibration] in fbmt/calibration.py): $FBMT_MACHINE, else a file per host and world size in the
+    [Calibration] in fbmt/tools/calibration.py): $FBMT_MACHINE, else a file per host and world size in the
     user's cache folder."""
     return flags.MACHINE.get() or os.path.join(
         os.path.expanduser("~"), ".cache", "fbmt", f"machine-{socket.gethostname()}-{world_size}.json"

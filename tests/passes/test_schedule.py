@@ -305,7 +305,7 @@ def test_a_strategys_own_default_depth_holds_unless_prefetch_is_set():
     assert calls == [3, 2, 4]
 
 
-# ---- buckets (NOTE: [Buckets] in fbmt/ops/collectives.py) --------------------------------------
+# ---- buckets (NOTE: [Buckets] in fbmt/compiler/collectives/) --------------------------------------
 
 
 def _buckets(program) -> list[list]:

@@ -1,7 +1,7 @@
 """Copies that leave most of the GPU to compute: the copy stream's cast and copy-in kernel.
 
 NOTE: [Bounded copies]
-The copies around a collective run on the copy stream (NOTE: [Copy stream] in collectives.py) so
+The copies around a collective run on the copy stream (NOTE: [Copy stream] in torch_impl.py) so
 that they overlap compute. torch's own copy kernels do not overlap well: a 200M-element copy launches
 ~10^5 thread blocks, which take every SM as the compute kernel beside it retires its blocks, so the
 next compute kernel waits for the copy to finish. `copy_` instead launches a grid-stride kernel on a

@@ -268,7 +268,7 @@ def wait(pending: Pending) -> torch.Tensor:
     return tensor
 
 
-# ---- buckets: several groups' collectives as one call (NOTE: [Buckets] in fbmt/ops/collectives.py) ----
+# ---- buckets: several groups' collectives as one call (NOTE: [Buckets] in fbmt/compiler/collectives/) ----
 
 
 class _Once:

@@ -1,7 +1,7 @@
 """Blocks: tag each traced forward node with its block, the unit of sharding and recompute.
 
 Requires: forward nodes tagged with their module (the trace) and a layout whose blocks were
-planned from the module tree (`fbmt.layout.plan_layout`).
+planned from the module tree (`fbmt.compiler.layout.plan_layout`).
 Ensures: each forward node has a block (`meta.block`): the longest block path that prefixes its
 module path, or None for code outside every block.
 

@@ -22,7 +22,7 @@ an error then, not a silent default. The helpers below are its vocabulary:
 
 Moving only starts and waits keeps every strategy a pure reordering: the program computes the same
 values with any of them (tests/passes/test_schedule.py trains each on 2 ranks against eager). The
-built-in strategies are in `fbmt/passes/strategies.py`.
+built-in strategies are in `fbmt/compiler/passes/strategies.py`.
 """
 
 from __future__ import annotations

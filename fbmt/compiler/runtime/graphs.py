@@ -29,7 +29,7 @@ input signature drops the previous graphs and warms up again, so graphs pay off 
 
 During capture the allocator cannot honour `record_stream`, and would keep every recorded block
 until the capture ends; the gradient pieces a reduce-scatter copies on the side stream are instead
-held by its `Pending` until the compute stream waits for it (`_guard` in collectives.py): one
+held by its `Pending` until the compute stream waits for it (`_guard` in collectives/torch_impl.py): one
 block's compute-dtype gradients are held longer than eagerly, which raises the peak a little.
 
 NCCL's communicators wait for every graph that captured their collectives before they are destroyed,

@@ -49,7 +49,7 @@ class Executable:
     grad_roles: list[Role]  # what each backward result is
     grad_slots: list[tuple[int, int]]  # (forward argument index, backward result index) of each gradient
     signature: str  # digest of the collective sequence, compared across ranks before the first run
-    records: bool  # its graphs report to a recorder from the host (NOTE in fbmt/ops/record.py)
+    records: bool  # its graphs report to a recorder from the host (NOTE in fbmt/compiler/ops/record.py)
     constants: dict[str, torch.Tensor]  # what to feed the inputs of kind "constant", by name
     updated_buffers: list[str]  # the buffers the forward writes (BatchNorm's running statistics)
 

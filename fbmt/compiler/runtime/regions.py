@@ -92,7 +92,7 @@ def _decline(why: str) -> None:
     """Warn, once per reason, that the cat guard leaves cats to Inductor's own lowering."""
     warnings.warn(
         f"fbmt: backend='inductor' compiles without its cat guard (NOTE: [Cats of shared reads] in "
-        f"fbmt/runtime/regions.py): {why}. The results are the same; the merged products' gradients "
+        f"fbmt/compiler/runtime/regions.py): {why}. The results are the same; the merged products' gradients "
         "may run slower (disable=('merge',) avoids those cats)",
         stacklevel=3,
     )

@@ -5,7 +5,7 @@
 - `with inspect_tensor() as it: ... record_tensor(x, "name") ...; it.get_summary()`: statistics of
   recorded values and of their gradients, over all ranks. `record_tensor` works in eager code and
   inside compiled models (Blocks included): while a model is traced it inserts the ops
-  `fbmt::record` and `fbmt::record_grad` (`fbmt/ops/record.py`) into the program, which report to
+  `fbmt::record` and `fbmt::record_grad` (`fbmt/compiler/ops/record.py`) into the program, which report to
   the inspector that is active when they run. Programs traced inside and outside an inspector are
   cached separately, so outside one a compiled model carries no recording ops.
 - `format_summary(rows)`: a text table of either summary.
@@ -98,7 +98,7 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
 class InspectTensor:
     """Collects what `record_tensor` reports while it is the active inspector (a recorder of
-    `fbmt.ops.record`: `on_value` and `on_grad` are called by the recording ops)."""
+    `fbmt.compiler.ops.record`: `on_value` and `on_grad` are called by the recording ops)."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []

@@ -252,6 +252,11 @@ class ViewModule(CompiledModule):
     def trainable(self) -> tuple[bool, ...]:
         return tuple(any(v.requires_grad for v in vs) for vs in self.views)
 
+    def _adopt(self) -> None:
+        super()._adopt()
+        if "views" in self.__dict__:  # a copy's views (lower() installs the original's once they exist)
+            torch_guards.install(self.gradient_leaves())
+
     def gradient_leaves(self) -> list[torch.Tensor]:
         return [v for vs in self.views for v in vs]
 

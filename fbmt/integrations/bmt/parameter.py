@@ -6,7 +6,7 @@ A parameter's local part has two shapes over its life:
 - *Construction* (BMTrain's own partition): built from the full `data`, it keeps elements
   [r * ceil(n/N), (r + 1) * ceil(n/N)) of the flattened tensor and lets the rest go, so a model
   built from these never holds more than its construction temporaries.
-- *Lowered*: when the model is lowered onto fbmt.compile's machinery (`fbmt/bmt/module.py`), its
+- *Lowered*: when the model is lowered onto fbmt.compile's machinery (`fbmt/integrations/bmt/module.py`), its
   parameters are laid out in flat per-block groups and each parameter's `.data` becomes a view of
   the part of its group's shard that this rank owns: `[_start_partition, _end_partition)` of the
   flattened parameter, possibly empty. The object stays the same, so an optimizer built on it
