@@ -365,13 +365,24 @@ def test_clean_steps_unscale_and_grow_the_scale_up_to_the_bound():
         bmt.optim.OptimManager(loss_scale=-1)
 
 
-def test_fp32_gradients_are_not_checked_and_scaling_can_be_off():
+def test_scaling_can_be_off():
     p = nn.Parameter(torch.ones(2))
     om = bmt.optim.OptimManager()  # no loss scaling: scale 1, never skips
     om.add_optimizer(torch.optim.SGD([p], lr=1.0))
     p.grad = torch.tensor([1.0, 2.0])
     assert om.step() and om.loss_scale == 1 and not om.loss_scale_enabled
     torch.testing.assert_close(p.detach(), torch.tensor([0.0, -1.0]))
+
+
+def test_a_nan_in_an_fp32_gradient_skips_the_step_too():
+    """Under loss scaling every gradient is checked, fp32 included: BMTrain checks fp16/bf16 only, and an
+    fp32 NaN then made every parameter NaN with no message."""
+    p = nn.Parameter(torch.ones(3))
+    om = bmt.optim.OptimManager(loss_scale=64)
+    om.add_optimizer(torch.optim.SGD([p], lr=1.0))
+    p.grad = torch.tensor([float("nan"), 1.0, 0.0])
+    assert om.step() is False and om.loss_scale == 32
+    assert torch.equal(p.detach(), torch.ones(3)) and torch.equal(p.grad, torch.zeros(3))
 
 
 def _overflow_on_one_rank(rank: int, world: int) -> dict:

@@ -74,13 +74,18 @@ class OptimManager:
         return [p for g in groups for p in g["params"] if p.grad is not None]
 
     def overflow(self) -> bool:
-        """Is any fp16/bf16 gradient inf/nan on any rank (a collective)."""
-        grads = [p.grad for p in self._params() if p.dtype in (torch.float16, torch.bfloat16) and p.grad.numel()]
+        """Is any gradient inf/nan on any rank (a collective).
+
+        BMTrain looks at fp16/bf16 gradients only; an fp32 gradient that is inf/nan would then be
+        stepped with, and every parameter it reaches would become NaN without a word. So every
+        floating gradient is checked: a step under loss scaling never takes a non-finite gradient."""
+        grads = [p.grad for p in self._params() if p.grad.is_floating_point() and p.grad.numel()]
         device = grads[0].device if grads else distributed.local_device()
         if grads and device.type == "cuda":
             from fbmt.kernels import multi_tensor_nonfinite
 
-            flag = multi_tensor_nonfinite([g.detach().contiguous() for g in grads]).float().reshape(1)
+            flag = multi_tensor_nonfinite([g.detach().contiguous().to(_checked(g.dtype)) for g in grads])
+            flag = flag.float().reshape(1)
         else:
             flag = torch.tensor([float(any(not bool(torch.isfinite(g).all()) for g in grads))], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -225,3 +230,9 @@ def _localize(value: Any, p: torch.Tensor) -> Any:
     if view_of(p) is None and p._world_size != distributed.world_size():
         raise ValueError("OptimManager.load_state_dict: lower the model first (fbmt.init_parameters or fbmt.load)")
     return value.reshape(-1)[p._start_partition : p._end_partition].reshape(p.shape).clone()
+
+
+def _checked(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the inf/nan kernel reads a gradient of `dtype` in (it reads fp32, bf16 and fp16; a
+    wider float is cast, which keeps inf and nan)."""
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
