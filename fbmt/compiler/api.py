@@ -19,7 +19,7 @@ from fbmt.compiler.module import CompiledModule
 from fbmt.compiler.options import CompileOptions
 from fbmt.compiler.pipeline import Search
 from fbmt.compiler.plan import Plan
-from fbmt.compiler.runtime.params import InitFn, build_shards
+from fbmt.compiler.runtime.params import InitFn, agree_on_weights, build_shards
 
 
 def compile_module(
@@ -70,6 +70,8 @@ def compile_module(
         )
     plan = Plan.of(o, world)  # every option resolved and checked, before the model is touched (NOTE: [Plan])
     layout = plan_layout(model, world, o.block_paths, param_dtype=o.param_dtype)
+    if world > 1 and world == job.world_size():  # NOTE: [Ranks' weights]
+        agree_on_weights(model, layout, o.weights)
     shards = build_shards(model, layout, rank, device, o.init_fn or init_fn)
     return module_class(
         model, layout, shards, options=o, plan=plan, device=device, rank=rank, search=search, **class_args

@@ -84,6 +84,12 @@ class CompileOptions:
     init_fn: Callable[[nn.Module], None] | None = None
     """How to initialize a model built on the meta device, module by module (default: a Hugging Face
     model's `_init_weights`, else each module's `reset_parameters()`)."""
+    weights: str = "rank0"
+    """What the ranks' weights must be when the model is compiled (NOTE: [Ranks' weights]): "rank0":
+    where a rank's differ from rank 0's (pretrained weights loaded on rank 0 only, ranks seeded
+    apart), every rank takes rank 0's, as DDP's start-up broadcast does, and fbmt says which differed;
+    "check": that is an error naming the first parameter that differs. A model built on `meta` is
+    initialized alike on every rank, and is not compared."""
     broadcast_buffers: bool = True
     """As DDP's option of that name: before each training call (grad enabled) whose program updates
     buffers (BatchNorm's running statistics), every rank takes rank 0's values of those buffers, so
@@ -151,6 +157,8 @@ class CompileOptions:
             raise ValueError(f"fbmt.compile(memory_budget={self.memory_budget!r}): expected a positive number of bytes")
         if self.prefetch is not None and (not isinstance(self.prefetch, int) or self.prefetch < 1):
             raise ValueError(f"fbmt.compile(prefetch={self.prefetch!r}): must be a whole number, at least 1")
+        if self.weights not in ("rank0", "check"):
+            raise ValueError(f"fbmt.compile(weights={self.weights!r}): expected 'rank0' or 'check'")
         if self.grad_reduce not in ("mean", "sum"):
             raise ValueError(f"fbmt.compile(grad_reduce={self.grad_reduce!r}): expected 'mean' or 'sum'")
         if self.backend not in BACKENDS:

@@ -1,7 +1,9 @@
 """What `fbmt.compile` took over from the user's objects, kept beside them and never set on them.
 
 - A parameter the model held becomes a `Placeholder`: a `meta` parameter of fbmt's own class, so the
-  module says it was compiled (`taken`), a deep copy of it too (copies keep their class).
+  module says it was compiled (`taken`), a deep copy of it too (copies keep their class). It holds
+  no values, so anything that would read or write them raises at once, naming the parameter (NOTE:
+  [Placeholders refuse values]).
 - The parameter it replaced is remembered (`moved`), weakly: an optimizer built before compiling
   still holds it, and `moved_name` lets fbmt refuse that optimizer (integrations/torch_guards.py).
 - Each flat shard knows its group (`group_of`), for code that meets a shard alone (BMTrain's
@@ -21,10 +23,103 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fbmt.compiler.layout import FlatGroup
 
+# NOTE: [Placeholders refuse values]
+# After fbmt.compile the module it took over holds placeholders where its parameters were; their values
+# live in the compiled model's flat shards. A write to one (`model.lm_head.weight.zero_()`,
+# `nn.init.zeros_(...)`, `copy_`, `load_state_dict` on a submodule, `.data.normal_()` in an
+# `_init_weights`) would change a meta tensor and be lost, and a read would compute with nothing. So
+# a placeholder answers what its metadata says (shape, dtype, device, requires_grad, size, numel,
+# ...), hands out views of itself as placeholders too (`.data`, `detach`, `view`, `t`, slicing: their
+# later use raises), and raises at anything else, naming the parameter and the op, and saying how to
+# read (`state_dict`) or write (`load_state_dict`) the values. Tracing never meets one: it runs the
+# module on fake tensors put in the placeholders' place (`torch.func.functional_call`).
+_METADATA = frozenset(
+    {
+        "numel", "nelement", "dim", "ndimension", "size", "stride", "element_size", "storage_offset",
+        "is_floating_point", "is_complex", "is_contiguous", "is_signed", "requires_grad_", "get_device",
+        "data_ptr", "untyped_storage", "__repr__", "__format__", "__hash__", "__reduce_ex__", "__setstate__",
+        "__getstate__", "__deepcopy__", "_is_view", "has_names", "is_shared", "type", "__len__", "retain_grad",
+        "register_hook", "register_post_accumulate_grad_hook",
+    }
+)  # fmt: skip
+_VIEWS = frozenset(
+    {
+        "detach", "view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "expand", "expand_as",
+        "__getitem__", "narrow", "unsqueeze", "squeeze", "flatten", "unflatten", "as_strided", "alias", "split",
+        "chunk", "unbind", "select", "movedim", "swapaxes", "T", "mT", "H", "mH", "data",
+    }
+)  # fmt: skip
+
 
 class Placeholder(nn.Parameter):
     """A `meta` parameter standing where a compiled module's parameter was: its values live in the
-    compiled module's flat shards."""
+    compiled module's flat shards; it refuses to be read or written (NOTE: [Placeholders refuse values])."""
+
+    compiled_name: str = "a parameter"
+
+    def __new__(cls, data: torch.Tensor | None = None, requires_grad: bool = True, name: str = "") -> Placeholder:
+        p = super().__new__(cls, data, requires_grad)
+        p.compiled_name = name or cls.compiled_name
+        return p
+
+    def __deepcopy__(self, memo: dict) -> Placeholder:
+        if id(self) not in memo:
+            empty = torch.empty(self.shape, dtype=self.dtype, device="meta")
+            memo[id(self)] = Placeholder(empty, self.requires_grad, self.compiled_name)
+        return memo[id(self)]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        name = _op_name(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            if name in _METADATA or (_is_getter(func) and name not in _VIEWS):
+                return func(*args, **kwargs)
+            if name in _VIEWS:
+                out = func(*args, **kwargs)
+                return _placeholders(out, _named(args))
+        raise RuntimeError(
+            f"fbmt: parameter '{_named([*args, *kwargs.values()])}' belongs to a module fbmt.compile took over: it is a placeholder, and "
+            f"its values live in the compiled model's flat shards, so `{name}` on it would "
+            f"{'change nothing' if name.endswith('_') or 'out' in kwargs else 'compute with no values'}. Read "
+            "the values with compiled.state_dict() and write them with compiled.load_state_dict({name: tensor}, "
+            "strict=False) (both collectives: call them on every rank), or change the module before compiling it"
+        )
+
+
+def _op_name(func: object) -> str:
+    if _is_getter(func):
+        return func.__self__.__name__  # the attribute a property reads ("shape", "data", ...)
+    return getattr(func, "__name__", str(func))
+
+
+def _is_getter(func: object) -> bool:
+    return getattr(func, "__name__", None) == "__get__" and type(getattr(func, "__self__", None)).__name__ == (
+        "getset_descriptor"
+    )
+
+
+def _named(args: object) -> str:
+    """The name of the first placeholder among an op's arguments."""
+    for a in args if isinstance(args, (list, tuple)) else [args]:
+        if isinstance(a, Placeholder):
+            return a.compiled_name
+        if isinstance(a, (list, tuple)):
+            found = _named(a)
+            if found != Placeholder.compiled_name:
+                return found
+    return Placeholder.compiled_name
+
+
+def _placeholders(out: object, name: str) -> object:
+    """A view's results as placeholders of the same parameter."""
+    if isinstance(out, torch.Tensor):
+        view = out.as_subclass(Placeholder)
+        view.compiled_name = name
+        return view
+    if isinstance(out, (list, tuple)):
+        return type(out)(_placeholders(o, name) for o in out)
+    return out
 
 
 _MOVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the user's parameter -> its canonical name

@@ -13,6 +13,7 @@ parameters at a time.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from fbmt.compiler.layout import FlatGroup, Layout, copy_into_shard
 from fbmt.compiler.owners import Placeholder
 
 InitFn = Callable[[nn.Module], None]
+log = logging.getLogger("fbmt")
 
 
 def build_shards(
@@ -61,6 +63,66 @@ def build_shards(
     return shards
 
 
+# NOTE: [Ranks' weights]
+# Every rank builds its shards from its own copy of the model, so a model whose copies differ (the
+# pretrained weights loaded on rank 0 only, as DDP users do because DDP broadcasts rank 0's at its
+# start; ranks seeded apart) would train a mix of them, every rank holding a slice of its own. So
+# before the shards are built, each rank digests each parameter (a float64 sum and a position-weighted
+# sum, on the parameter's device: one pass over the weights, which compile reads anyway) and the ranks
+# compare the digests (one small all-gather). Where they differ, `weights="rank0"` (the default) gives
+# every rank rank 0's values of those parameters (a broadcast of them alone) and logs which they were;
+# `weights="check"` raises on every rank, naming the first. A model built on `meta` is materialized
+# from one seed on every rank (NOTE: [Materializing shard by shard]) and is not compared.
+def _digest(t: torch.Tensor) -> tuple[float, float]:
+    x = t.detach().reshape(-1)
+    x = torch.nan_to_num(x.double() if (x.is_floating_point() or x.is_complex()) else x.to(torch.float64), nan=1.5e300)
+    weights = torch.arange(x.numel(), device=x.device, dtype=torch.float64).remainder_(251).add_(1)
+    return float(x.sum()), float((x * weights).sum())
+
+
+def _same(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Digests of the same values (summed in another order, a CPU's thread count may change it)."""
+    return all(abs(x - y) <= 1e-12 * max(abs(x), abs(y), 1.0) for x, y in zip(a, b))
+
+
+def agree_on_weights(module: nn.Module, layout: Layout, policy: str) -> None:
+    """Make every rank's parameters rank 0's where they differ, or raise (`policy`: NOTE: [Ranks' weights])."""
+    params = dict(module.named_parameters())
+    names = [s.name for g in layout.groups for s in g.slots if not params[s.name].is_meta]
+    if not names or not dist.is_initialized():
+        return
+    mine = [_digest(params[n]) for n in names]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = [n for i, n in enumerate(names) if any(not _same(d[i], every[0][i]) for d in every)]
+    if not differ:
+        return
+    ranks = [r for r, d in enumerate(every) if not all(_same(x, y) for x, y in zip(d, every[0]))]
+    if policy == "check":
+        raise ValueError(
+            f"fbmt.compile(weights='check'): rank(s) {ranks} hold other values than rank 0 for {len(differ)} "
+            f"parameter(s), the first '{differ[0]}' (pretrained weights loaded on some ranks only, or ranks "
+            "seeded apart); load the same weights on every rank, or compile with weights='rank0' (the "
+            "default) to take rank 0's, as DDP does"
+        )
+    log.warning(
+        "fbmt.compile: rank(s) %s held other values than rank 0 for %d parameter(s) (%s%s); every rank "
+        "takes rank 0's, as DDP's start-up broadcast does (weights='check' makes this an error)",
+        ranks,
+        len(differ),
+        ", ".join(differ[:3]),
+        ", ..." if len(differ) > 3 else "",
+    )
+    nccl = dist.get_backend() == "nccl"
+    with torch.no_grad():
+        for n in differ:
+            p = params[n]
+            on = p.detach().cuda() if nccl and not p.is_cuda else p.detach()
+            dist.broadcast(on, src=0)
+            if on is not p:
+                p.copy_(on)
+
+
 def gather_group(shard: torch.Tensor, group: FlatGroup) -> torch.Tensor:
     """The whole flat buffer of a group (a blocking all-gather)."""
     return torch_impl.wait(torch_impl.all_gather(shard.detach(), group.world_size))
@@ -87,7 +149,7 @@ def _swap(p: torch.Tensor, new: nn.Parameter, refs: dict, name: str) -> None:
 
 def _to_meta(p: torch.Tensor, refs: dict, name: str) -> None:
     if not p.is_meta:
-        _swap(p, Placeholder(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad), refs, name)
+        _swap(p, Placeholder(torch.empty_like(p, device="meta"), p.requires_grad, name), refs, name)
 
 
 def _shared_seed() -> int:

@@ -1,0 +1,93 @@
+"""Users' habits around a compiled model (issue 34): each gives the right result, or an error that says
+what happened and what to do, never a silently wrong model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fbmt
+from tests.dist import run_ranks
+from tests.models.reference import MLP
+
+
+def _loaded_on_rank0_only(rank: int, world: int, weights: str) -> object:
+    torch.manual_seed(0)
+    pretrained = MLP()
+    torch.manual_seed(100 + rank)  # each rank's own random initialization
+    model = MLP()
+    if rank == 0:  # what DDP users do: DDP's start-up broadcast gives every rank rank 0's weights
+        model.load_state_dict(pretrained.state_dict())
+    try:
+        compiled = fbmt.compile(model, weights=weights)
+    except ValueError as e:
+        return str(e)
+    full = compiled.full_parameters()
+    return {name: torch.equal(full[name], p) for name, p in pretrained.named_parameters()}
+
+
+def test_weights_loaded_on_rank_0_only_are_every_ranks_as_ddp_makes_them():
+    """NOTE: [Ranks' weights]: every rank takes rank 0's values where the ranks' differ."""
+    for same in run_ranks(2, _loaded_on_rank0_only, "rank0"):
+        assert all(same.values()), same
+
+
+def test_ranks_whose_weights_differ_are_an_error_that_names_the_parameter_on_request():
+    for message in run_ranks(2, _loaded_on_rank0_only, "check"):
+        assert isinstance(message, str) and "rank(s) [1]" in message and "'fc1.weight'" in message, message
+
+
+def test_a_bad_weights_option_is_named():
+    with pytest.raises(ValueError, match="weights='all'"):
+        fbmt.compile(MLP(), weights="all")
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda m: m.fc3.weight.zero_(),  # through the module's attributes (the compiled model forwards them)
+        lambda m: torch.nn.init.zeros_(m.fc3.weight),
+        lambda m: m.fc3.weight.data.normal_(),  # what an _init_weights does
+        lambda m: m.fc3.weight.copy_(torch.zeros(12, 24)),
+        lambda m: m.fc3.weight[0].fill_(0.0),
+        lambda m: m.fc3.reset_parameters(),
+        lambda m: m.fc3.load_state_dict({"weight": torch.zeros(12, 24), "bias": torch.zeros(12)}),
+    ],
+    ids=["zero_", "nn.init", "data", "copy_", "slice", "reset_parameters", "load_state_dict"],
+)
+def test_a_write_to_a_compiled_models_parameter_is_refused_by_name_and_nothing_is_lost(write):
+    """NOTE: [Placeholders refuse values]: the module compile took over holds placeholders; a write to
+    one would be lost (the values live in the shards), so it raises at once, naming the parameter."""
+    torch.manual_seed(0)
+    model = fbmt.compile(MLP())
+    before = model.state_dict()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"fc3\.weight.*compiled\.load_state_dict"):
+        write(model)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    x = torch.randn(2, 12)
+    model.load_state_dict({"fc3.weight": torch.zeros(12, 24)}, strict=False)  # the way that reaches the shards
+    torch.testing.assert_close(model(x), model.state_dict()["fc3.bias"].expand(2, 12))
+
+
+def test_reading_a_compiled_models_parameter_is_refused_by_name_and_its_shape_is_there():
+    model = fbmt.compile(MLP())
+    weight = model.fc1.weight
+    assert weight.shape == (48, 12) and weight.dtype == torch.float32 and weight.numel() == 576
+    with pytest.raises(RuntimeError, match=r"'fc1\.weight'.*`norm` on it would compute with no values"):
+        weight.norm()
+
+
+def test_a_write_to_a_compiled_models_buffer_reaches_the_program():
+    """Buffers are not sharded: the program reads the module's own at every call, so a write counts."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)).eval()
+    model = fbmt.compile(copy.deepcopy(ref)).eval()
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        for m in (ref, model.compiled_from):
+            m[1].running_mean.fill_(0.5)
+            m[1].running_var.mul_(4.0)
+        torch.testing.assert_close(model(x), ref(x))
