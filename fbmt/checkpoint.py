@@ -175,6 +175,7 @@ def save(
                 step=int(step),
                 world_size=world,
                 per_element=per_element,  # optimizer states with one value per parameter element
+                optimizer=type(optimizer).__name__ if optimizer is not None else None,
                 fbmt=_version(),
                 saved=time.strftime("%Y-%m-%d %H:%M:%S"),
             ),
@@ -271,12 +272,15 @@ def load(
     model: CompiledModule,
     optimizer: torch.optim.Optimizer | None = None,
     state: dict[str, Any] | None = None,
+    strict: bool = True,
 ) -> Resumed | None:
     """Restore a checkpoint `save` wrote (a collective: every rank calls it with the same arguments).
 
     `path`: a checkpoint (`.../step-00000100`), or a folder of them, whose newest complete one is
     loaded; None when the folder holds none (a fresh start). The checkpoint may come from any number
-    of ranks; the RNG states are restored only from the same number."""
+    of ranks; the RNG states are restored only from the same number. `strict`, as torch's
+    `load_state_dict`: the checkpoint's model tensors and the model's must be the same names (False:
+    load those both have); a tensor of another shape is always an error, naming it."""
     _require_compiled(model, "load")
     wait_for_pending()
     chosen = _on_rank0(lambda: _resolve(path), "")
@@ -286,11 +290,18 @@ def load(
     rank, world = job.rank(), job.world_size()
     reader = dcp.FileSystemReader(chosen)
     saved = reader.read_metadata().state_dict_metadata
-    sd: dict[str, Any] = {"model": _model_pieces(model)}
+    sd: dict[str, Any] = {"model": _model_destination(model, saved, chosen, strict)}
     restore_optim = None
     if optimizer is not None:
         if not any(k.startswith("optim.") for k in saved):
             raise CheckpointError(f"fbmt.checkpoint.load: {chosen!r} holds no optimizer state; pass optimizer=None")
+        kind = marker.get("optimizer")
+        if kind is not None and kind != type(optimizer).__name__:
+            raise CheckpointError(
+                f"fbmt.checkpoint.load: {chosen!r} holds the state of a {kind}, and this optimizer is a "
+                f"{type(optimizer).__name__}: build the optimizer the saved run built, or load the model "
+                "alone (optimizer=None) and start the optimizer afresh"
+            )
         sd["optim"], restore_optim = _optimizer_destination(model, optimizer, saved, marker.get("per_element", []))
     same_world = marker["world_size"] == world
     if same_world:
@@ -476,6 +487,38 @@ def _model_pieces(model: CompiledModule, copy: bool = False) -> dict[str, Any]:
     return out
 
 
+def _model_destination(model: CompiledModule, saved: dict[str, Any], chosen: str, strict: bool) -> dict[str, Any]:
+    """What DCP loads the model into: the model's pieces, checked against the checkpoint's tensors first
+    (names, and shapes), so that a checkpoint of another model is refused by its first difference."""
+    mine = _model_pieces(model)
+    theirs = {k[len("model.") :]: md for k, md in saved.items() if k.startswith("model.")}
+    shapes = {k: tuple(v.shape) for k, v in model.compiled_from.state_dict(keep_vars=True).items()}
+    for k, shape in shapes.items():
+        md = theirs.get(k)
+        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != shape:
+            raise CheckpointError(
+                f"fbmt.checkpoint.load: {chosen!r} holds '{k}' of shape {tuple(md.size)}, and this "
+                f"{type(model.compiled_from).__name__} has it of shape {shape}: is it a checkpoint of this model "
+                "(the same sizes: layers, width, heads, vocabulary)?"
+            )
+    extra = [k for k in theirs if k not in shapes]
+    missing = [k for k in shapes if k not in theirs]
+    if strict and (extra or missing):
+        said = []
+        if extra:
+            k = extra[0]
+            size = tuple(theirs[k].size) if isinstance(theirs[k], TensorStorageMetadata) else "a value"
+            said.append(f"it holds {len(extra)} tensor(s) this model lacks, the first '{k}' {size}")
+        if missing:
+            said.append(f"it lacks {len(missing)} the model has, the first '{missing[0]}' {shapes[missing[0]]}")
+        raise CheckpointError(
+            f"fbmt.checkpoint.load: {chosen!r} does not fit this {type(model.compiled_from).__name__}: "
+            f"{'; '.join(said)}. Load a checkpoint of this model (the same layers and names), or pass "
+            "strict=False to load the tensors both have"
+        )
+    return {k: v for k, v in mine.items() if k in theirs}
+
+
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
@@ -573,9 +616,14 @@ def _optimizer_destination(
         for saved_g, g in zip(groups, mine):
             want = [part.slot.name for i in g["params"] for part in owners[i]]
             if sorted(saved_g["params"]) != sorted(want):
+                only_saved = sorted(set(saved_g["params"]) - set(want))
+                only_mine = sorted(set(want) - set(saved_g["params"]))
+                said = [f"'{only_saved[0]}' only in the checkpoint's"] if only_saved else []
+                said += [f"'{only_mine[0]}' only in this optimizer's"] if only_mine else []
                 raise CheckpointError(
-                    "fbmt.checkpoint.load: the optimizer's parameter groups hold other parameters than the "
-                    f"checkpoint's (first group: {want[:3]}..., saved: {saved_g['params'][:3]}...)"
+                    f"fbmt.checkpoint.load: the optimizer's parameter group {len(torch_groups)} holds other "
+                    f"parameters than the checkpoint's ({', '.join(said) or 'the same names, in other groups'}); "
+                    "build the optimizer's parameter groups as the saved run did"
                 )
             torch_groups.append({**{k: v for k, v in saved_g.items() if k != "params"}, "params": g["params"]})
         optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups, **(loaded.get("extra") or {})})

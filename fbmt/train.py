@@ -148,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1:
         p.error(f"--steps {args.steps}: at least one step is needed")
     if args.d_model % args.heads:
-        p.error(f"--d-model {args.d_model} does not divide into --heads {args.heads}")
+        p.error(f"--heads {args.heads} does not divide --d-model {args.d_model}: pick heads that divide the width")
     if min(args.batch_size, args.seq_len, args.layers) < 1 or args.save_every < 0 or args.keep < 1:
         p.error("--batch-size, --seq-len, --layers and --keep must be at least 1, --save-every at least 0")
     args.export = args.export or os.path.join(args.checkpoints, "model.pt")
@@ -323,6 +323,13 @@ def main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _nothing_at(where: str, what: str, args: argparse.Namespace) -> str:
+    return (
+        f"fbmt.train: --resume {where} {what}; nothing was trained or overwritten. Pass a checkpoint (a "
+        f"step-NNNNNNNN folder) or a folder of them, or --resume auto to continue from {args.checkpoints}"
+    )
+
+
 def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, log) -> int:
     """The step the run continues after (0: a fresh start), having loaded the checkpoint if any."""
     if args.resume == "no":
@@ -334,7 +341,12 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Op
             )
         return 0
     where = args.checkpoints if args.resume == "auto" else args.resume
+    given = args.resume != "auto"  # a path given on purpose that holds nothing is a mistake (a typo), not a fresh start
+    if given and not os.path.exists(where):
+        raise SystemExit(_nothing_at(where, "does not exist", args))
     resumed = fbmt.checkpoint.load(where, model=model, optimizer=opt)
+    if resumed is None and given:
+        raise SystemExit(_nothing_at(where, "holds no complete checkpoint", args))
     if resumed is None:
         return 0
     log(f"fbmt.train: resumed from {resumed.path} (step {resumed.step} of {args.steps})", flush=True)

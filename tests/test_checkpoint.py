@@ -248,7 +248,7 @@ def test_loading_another_models_checkpoint_says_so(tmp_path):
     model, opt, _ = _fresh()
     fbmt.checkpoint.save(str(tmp_path), 1, model=model)
     other = fbmt.compile(MLP())
-    with pytest.raises(fbmt.checkpoint.CheckpointError, match=r"cannot load .* into this MLP.*same parameter names"):
+    with pytest.raises(fbmt.checkpoint.CheckpointError, match=r"does not fit this MLP: it holds .* the first '"):
         fbmt.checkpoint.load(str(tmp_path), model=other)
 
 
@@ -283,3 +283,33 @@ def test_a_background_save_holds_the_state_at_the_call_while_training_goes_on(tm
     from tests.dist import run_ranks
 
     run_ranks(2, _async_save, str(tmp_path / "ck"))
+
+
+def test_a_checkpoint_with_more_layers_is_refused_by_its_first_extra_tensor(tmp_path):
+    """A checkpoint of 4 layers loaded into 2 was accepted (model alone), the extra layers dropped;
+    with the optimizer the error named the same names on both sides. strict=False loads what both hold."""
+    import fbmt
+    from tests.models.reference import gpt
+
+    torch.manual_seed(0)
+    bigger = fbmt.compile(gpt(n_layer=4))
+    fbmt.checkpoint.save(str(tmp_path), 1, model=bigger, optimizer=torch.optim.SGD(bigger.parameters(), lr=0.1))
+    smaller = fbmt.compile(gpt(n_layer=2))
+    for opt in (None, torch.optim.SGD(smaller.parameters(), lr=0.1)):
+        with pytest.raises(fbmt.checkpoint.CheckpointError, match=r"this model lacks, the first 'h\.2\..*strict=False"):
+            fbmt.checkpoint.load(str(tmp_path), model=smaller, optimizer=opt)
+    fbmt.checkpoint.load(str(tmp_path), model=smaller, strict=False)
+    full, want = smaller.state_dict(), bigger.state_dict()
+    assert all(torch.equal(full[k], want[k]) for k in full)
+
+
+def test_another_kind_of_optimizers_state_is_named_as_such(tmp_path):
+    import fbmt
+
+    model, opt, _ = _fresh()
+    model(torch.randint(0, 64, (2, 16)))[0].sum().backward()
+    opt.step()
+    fbmt.checkpoint.save(str(tmp_path), 1, model=model, optimizer=opt)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(fbmt.checkpoint.CheckpointError, match=r"the state of a AdamW, and this optimizer is a SGD"):
+        fbmt.checkpoint.load(str(tmp_path), model=model, optimizer=other)

@@ -1,6 +1,7 @@
 """The main job end to end: `python -m fbmt.train` launches ranks, trains, checkpoints, exports a usable model."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -43,12 +44,24 @@ def test_main_job_trains_checkpoints_and_exports_a_plain_model(tmp_path):
     model.load_state_dict(ck["model"])  # a plain nn.Module loads it: full tensors, original keys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "model.pt", "step-00000030"]
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 31  # a header and a row per step
+    # a --resume that names nothing (a typo) is an error, and the earlier run's checkpoint stays as it was;
+    # so does a model of other sizes than the checkpoint's, named by its first differing tensor
+    before = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "step-00000030").iterdir()}
+    for extra, says in [
+        (["--resume", str(tmp_path / "step-00000300")], "does not exist; nothing was trained or overwritten"),
+        (["--resume", str(tmp_path.parent)], "holds no complete checkpoint; nothing was trained"),
+        (["--layers", "3", "--steps", "40"], r"does not fit this GPT: it lacks \d+ the model has, the first 'h\.2\."),
+    ]:
+        bad = [*cmd[:3], "--ranks", "1", *cmd[5:], *extra]
+        run = subprocess.run(bad, capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and re.search(says, run.stdout + run.stderr), (extra, run.stderr[-2000:])
+    assert before == {f.name: f.stat().st_mtime_ns for f in (tmp_path / "step-00000030").iterdir()}
 
 
 def test_main_job_options_that_cannot_work_are_refused_before_anything_starts():
     for bad, says in [
         (["--ranks", "0"], "at least one rank"),
-        (["--heads", "3"], "does not divide into --heads 3"),
+        (["--heads", "3"], "--heads 3 does not divide --d-model 128"),
         (["--steps", "0"], "at least one step"),
         (["--schedule", "fastest"], "no strategy 'fastest'; the registered ones are ['bmtrain', 'bucket', 'fsdp2'"),
         (["--schedule", "greedy:memory=1"], "unknown option(s) ['memory']; its options are: memory_bound=None"),

@@ -78,8 +78,9 @@ class Placeholder(nn.Parameter):
             if name in _VIEWS:
                 out = func(*args, **kwargs)
                 return _placeholders(out, _named(args))
+        named = _named([*args, *kwargs.values()])
         raise RuntimeError(
-            f"fbmt: parameter '{_named([*args, *kwargs.values()])}' belongs to a module fbmt.compile took over: it is a placeholder, and "
+            f"fbmt: parameter '{named}' belongs to a module fbmt.compile took over: it is a placeholder, and "
             f"its values live in the compiled model's flat shards, so `{name}` on it would "
             f"{'change nothing' if name.endswith('_') or 'out' in kwargs else 'compute with no values'}. Read "
             "the values with compiled.state_dict() and write them with compiled.load_state_dict({name: tensor}, "
