@@ -19,6 +19,18 @@ dimension), so a range becomes up to 2·ndim−1 boxes (a partial row, whole row
 dimension down at a time), each a view into the shard. DCP plans with `__create_write_items__` /
 `__create_chunk_list__` of `_Pieces`, and the planners below look the views up.
 
+NOTE: [Checkpoints that cannot be silently wrong]
+- A job holds a lock on the folder it saves into (`.lock`, an fcntl lock rank 0 takes at its first save
+  and keeps until the process ends, released by the OS if it dies): a second job given the same folder
+  (a second launch, a typo) is refused at its first save instead of writing over the first job's.
+- Each rank records a CRC-32 of every file it wrote (DCP's `__<rank>_*.distcp`; rank 0 also `.metadata`),
+  and the marker lists them. `load` verifies them first, the ranks sharing the files; a checkpoint whose
+  file is missing, truncated or changed is damaged: asked for by name, that is an error naming the
+  file; found as the newest in a folder, the next older complete one is loaded instead, and the log
+  says so. A folder whose checkpoints are all damaged is an error, never a fresh start.
+- A background save that fails and is never waited for is reported when the process exits, which
+  then exits with 1.
+
 What else a checkpoint holds: buffers (replicated), every rank's RNG states (torch, CUDA, Python,
 NumPy; restored when the number of ranks is the same, so a resumed run draws the same dropout masks),
 and `state`: objects with `state_dict()`/`load_state_dict()` (an lr scheduler, a data sampler),
@@ -27,15 +39,20 @@ loaded in place, or plain values, returned in `Resumed.state` (rank 0's are save
 
 from __future__ import annotations
 
+import atexit
 import copy as copy_module
+import fcntl
 import logging
 import math
 import os
 import random
 import re
 import shutil
+import socket
+import sys
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +88,9 @@ __all__ = [
 log = logging.getLogger("fbmt")
 
 MARKER = "fbmt.json"
+LOCK = ".lock"
 _NAME = re.compile(r"^step-(\d+)$")
+_locks: dict[str, int] = {}  # folder -> the file descriptor holding this process's lock on it
 
 
 class CheckpointError(RuntimeError):
@@ -141,6 +160,7 @@ def save(
 
     def prepare() -> None:
         os.makedirs(folder, exist_ok=True)
+        _hold_lock(folder)
         for stale in os.listdir(folder):  # what a save killed midway left behind
             if stale.endswith(".partial"):
                 shutil.rmtree(os.path.join(folder, stale), ignore_errors=True)
@@ -168,11 +188,13 @@ def save(
                 f"under {folder!r} are intact. Check free space and permissions of the folder"
             ) from e
 
-    def finish() -> None:
+    def finish(sums: dict[str, str]) -> None:
         _check_every_file_is_here(partial)
+        sums = {**sums, **_checksums(partial, [".metadata"])}  # DCP's coordinator wrote it last
         write_json_atomic(
             dict(
                 step=int(step),
+                checksums=sums,  # CRC-32 of every file (NOTE: [Checkpoints that cannot be silently wrong])
                 world_size=world,
                 per_element=per_element,  # optimizer states with one value per parameter element
                 optimizer=type(optimizer).__name__ if optimizer is not None else None,
@@ -199,8 +221,9 @@ def save(
 
         def background() -> None:
             write(group)  # returns on every rank only once every rank's files are written
+            sums = _gather_checksums(partial, rank, group)
             if rank == 0:
-                finish()
+                finish(sums)
 
         _pending.append(PendingSave(final, background))
         return _pending[-1]
@@ -209,7 +232,8 @@ def save(
     finally:
         if world > 1:
             dist.barrier()  # rank 0 removed the partial folder before anyone goes on
-    _on_rank0(finish, f"cannot complete checkpoint {final!r}")
+    sums = _gather_checksums(partial, rank, None)
+    _on_rank0(lambda: finish(sums), f"cannot complete checkpoint {final!r}")
     return final
 
 
@@ -248,6 +272,19 @@ _pending: list[PendingSave] = []
 _group: list[Any] = []
 
 
+@atexit.register
+def _report_failed_saves_at_exit() -> None:
+    """A `save(blocking=False)` whose write failed and that nobody waited for would be lost without a
+    word, and the process exit 0. Python joins the writing thread before it runs this; a failure is
+    then said on this rank's stderr, and the process exits with 1."""
+    failed = [p for p in _pending if p.done() and p._error is not None]
+    for p in failed:
+        print(f"fbmt.checkpoint: a background save was never waited for, and failed: {p._error}", file=sys.stderr)
+    if failed:
+        sys.stdout.flush()
+        os._exit(1)
+
+
 def wait_for_pending() -> None:
     """Wait for a `save(blocking=False)` still writing (raises its error, if it failed)."""
     while _pending:
@@ -283,9 +320,27 @@ def load(
     load those both have); a tensor of another shape is always an error, naming it."""
     _require_compiled(model, "load")
     wait_for_pending()
-    chosen = _on_rank0(lambda: _resolve(path), "")
-    if chosen is None:
+    candidates = _on_rank0(lambda: _resolve(path), "")  # newest first
+    if not candidates:
         return None
+    chosen, damaged = None, []
+    for candidate in candidates:
+        problem = _verify(candidate)
+        if problem is None:
+            chosen = candidate
+            break
+        if len(candidates) == 1 and candidate == os.path.normpath(path):
+            raise CheckpointError(f"fbmt.checkpoint.load: {candidate!r} is damaged: {problem}")
+        damaged.append(f"{candidate}: {problem}")
+        if job.rank() == 0:
+            log.warning("fbmt: %s is damaged (%s); trying the one before it", candidate, problem)
+    if chosen is None:
+        raise CheckpointError(
+            f"fbmt.checkpoint.load: every complete checkpoint under {path!r} is damaged ({'; '.join(damaged)}); "
+            "nothing was loaded. Restore the files, or start afresh in another folder"
+        )
+    if damaged and job.rank() == 0:
+        log.warning("fbmt: loading %s, the newest checkpoint under %s that verifies", chosen, path)
     marker = _on_rank0(lambda: _read_marker(chosen), "")
     rank, world = job.rank(), job.world_size()
     reader = dcp.FileSystemReader(chosen)
@@ -339,9 +394,10 @@ def load(
     return Resumed(step=marker["step"], path=chosen, world_size=marker["world_size"], state=values)
 
 
-def _resolve(path: str) -> str | None:
+def _resolve(path: str) -> list[str]:
+    """The checkpoints `load(path)` may load, newest first: `path` itself, or the complete ones under it."""
     if os.path.isfile(os.path.join(path, MARKER)):
-        return path
+        return [os.path.normpath(path)]
     if _NAME.match(os.path.basename(os.path.normpath(path))):
         raise CheckpointError(
             f"fbmt.checkpoint.load: {path!r} is incomplete (it has no {MARKER}: its save did not finish) "
@@ -352,14 +408,86 @@ def _resolve(path: str) -> str | None:
             f"fbmt.checkpoint.load: {path!r} is a file; fbmt.checkpoint reads the folders fbmt.checkpoint.save "
             "writes (for a single torch.save file, use model.load_state_dict(torch.load(path)) or fbmt.load)"
         )
-    found = latest(path)
-    if found is None and os.path.isdir(path):
+    found = [p for _, p in reversed(checkpoints(path))]
+    if not found and os.path.isdir(path):
         incomplete = sorted(n for n in os.listdir(path) if _NAME.match(n))
         if incomplete:
             log.warning(
                 "fbmt: %s holds only incomplete checkpoints %s (no %s): starting afresh", path, incomplete, MARKER
             )
     return found
+
+
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _checksums(folder: str, names: list[str]) -> dict[str, str]:
+    return {n: _crc32(os.path.join(folder, n)) for n in names if os.path.isfile(os.path.join(folder, n))}
+
+
+def _gather_checksums(folder: str, rank: int, group: Any) -> dict[str, str]:
+    """Every rank's CRC-32s of the data files it wrote (`__<rank>_*`), on rank 0 (a collective)."""
+    mine = _checksums(folder, sorted(n for n in os.listdir(folder) if n.startswith(f"__{rank}_")))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=group)
+    return {k: v for sums in every for k, v in sums.items()}
+
+
+def _verify(path: str) -> str | None:
+    """What is wrong with checkpoint `path`'s files, or None (a collective: the ranks share the files)."""
+    rank, world = job.rank(), job.world_size()
+    problem = None
+    try:
+        sums = _read_marker(path).get("checksums")
+        if sums is None:  # written before fbmt kept checksums: DCP's metadata must read at least
+            dcp.FileSystemReader(path).read_metadata()
+        else:
+            for i, (name, want) in enumerate(sorted(sums.items())):
+                if i % world != rank:
+                    continue
+                full = os.path.join(path, name)
+                if not os.path.isfile(full):
+                    problem = f"{name} is missing"
+                    break
+                if _crc32(full) != want:
+                    problem = f"{name} is not the file that was saved (its checksum differs: truncated or changed)"
+                    break
+    except Exception as e:  # an unreadable marker or metadata
+        problem = _first_line(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, problem)
+        problem = next((p for p in every if p is not None), None)
+    return problem
+
+
+def _hold_lock(folder: str) -> None:
+    """Take this process's lock on `folder` (once; NOTE: [Checkpoints that cannot be silently wrong]), or
+    raise naming the job that holds it."""
+    key = os.path.abspath(folder)
+    if key in _locks:
+        return
+    fd = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 256).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise CheckpointError(
+            f"fbmt.checkpoint.save: another job is saving checkpoints into {folder!r} ({holder} holds its "
+            f"{LOCK}); two jobs writing one folder would write over each other's checkpoints. Give this job "
+            "another folder, or stop the other one"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    _locks[key] = fd
 
 
 def _read_marker(path: str) -> dict[str, Any]:

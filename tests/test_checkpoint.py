@@ -222,7 +222,7 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_last_ch
     folder = str(tmp_path / "ck")
     for message, files, latest in run_ranks(2, _fail_on_rank1, folder):
         assert "writing" in message and "step-00000002" in message and "intact" in message, message
-        assert files == ["step-00000001"] and latest.endswith("step-00000001")
+        assert files == [".lock", "step-00000001"] and latest.endswith("step-00000001")  # the job's lock stays
 
 
 def test_an_incomplete_checkpoint_is_never_loaded_and_keep_prunes_old_ones(tmp_path):
@@ -313,3 +313,37 @@ def test_another_kind_of_optimizers_state_is_named_as_such(tmp_path):
     other = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(fbmt.checkpoint.CheckpointError, match=r"the state of a AdamW, and this optimizer is a SGD"):
         fbmt.checkpoint.load(str(tmp_path), model=model, optimizer=other)
+
+
+_FAILING_BACKGROUND_SAVE = """
+import sys, torch, fbmt
+import torch.distributed.checkpoint as dcp
+from tests.models.reference import MLP
+
+def full_disk(self, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+dcp.FileSystemWriter.write_data = full_disk
+fbmt.checkpoint.save(sys.argv[1], 1, model=fbmt.compile(MLP()), blocking=False)
+print("the script ends without waiting for the save")
+"""
+
+
+def test_a_background_save_that_fails_unwaited_is_reported_at_exit(tmp_path):
+    """save(blocking=False) to a full disk, then the script exits without wait(): it exited 0 with no
+    message and no checkpoint; now the failure is said and the exit code is 1."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-c", _FAILING_BACKGROUND_SAVE, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "a background save was never waited for, and failed" in run.stderr and "No space left" in run.stderr
+    assert "the script ends" in run.stdout and not [n for n in os.listdir(tmp_path / "ck") if n.startswith("step-")]

@@ -42,7 +42,7 @@ def test_main_job_trains_checkpoints_and_exports_a_plain_model(tmp_path):
     ck = torch.load(tmp_path / "model.pt", weights_only=False)
     model = GPT(GPTConfig(**ck["config"]))
     model.load_state_dict(ck["model"])  # a plain nn.Module loads it: full tensors, original keys
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "model.pt", "step-00000030"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.csv", "model.pt", "step-00000030"]
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 31  # a header and a row per step
     # a --resume that names nothing (a typo) is an error, and the earlier run's checkpoint stays as it was;
     # so does a model of other sizes than the checkpoint's, named by its first differing tensor
