@@ -28,6 +28,9 @@ def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: t
         MASTER_PORT=str(port),
         FBMT_INIT_TIMEOUT="60",
     )
+    # A rank left waiting in a collective (ranks that run different programs, a stalled peer) fails the
+    # test in under a minute, not after the default 10; a test that waits on purpose sets its own.
+    os.environ.setdefault("FBMT_TIMEOUT", "45")
     torch.set_num_threads(1)
     import torch.distributed as dist
 

@@ -82,6 +82,27 @@ def test_replay_refuses_a_program_it_was_not_taken_from():
         _program(world_size=2, schedule=sched)
 
 
+def test_replay_refuses_a_program_of_the_same_size_that_computes_otherwise():
+    """Another program with as many nodes and the same collectives (tanh for relu): only the compute
+    digest tells them apart, so a check of the node count alone would replay it."""
+    import torch.nn as nn
+
+    from tests.models.reference import MLP
+
+    def mlp(act: nn.Module) -> nn.Module:
+        torch.manual_seed(0)
+        model = MLP()
+        model.act = act
+        return model
+
+    x = torch.randn(4, 12)
+    saved = fbmt.compile(mlp(nn.ReLU()), world_size=2).trace(x)
+    other = fbmt.compile(mlp(nn.Tanh()), world_size=2).trace(x)
+    assert len(saved.graph.nodes) == len(other.graph.nodes)
+    with pytest.raises(ValueError, match="the program's compute differs from the one the schedule was taken from"):
+        fbmt.compile(mlp(nn.Tanh()), world_size=2, schedule=saved.schedule()).trace(x)
+
+
 def test_a_file_that_is_no_schedule_is_refused(tmp_path):
     path = tmp_path / "x.json"
     path.write_text('{"a": 1}')

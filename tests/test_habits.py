@@ -91,3 +91,32 @@ def test_a_write_to_a_compiled_models_buffer_reaches_the_program():
             m[1].running_mean.fill_(0.5)
             m[1].running_var.mul_(4.0)
         torch.testing.assert_close(model(x), ref(x))
+
+
+def test_hugging_faces_checkpointing_and_resizing_say_what_to_do_instead():
+    """gradient_checkpointing_enable() before compile ended in an internal TraceError ("please report
+    it"); resize_token_embeddings after it in "Tensor.item() cannot be called on meta tensors"."""
+    from tests.models.hf import build
+
+    model = build("llama")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(
+        ValueError, match=r"gradient checkpointing on .* remat='block' .*gradient_checkpointing_disable"
+    ):
+        fbmt.compile(model)
+    model.gradient_checkpointing_disable()
+    compiled = fbmt.compile(model)
+    with pytest.raises(RuntimeError, match=r"gradient_checkpointing_enable\(\) on a compiled model: fbmt recomputes"):
+        compiled.gradient_checkpointing_enable()  # what Trainer(gradient_checkpointing=True) calls
+    with pytest.raises(RuntimeError, match=r"resize_token_embeddings\(\) on a compiled model: .* before fbmt.compile"):
+        compiled.resize_token_embeddings(128)
+
+
+def test_casting_a_compiled_model_says_how_to_compute_in_that_dtype():
+    """model.to(torch.bfloat16) after compile failed later with "expected m1 and m2 to have the same dtype"."""
+    model = fbmt.compile(MLP())
+    for cast in (lambda: model.to(torch.bfloat16), lambda: model.half(), lambda: model.to("cpu", torch.float16)):
+        with pytest.raises(TypeError, match=r"param_dtype=torch\.(bfloat16|float16)"):
+            cast()
+    assert model.to(torch.float32) is model and model.float() is model  # their own dtype: nothing to do
+    model(torch.randn(2, 12))

@@ -281,6 +281,41 @@ class CompiledModule(nn.Module):
         return self._graphed[1].capture_seconds if self._graphed is not None else 0.0
 
     # ---- module protocol ----
+    def to(self, *args: Any, **kwargs: Any) -> CompiledModule:
+        """Move the shards to a device; a dtype other than the shards' is refused (`_keep_dtype`)."""
+        _, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            self._keep_dtype(dtype, "to")
+        return super().to(*args, **kwargs)
+
+    def half(self) -> CompiledModule:
+        self._keep_dtype(torch.float16, "half")
+        return self
+
+    def bfloat16(self) -> CompiledModule:
+        self._keep_dtype(torch.bfloat16, "bfloat16")
+        return self
+
+    def float(self) -> CompiledModule:
+        self._keep_dtype(torch.float32, "float")
+        return self
+
+    def double(self) -> CompiledModule:
+        self._keep_dtype(torch.float64, "double")
+        return self
+
+    def _keep_dtype(self, dtype: torch.dtype, call: str) -> None:
+        """The shards' dtypes are the layout's, which every program was traced with: casting them after
+        compile would make each call fail in a product of mismatched dtypes."""
+        stored = {g.dtype for g in self.layout.groups if g.dtype.is_floating_point}
+        if stored - {dtype}:
+            raise TypeError(
+                f"fbmt: model.{call}(...) would cast a compiled model's flat shards ({sorted(map(str, stored))}) to "
+                f"{dtype}; the programs were compiled for their dtypes. To compute in {dtype} while the shards and the "
+                f"optimizer keep theirs, compile with fbmt.compile(model, param_dtype={dtype}); to store the model in "
+                f"{dtype}, cast it before compiling: fbmt.compile(model.to({dtype}))"
+            )
+
     def train(self, mode: bool = True) -> CompiledModule:
         super().train(mode)
         self._orig.train(mode)

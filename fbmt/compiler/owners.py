@@ -79,13 +79,18 @@ class Placeholder(nn.Parameter):
                 out = func(*args, **kwargs)
                 return _placeholders(out, _named(args))
         named = _named([*args, *kwargs.values()])
+        inplace = (name.endswith("_") and not name.startswith("__")) or name in _INPLACE or "out" in kwargs
+        writes = inplace and bool(args) and isinstance(args[0], Placeholder)  # the placeholder is what it writes
         raise RuntimeError(
             f"fbmt: parameter '{named}' belongs to a module fbmt.compile took over: it is a placeholder, and "
             f"its values live in the compiled model's flat shards, so `{name}` on it would "
-            f"{'change nothing' if name.endswith('_') or 'out' in kwargs else 'compute with no values'}. Read "
-            "the values with compiled.state_dict() and write them with compiled.load_state_dict({name: tensor}, "
-            "strict=False) (both collectives: call them on every rank), or change the module before compiling it"
+            f"{'change nothing' if writes else 'compute with no values'}. Read the values with "
+            "compiled.state_dict() and write them with compiled.load_state_dict({name: tensor}, strict=False) "
+            "(both collectives: call them on every rank), or change the module before compiling it"
         )
+
+
+_INPLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"})
 
 
 def _op_name(func: object) -> str:

@@ -54,6 +54,38 @@ def compiled_class(base: type, wrapped: type) -> type:
     return _classes[base, wrapped]
 
 
+# Methods of a Hugging Face model that change its parameters or how its forward runs: on the compiled
+# model they would change the module compile took over (placeholders) and leave the shards and the
+# programs as they were, so they are refused by name, with what to do instead.
+_RESTRUCTURE = "it makes new parameters, which a compiled model cannot take: call it before fbmt.compile"
+_CHECKPOINTING = (
+    "fbmt recomputes activations itself, in the program: compile with remat='block' (the default), "
+    "'selective', 'mincut' or 'auto', and leave Hugging Face's checkpointing off"
+)
+BEFORE_COMPILE = {
+    "gradient_checkpointing_enable": _CHECKPOINTING,
+    "activation_checkpointing_enable": _CHECKPOINTING,
+    "resize_token_embeddings": _RESTRUCTURE,
+    "set_input_embeddings": _RESTRUCTURE,
+    "set_output_embeddings": _RESTRUCTURE,
+    "prune_heads": _RESTRUCTURE,
+}
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse a model whose Hugging Face checkpointing is on: tracing its `torch.utils.checkpoint`
+    calls fails deep in torch, and fbmt's remat= does the same job in the program."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    if on is None and hasattr(type(model), "is_gradient_checkpointing"):  # transformers before 5
+        on = model.is_gradient_checkpointing
+    if on:
+        raise ValueError(
+            f"fbmt.compile: this {type(model).__name__} has Hugging Face's gradient checkpointing on "
+            f"(gradient_checkpointing_enable()); {_CHECKPOINTING}: call model.gradient_checkpointing_disable() "
+            "before compiling (with HF Trainer: TrainingArguments(gradient_checkpointing=False))"
+        )
+
+
 class Forwarding(CompiledModule, metaclass=_Wrapping):
     """A compiled module that answers for the module it wraps (NOTE: [The wrapped model's methods])."""
 
@@ -64,6 +96,8 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
             orig = self.__dict__.get("_orig")
             if orig is None:
                 raise
+        if name in BEFORE_COMPILE and hasattr(orig, name):
+            return _refused(type(orig).__name__, name)
         found = inspect.getattr_static(type(orig), name, None)
         if isinstance(found, (types.FunctionType, property)) and name not in vars(orig):
             return found.fget(self) if isinstance(found, property) else types.MethodType(found, self)
@@ -88,6 +122,14 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
     @_is_accelerate_prepared.setter
     def _is_accelerate_prepared(self, value: bool) -> None:
         pass  # accelerate marks what it prepared; a compiled model stays prepared
+
+
+def _refused(model: str, method: str) -> Callable:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"fbmt: {model}.{method}() on a compiled model: {BEFORE_COMPILE[method]}")
+
+    refuse.__name__ = method
+    return refuse
 
 
 def _mixed_precision(state: Any) -> str | None:

@@ -14,7 +14,7 @@ from fbmt.compiler.program import FWD
 from fbmt.tools.sim import peak_memory
 from tests.dist import run_ranks
 from tests.models.reference import Llama, batch
-from tests.passes.helpers import apply, assert_same_results, run, tangents_for, through, traced
+from tests.passes.helpers import apply, run, tangents_for, through, traced
 from tests.workers import compare, eager_reference, lm_step_matches, train_compiled
 
 aten = torch.ops.aten
@@ -47,7 +47,17 @@ def test_merging_gives_the_same_outputs_and_gradients_up_to_the_order_of_sums(re
     after, stats = apply(merge_products, before)
     assert 2 in stats.runs, stats  # q/k (and gate/up, three with v where they match)
     tangents = tangents_for(before)
-    assert_same_results(run(before, model, [idx], tangents), run(after, model, [idx], tangents), rtol=1e-5, atol=1e-6)
+    a, b = run(before, model, [idx], tangents), run(after, model, [idx], tangents)
+    # Merged products sum in another order: an element that is a sum with cancellation (a weight
+    # gradient near zero) can differ by far more than 1e-5 of itself, on a machine or thread count
+    # that orders the sums otherwise, while every element stays within 1e-5 of its tensor's largest
+    # (fp32 sums of a few hundred terms). A wrong merge (a slice off by a row) is off by the values.
+    for kind in ("outputs", "grads"):
+        assert a[kind].keys() == b[kind].keys()
+        for k in a[kind]:
+            x, y = a[kind][k], b[kind][k]
+            scale = float(y.abs().max()) if y.numel() else 0.0
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5 * scale + 1e-7, msg=lambda m: f"{kind} {k}: {m}")
 
 
 @pytest.mark.parametrize("remat", ["mincut", "block"])
