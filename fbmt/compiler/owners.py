@@ -15,7 +15,9 @@ module, parameter or shard the user drops is freed as usual.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -73,7 +75,7 @@ class Placeholder(nn.Parameter):
         kwargs = kwargs or {}
         name = _op_name(func)
         with torch._C.DisableTorchFunctionSubclass():
-            if name in _METADATA or (_is_getter(func) and name not in _VIEWS):
+            if _quiet or name in _METADATA or (_is_getter(func) and name not in _VIEWS):
                 return func(*args, **kwargs)
             if name in _VIEWS:
                 out = func(*args, **kwargs)
@@ -126,6 +128,22 @@ def _placeholders(out: object, name: str) -> object:
     if isinstance(out, (list, tuple)):
         return type(out)(_placeholders(o, name) for o in out)
     return out
+
+
+_quiet = False  # while fbmt materializes a block: an initializer's writes to other blocks do nothing
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Meanwhile, placeholders let ops run (on meta: they change and compute nothing) instead of raising:
+    initializing one block of a model built on meta may touch the others (NOTE: [Materializing shard
+    by shard])."""
+    global _quiet
+    before, _quiet = _quiet, True
+    try:
+        yield
+    finally:
+        _quiet = before
 
 
 _MOVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the user's parameter -> its canonical name

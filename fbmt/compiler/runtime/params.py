@@ -187,9 +187,14 @@ def _materialize(
                 if b is not None and b.is_meta:
                     m._buffers[k] = fresh[f"{path}.{k}" if path else k] = _unset_like(b, device)
     initialize = _initializer(module, init_fn)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    # An init_fn runs as `model.apply(init_fn)` would reach the block: on the modules that own its
+    # tensors and on their ancestors, children first, for an ancestor may set its children's tensors
+    # (a Whisper encoder its sinusoidal positions, a CLIP attention its projections' scale). Tensors of
+    # other blocks that it touches are meta or placeholders, and stay as they are (`owners_.quiet`).
+    targets = _with_ancestors(module, owners) if init_fn is not None else owners
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), owners_.quiet():
         torch.manual_seed(seed + layout.blocks.index(block))
-        for path, m in owners.items():
+        for path, m in targets.items():
             initialize(path, m)
     # An initializer that skips a tensor (a Hugging Face _init_weights that does not know a module, a
     # reset_parameters that forgets a buffer) would leave uninitialized memory: refuse instead. On the
@@ -201,6 +206,25 @@ def _materialize(
             "values (its module's reset_parameters(), or the model's _init_weights, does not set them); pass "
             "fbmt.compile(..., init_fn=fn) where fn(module) initializes what each module owns directly"
         )
+
+
+def _with_ancestors(root: nn.Module, owners: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """`owners` and every module above them, in the order `root.apply` visits them: children first."""
+    wanted = set(owners)
+    for path in owners:
+        parts = path.split(".") if path else []
+        wanted.update(".".join(parts[:i]) for i in range(len(parts)))
+    out: dict[str, nn.Module] = {}
+
+    def visit(path: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            sub = f"{path}.{name}" if path else name
+            if sub in wanted:
+                visit(sub, child)
+        out[path] = m
+
+    visit("", root)
+    return out
 
 
 def _unset_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
