@@ -87,6 +87,13 @@ TIMEOUT = Flag(
     "seconds a rank waits for the others in a collective once the job has started; a rank that stalls "
     "longer is reported by rank (init_distributed(collective_timeout=...))",
 )
+STALL_WARNING = Flag(
+    "FBMT_STALL_WARNING",
+    float,
+    30.0,
+    "seconds a rank waits at the per-call rank agreement before it names the ranks it waits for (it waits "
+    "on until FBMT_TIMEOUT)",
+)
 NARROW_WIRE: Flag[bool | None] = Flag(
     "FBMT_NARROW_WIRE",
     _bool,
@@ -133,6 +140,7 @@ FLAGS = (
     MACHINE,
     INIT_TIMEOUT,
     TIMEOUT,
+    STALL_WARNING,
     NARROW_WIRE,
     COPY_PROGRAMS,
     COPY_BLOCK,

@@ -10,7 +10,9 @@ of fbmt but `flags`. BMTrain's `bmt.distributed` (its `config`, differentiable c
 from __future__ import annotations
 
 import datetime
+import logging
 import random
+import threading
 import time
 from typing import Any
 
@@ -19,6 +21,8 @@ import torch.distributed as dist
 import torch.utils._pytree
 
 from fbmt import flags
+
+log = logging.getLogger("fbmt")
 
 # torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -122,7 +126,9 @@ def agree(value: int, what: str) -> list[int]:
     """Every rank's `value` (a host collective, bounded by $FBMT_TIMEOUT; call it on every rank).
 
     A rank that does not arrive in time is named: each rank notes its count of calls in the job's
-    store first, so the ones that waited can say who is behind and by how much."""
+    store first, so the ones that waited can say who is behind and by how much. A rank kept waiting
+    $FBMT_STALL_WARNING seconds (30) says so at once, naming who it waits for, and waits on: a rank
+    may be busy on purpose (evaluating alone), and the job fails only after $FBMT_TIMEOUT (600)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
     st = _agreement
@@ -133,23 +139,48 @@ def agree(value: int, what: str) -> list[int]:
     if store is not None:
         store.set(f"fbmt/calls/{me}", str(st["calls"]))
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    calls = st["calls"]
+    warn = threading.Timer(flags.STALL_WARNING.get(), _say_who_is_late, args=(store, world, calls, what))
+    warn.daemon = True
+    warn.start()
     try:
         dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=st["group"])
     except RuntimeError as e:
-        behind = ""
-        if store is not None:
-            counts = {
-                r: int(store.get(f"fbmt/calls/{r}")) if store.check([f"fbmt/calls/{r}"]) else 0 for r in range(world)
-            }
-            late = [f"rank {r} (at call {c})" for r, c in counts.items() if c < st["calls"]]
-            behind = f"; behind: {', '.join(late) or 'none (one went elsewhere)'}"
+        behind = f"; behind: {_late(store, world, calls) or 'none (one went elsewhere)'}" if store is not None else ""
         raise RuntimeError(
             f"fbmt: rank {me} waited {flags.TIMEOUT.get():.0f}s at {what} (call {st['calls']}) for the other "
             f"ranks{behind}. A rank stalled, died, or is in another collective: a call made on some ranks "
             "only (state_dict(), evaluation or sampling on one rank) hangs the others. Raise FBMT_TIMEOUT "
             f"if a step can take longer ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from e
+    finally:
+        warn.cancel()
     return [int(t.item()) for t in out]
+
+
+def _late(store: Any, world: int, calls: int) -> str:
+    """The ranks whose call count in the job's store is below `calls`, with their counts."""
+    counts = {r: int(store.get(f"fbmt/calls/{r}")) if store.check([f"fbmt/calls/{r}"]) else 0 for r in range(world)}
+    return ", ".join(f"rank {r} (at call {c})" for r, c in counts.items() if c < calls)
+
+
+def _say_who_is_late(store: Any, world: int, calls: int, what: str) -> None:
+    """On a timer thread, while this rank still waits at `what`: name the ranks that have not come."""
+    try:
+        late = _late(store, world, calls) if store is not None else ""
+    except Exception:  # the store is the job's: never let a warning break it
+        late = ""
+    log.warning(
+        "fbmt: rank %d has waited %.0fs at %s (call %d) for %s; a rank is stalled, or in another collective "
+        "(a call of the model, state_dict() or evaluation on some ranks only). Waiting on: the job fails after "
+        "FBMT_TIMEOUT=%.0fs",
+        dist.get_rank(),
+        flags.STALL_WARNING.get(),
+        what,
+        calls,
+        late or "the other ranks",
+        flags.TIMEOUT.get(),
+    )
 
 
 def gather_objects(obj: Any) -> list[Any]:

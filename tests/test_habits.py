@@ -120,3 +120,72 @@ def test_casting_a_compiled_model_says_how_to_compute_in_that_dtype():
             cast()
     assert model.to(torch.float32) is model and model.float() is model  # their own dtype: nothing to do
     model(torch.randn(2, 12))
+
+
+def _one_rank_late(rank: int, world: int) -> str:
+    """Rank 1 comes to its second call 6 s late (evaluating alone, say); rank 0 waits in the agreement."""
+    import logging
+    import time
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("fbmt").addHandler(handler)
+    torch.manual_seed(0)
+    model = fbmt.compile(MLP())
+    x = torch.randn(4, 12)
+    model(x)
+    if rank == 1:
+        time.sleep(6)
+    model(x)
+    return "\n".join(seen)
+
+
+def test_a_rank_kept_waiting_names_the_late_rank_within_seconds_and_waits_on():
+    """An evaluation on rank 0 only was named, but only after FBMT_TIMEOUT's 600 s: the waiting rank now
+    names the one it waits for after FBMT_STALL_WARNING seconds, and goes on once it comes."""
+    said = run_ranks(2, _one_rank_late, env={"FBMT_STALL_WARNING": "2"})
+    assert "rank 0 has waited 2s at a call of the compiled model (call 2) for rank 1 (at call 1)" in said[0], said
+    assert "has waited" not in said[1]
+
+
+def _damaged_on_two_ranks(rank: int, world: int, folder: str) -> dict:
+    import os
+
+    from tests.test_catalog import _damage
+
+    torch.manual_seed(0)
+    model = fbmt.compile(MLP())
+    fbmt.checkpoint.save(folder, 1, model=model)
+    want = model.state_dict()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    newest = fbmt.checkpoint.save(folder, 2, model=model)
+    if rank == 0:
+        _damage(newest, "one value flipped")  # the ranks read the files each other checks
+    torch.distributed.barrier()
+    resumed = fbmt.checkpoint.load(folder, model=model)
+    got = model.state_dict()
+    return dict(step=resumed.step, same=all(torch.equal(got[k], v) for k, v in want.items()), files=os.listdir(newest))
+
+
+def test_on_two_ranks_a_damaged_newest_checkpoint_falls_back_on_every_rank(tmp_path):
+    for out in run_ranks(2, _damaged_on_two_ranks, str(tmp_path / "ck")):
+        assert out["step"] == 1 and out["same"], out
+
+
+def _writes_on_two_ranks(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = fbmt.compile(MLP())
+    try:
+        with torch.no_grad():
+            torch.nn.init.zeros_(model.fc3.weight)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_on_two_ranks_a_write_after_compile_is_refused_on_every_rank():
+    for said in run_ranks(2, _writes_on_two_ranks):
+        assert "'fc3.weight'" in said and "change nothing" in said, said
