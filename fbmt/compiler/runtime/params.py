@@ -3,8 +3,9 @@
 NOTE: [Materializing shard by shard]
 A model built under `torch.device("meta")` has no storage. For each block in turn, its parameters
 (and the buffers of its modules) get real storage on the target device, filled with a value no
-initializer writes (NaN); each module that owns them is initialized (`_initializer`: an init_fn, a
-Hugging Face model's own `_init_weights`, or the module's `reset_parameters()`); a tensor the
+initializer writes (NaN); each module that owns them is initialized (`_initializer`: an init_fn, which
+`fbmt.compile` makes a Hugging Face model's own `_init_weights`, runs on the owners and their ancestors
+as `model.apply` would; otherwise the owner's `reset_parameters()`); a tensor the
 initializer left unset is an error, not uninitialized memory; this rank copies its slice into the
 shards; the block goes back to `meta`. Every rank draws the same random numbers (one seed
 broadcast from rank 0), so the slices agree, and no rank holds more than one block of full
