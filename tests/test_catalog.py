@@ -7,8 +7,13 @@ compile, requires_grad_ or a deleted parameter after it, compile twice, a buffer
 gather_opt, print in forward, a formatted tensor in print, ranks running different programs, a
 stalled rank: tests/test_guards.py); input shapes that differ across ranks (tests/test_multirank.py);
 an unreachable rendezvous, a missing MASTER_ADDR, more NCCL ranks than GPUs (tests/test_distributed.py);
-a save that fails on one rank, an incomplete checkpoint, another model's checkpoint, another number
-of ranks (tests/test_checkpoint.py); a rank killed mid-training or mid-save (tests/test_resume.py).
+a save that fails on one rank, an incomplete checkpoint, another model's checkpoint, more layers,
+another optimizer's state, a background save that fails unwaited, another number of ranks
+(tests/test_checkpoint.py); a rank killed mid-training or mid-save (tests/test_resume.py); writes to
+a compiled model's parameters, weights loaded on rank 0 only, Hugging Face's checkpointing and
+resizing, a cast, a late rank, a damaged checkpoint on 2 ranks (tests/test_habits.py); a model built
+on meta initialized as from_config (tests/test_meta_init.py); --resume of nothing, a model of other
+sizes than its checkpoint (tests/test_train.py).
 """
 
 from __future__ import annotations
