@@ -137,7 +137,7 @@ class Program:
     # ---- structure helpers passes share -------------------------------------------------
     def placeholders(self) -> list[fx.Node]:
         """The graph's inputs, in the order of `self.inputs`."""
-        return [n for n in self.graph.nodes if n.op == "placeholder"]
+        return list(self.graph.find_nodes(op="placeholder"))  # fx indexes nodes by op: no walk of the graph
 
     def placeholder(self, kind: str, key: Any) -> fx.Node | None:
         """The input node with role (`kind`, `key`), e.g. ("param", "fc.weight"); None if absent."""

@@ -61,12 +61,11 @@ class MergeStats:
 def merge_products(program: Program) -> tuple[Program, MergeStats]:
     program = program.copy()
     g = program.graph
-    order = ops.node_order(g)
     slots = _param_slots(program)
     runs = [run for key, members in _products(g, slots).items() for run in _runs(key, members, slots)]
     merged, weight_sets = [], []
     for run in runs:
-        if _merge_run(g, run, order):
+        if _merge_run(g, run):
             merged.append(len(run))
             if meta.phase(run[0][0]) == FWD:
                 weight_sets.append([w for _, w in run])
@@ -138,9 +137,9 @@ def _outlives_forward(node: fx.Node) -> bool:
     return False
 
 
-def _merge_run(g: fx.Graph, run: list[tuple[fx.Node, fx.Node]], order: dict) -> bool:
+def _merge_run(g: fx.Graph, run: list[tuple[fx.Node, fx.Node]]) -> bool:
     products = [p for p, _ in run]
-    first = min(products, key=order.__getitem__)
+    first = min(products)  # nodes compare by their place in the graph
     x = first.args[0]
     y_val = ops.fake_like(first.meta["val"], (first.meta["val"].shape[0], sum(w.meta["val"].shape[0] for _, w in run)))
     bounds, start = [], 0

@@ -165,14 +165,14 @@ def recompute_blocks(
         return program, RematStats(dict(program.remat), declined=why, chosen=chosen)
 
     g = program.graph
-    order = ops.node_order(g)
-    plans = [plan for block in recomputing if (plan := _plan(g, block, per_block.get(block, policy)))]
+    fwd = forward_nodes(g)
+    plans = [plan for block in recomputing if (plan := _plan(fwd, block, per_block.get(block, policy)))]
 
-    def forward_order(plan: Recompute) -> int:
-        return min(map(order.__getitem__, plan.closure))
+    def forward_order(plan: Recompute) -> fx.Node:
+        return min(plan.closure)  # nodes compare by their place in the graph
 
     plans.sort(key=forward_order)
-    lighter = functools.cache(lambda block: _plan(g, block, "mincut"))  # what a saved trailing block recomputes
+    lighter = functools.cache(lambda block: _plan(fwd, block, "mincut"))  # what a saved trailing block recomputes
     saved_blocks, trailing = _trailing(g, plans, lighter, per_block, _grad_bytes(program))
     plans = [plan for plan in plans if plan.block not in saved_blocks] + [
         plan for block in saved_blocks if (plan := lighter(block))
@@ -182,26 +182,38 @@ def recompute_blocks(
     for block, needed, closure in sorted(plans, key=forward_order):
         late = 0
         if per_block.get(block, policy) == "block" and block not in saved_blocks and (inner := lighter(block)):
-            late = _recompute(g, inner.needed, inner.closure)  # NOTE: [Late recompute]: the cheap values from
-            _, needed, closure = _plan(g, block, "block") or Recompute(block, [], set())  # what mincut saves, and that
-        copies = _recompute(g, needed, closure) + late  # from the block's inputs
+            # NOTE: [Late recompute]: the cheap values from what mincut saves, and that from the block's inputs
+            late = _recompute(g, inner.needed, inner.closure)
+            _, needed, closure = _plan(fwd, block, "block") or Recompute(block, [], set())
+        copies = _recompute(g, needed, closure) + late
         read = {a for n in closure for a in n.all_input_nodes if a not in closure and a.op != "placeholder"}
         done.append(BlockRecompute(block, copies, late, len(read)))
     return program, RematStats(dict(program.remat), tuple(done), trailing, chosen=chosen)
 
 
-def _plan(g: fx.Graph, block: str, policy: str) -> Recompute | None:
-    """What the backward recomputes of `block` under `policy`; None if nothing."""
+def forward_nodes(g: fx.Graph) -> dict[str, list[fx.Node]]:
+    """Each block's forward nodes, in graph order, found in one walk: what a block's plan reads. The
+    backward's copies do not change it, so one index serves a whole pass, and the pass stays linear
+    in the graph however many blocks it has."""
+    out: dict[str, list[fx.Node]] = {}
+    for n in g.nodes:
+        if meta.phase(n) == FWD and (b := meta.block(n)) is not None:
+            out.setdefault(b, []).append(n)
+    return out
+
+
+def _plan(fwd: Mapping[str, list[fx.Node]], block: str, policy: str) -> Recompute | None:
+    """What the backward recomputes of `block` under `policy` (`fwd`: `forward_nodes`); None if nothing."""
+    own = fwd.get(block, [])
     inside = {
         n
-        for n in g.nodes
-        if meta.block(n) == block
-        and recomputable(n)
+        for n in own
+        if recomputable(n)
         and not (policy in ("selective", "mincut") and expensive(n))
         and all(meta.block(u) == block for u in n.users if meta.phase(u) == FWD)
     }
     if policy == "mincut":
-        inside = _mincut(g, block, inside)
+        inside = _mincut(own, inside)
     needed = [n for n in inside if any(meta.phase(u) == BWD for u in n.users)]
     if not needed:
         return None
@@ -275,9 +287,10 @@ def _trailing(
 _INF = float("inf")
 
 
-def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
+def _mincut(own: list[fx.Node], cheap: set[fx.Node]) -> set[fx.Node]:
     """The nodes of `cheap` (a block's recomputable ops other than matrix products and attention)
-    that the backward should recompute rather than read, so that the block saves the fewest bytes.
+    that the backward should recompute rather than read, so that the block saves the fewest bytes
+    (`own`: the block's forward nodes).
 
     NOTE: [Min-cut]
     `policy="mincut"` recomputes no matrix product or attention, like "none", but lets the backward
@@ -300,7 +313,7 @@ def _mincut(g: fx.Graph, block: str, cheap: set[fx.Node]) -> set[fx.Node]:
       backward saving them is faster, for more memory than recomputing them (BENCHMARKS.md).
     Of the minimum cuts the one that recomputes least is taken.
     """
-    nodes = [n for n in g.nodes if meta.block(n) == block and meta.phase(n) == FWD and n.op == "call_function"]
+    nodes = [n for n in own if n.op == "call_function"]
     members = set(nodes) | {a for n in nodes for a in n.all_input_nodes}
     cap: dict[object, dict[object, float]] = {"source": {}, "sink": {}}
 
@@ -387,17 +400,16 @@ def _recompute(g: fx.Graph, needed: list[fx.Node], closure: set[fx.Node]) -> int
     multi-output op's outputs stay right after it: a compiled region (NOTE: [Regions]) returns
     tensors, and would otherwise have to return the op's tuple.
     """
-    order = ops.node_order(g)
     anchor: dict[fx.Node, fx.Node] = {}  # the backward node each copy goes right before
-    for n in sorted(closure, key=order.__getitem__, reverse=True):  # readers before what they read
+    for n in sorted(closure, reverse=True):  # readers before what they read (nodes compare by place)
         readers = [u for u in n.users if meta.phase(u) == BWD]
         readers += [anchor[u] for u in n.users if u in closure]
-        anchor[n] = min(readers, key=order.__getitem__)
+        anchor[n] = min(readers)
     for n in closure:  # a multi-output op's outputs stay right after it
         if n.target is operator.getitem and n.args[0] in closure:
             anchor[n] = anchor[n.args[0]]
     env: dict[fx.Node, fx.Node] = {}
-    for n in sorted(closure, key=order.__getitem__):
+    for n in sorted(closure):
         with g.inserting_before(anchor[n]):
             env[n] = g.node_copy(n, lambda a: env.get(a, a))
         meta.tag(env[n], phase=BWD, recompute="activation")
@@ -446,17 +458,18 @@ def block_costs(program: Program, price: Callable[[fx.Node], float]) -> Costs:
     """For every block and policy: the bytes of the block's own values the backward reads, and the
     seconds its recompute takes (`price(node)` per recomputed node; NOTE: [Auto recompute])."""
     g = program.graph
-    read_by_bwd = {
-        n
-        for n in g.nodes
-        if n.op != "placeholder" and meta.phase(n) == FWD and any(meta.phase(u) == BWD for u in n.users)
-    }
+    fwd = forward_nodes(g)
+    # the forward values the backward reads, by the block of what they view: a block's bytes are its own values'
+    read_by_bwd: dict[str | None, set[fx.Node]] = {}
+    for n in g.nodes:
+        if n.op != "placeholder" and meta.phase(n) == FWD and any(meta.phase(u) == BWD for u in n.users):
+            read_by_bwd.setdefault(meta.block(ops.view_base(n)), set()).add(n)
     out: Costs = {}
     for block in program.layout.blocks:
         out[block] = {}
         for policy in POLICIES:
-            plan = _plan(g, block, policy) if policy != "none" else None
-            read = set(read_by_bwd)
+            plan = _plan(fwd, block, policy) if policy != "none" else None
+            read = set(read_by_bwd.get(block, ()))
             if plan is not None:
                 read.difference_update(plan.needed)
                 read.update(a for n in plan.closure for a in n.all_input_nodes if a not in plan.closure)

@@ -14,7 +14,8 @@ an error then, not a silent default. The helpers below are its vocabulary:
 - `collectives(program, phase, role)`: the program's collectives (of role GATHER or REDUCE) as
   `Collective` records (start, wait and release nodes, kind, role, flat group, block, phase, bytes on
   the wire), in the order of their waits, which is the order their results are used in;
-- `phase_begin(program, phase)` and `first_compute(program, block, phase)`: the places to issue at;
+- `phase_begin(program, phase)` and `first_compute(program, block, phase)` (`first_computes` for
+  every block in one walk): the places to issue at;
 - `issue_before(c, anchor)` and `wait_before(c, anchor)`: move a start or a wait, refusing a move that
   would read a value before it is made, with an error that names the collective;
 - `fuse(cs, anchor)`: several collectives of one kind issued as one call (a bucket, NOTE: [Buckets]
@@ -36,7 +37,7 @@ from typing import Any
 import torch.fx as fx
 
 from fbmt.compiler import collectives as comm
-from fbmt.compiler import meta, ops
+from fbmt.compiler import meta
 from fbmt.compiler.collectives import GATHER, REDUCE, Collective, collectives  # noqa: F401  (strategies' vocabulary)
 from fbmt.compiler.decisions import Schedule, compute_digest
 from fbmt.compiler.ops import record
@@ -189,11 +190,18 @@ def phase_begin(program: Program, phase: str) -> fx.Node | None:
 def first_compute(program: Program, block: str, phase: str) -> fx.Node | None:
     """The first compute node tagged with `block` in `phase` (every forward node carries its
     block, and a backward one the block whose gradients it computes: NOTE: [Backward blocks]);
-    None for a block with no compute in that phase."""
-    return next(
-        (n for n in program.graph.nodes if _compute(n) and meta.block(n) == block and meta.phase(n) == phase),
-        None,
-    )
+    None for a block with no compute in that phase. For many blocks, `first_computes` once."""
+    return first_computes(program, phase).get(block)
+
+
+def first_computes(program: Program, phase: str) -> dict[str, fx.Node]:
+    """`first_compute` of every block with compute in `phase`, in one walk of the graph (valid while
+    compute nodes stay where they are: moving collectives keeps it)."""
+    firsts: dict[str, fx.Node] = {}
+    for n in program.graph.nodes:
+        if _compute(n) and meta.phase(n) == phase and (b := meta.block(n)) is not None and b not in firsts:
+            firsts[b] = n
+    return firsts
 
 
 class ScheduleError(RuntimeError):
@@ -203,12 +211,11 @@ class ScheduleError(RuntimeError):
 def issue_before(c: Collective, anchor: fx.Node) -> bool:
     """Move `c`'s start right before `anchor`, if that is earlier than where it is; whether it
     moved. A start cannot go before what it reads (a reduction's gradients) or after its wait."""
-    order = ops.node_order(c.start.graph)
-    if order[anchor] >= order[c.start]:
-        if order[anchor] > order[c.wait]:
+    if anchor >= c.start:  # fx keeps each node's place as a sort key: comparing nodes is O(1)
+        if anchor > c.wait:
             raise ScheduleError(f"{c.name}: cannot be issued at %{anchor.name}, after its own wait %{c.wait.name}")
         return False
-    late = [a for a in c.start.all_input_nodes if order[a] >= order[anchor]]
+    late = [a for a in c.start.all_input_nodes if a >= anchor]
     if late:
         raise ScheduleError(
             f"{c.name}: cannot be issued at %{anchor.name}, before %{late[0].name} that it sends is computed"
@@ -220,12 +227,11 @@ def issue_before(c: Collective, anchor: fx.Node) -> bool:
 def wait_before(c: Collective, anchor: fx.Node) -> None:
     """Move `c`'s wait right before `anchor` (earlier or later). It stays after its start and before
     the first node that reads its result."""
-    order = ops.node_order(c.wait.graph)
-    if order[anchor] <= order[c.start]:
+    if anchor <= c.start:
         raise ScheduleError(f"{c.name}: cannot be waited at %{anchor.name}, before it is issued at %{c.start.name}")
-    readers = [u for u in c.wait.users if order[u] < order[anchor] and u is not anchor]
+    readers = [u for u in c.wait.users if u < anchor]
     if readers:
-        first = min(readers, key=order.__getitem__)
+        first = min(readers)
         raise ScheduleError(f"{c.name}: cannot be waited at %{anchor.name}, after %{first.name} reads its result")
     if anchor is not c.wait:
         anchor.prepend(c.wait)
@@ -247,16 +253,15 @@ def fuse(cs: list[Collective], anchor: fx.Node | None = None) -> int | None:
             f"reduce_scatters of one phase, ranks and dtype on the wire (they are {sorted(map(str, keys))})"
         )
     g = cs[0].start.graph
-    order = ops.node_order(g)
     if anchor is None:
-        anchor = max((c.start for c in cs), key=order.__getitem__).next
+        anchor = max(c.start for c in cs).next
     for c in cs:
-        if order[c.wait] < order[anchor]:
+        if c.wait < anchor:
             raise ScheduleError(
                 f"{c.name}: cannot be issued in a bucket at %{anchor.name}, after its own wait %{c.wait.name} "
                 "(move the waits after the bucket first: wait_before)"
             )
-        late = [a for a in c.start.all_input_nodes if order[a] >= order[anchor]]
+        late = [a for a in c.start.all_input_nodes if a >= anchor]
         if late:
             raise ScheduleError(
                 f"{c.name}: cannot be issued in a bucket at %{anchor.name}, "

@@ -116,7 +116,7 @@ def shard_parameters(
         for phase, users in read_by.items():
             if not users:
                 continue
-            first = min(users, key=ops.node_order(g).__getitem__)
+            first = min(users)  # nodes compare by their place in the graph
             with g.inserting_before(first):
                 if phase == FWD or level == 3 or fwd_buffer is None:
                     buffer = _gather(g, shard, group, phase)
@@ -230,7 +230,7 @@ def _release_after_last_use(g: fx.Graph, buffer: fx.Node, phase: str) -> None:
     if returned:
         return  # the buffer itself is returned: it must stay alive
     readers = [r for r in readers if meta.phase(r) == phase]
-    last = max(readers, key=ops.node_order(g).__getitem__)
+    last = max(readers)
     with g.inserting_before(last.next):
         emit(g, collectives.release, (buffer,), phase, group=meta.group(buffer))
 
@@ -250,7 +250,7 @@ def _reduce(
     if not produced:
         return None
     wire = reduce_dtype if reduce_dtype is not None and group.compute != group.dtype else group.dtype
-    last = max(produced, key=ops.node_order(g).__getitem__)
+    last = max(produced)
     with g.inserting_before(last.next):
         pieces = [
             emit(g, aten.reshape.default, (v, [-1]), BWD)

@@ -23,6 +23,8 @@ otherwise wait for that one at the start of the backward. FSDP2 and BMTrain coun
 
 from __future__ import annotations
 
+import torch.fx as fx
+
 from fbmt.compiler import ops
 from fbmt.compiler.collectives import kind_of
 from fbmt.compiler.ops.graph import size
@@ -31,7 +33,7 @@ from fbmt.compiler.passes.schedule import (
     REDUCE,
     Collective,
     collectives,
-    first_compute,
+    first_computes,
     fuse,
     issue_before,
     large_groups,
@@ -130,7 +132,8 @@ def greedy(program: Program, *, memory_bound: int | None = None) -> str:
     for phase in (FWD, BWD):
         cs = [c for c in gathers if c.phase == phase]
         begin = phase_begin(program, phase)
-        anchors = [_anchor(program, c, phase) for c in cs]
+        firsts = first_computes(program, phase)
+        anchors = [_anchor(c, firsts) for c in cs]
         for k, c in enumerate(cs):
             issued = life[c.start][0]
             # the places to issue at, earliest first; the later the place, the less is alive over its wait
@@ -161,7 +164,8 @@ def bucket(program: Program, *, bucket_bytes: int = 25 * 2**20, depth: int = 1) 
     calls = members = 0
     for phase in (FWD, BWD):
         buckets = _pack(collectives(program, phase, GATHER), bucket_bytes)
-        anchors = [_anchor(program, b[0], phase) for b in buckets]
+        firsts = first_computes(program, phase)
+        anchors = [_anchor(b[0], firsts) for b in buckets]
         begin = phase_begin(program, phase)
         for k, b in enumerate(buckets):
             at = anchors[k - depth] if k >= depth else begin
@@ -170,8 +174,7 @@ def bucket(program: Program, *, bucket_bytes: int = 25 * 2**20, depth: int = 1) 
             else:
                 issue_before(b[0], at)
         calls, members = calls + len(buckets), members + sum(map(len, buckets))
-    order = ops.node_order(program.graph)
-    reductions = sorted(collectives(program, BWD, REDUCE), key=lambda c: order[c.start])
+    reductions = sorted(collectives(program, BWD, REDUCE), key=lambda c: c.start)
     output = program.output_node()
     for c in reductions:  # out of the way while the buckets form; waited at the next bucket below
         wait_before(c, output)
@@ -209,12 +212,11 @@ def _pack(cs: list[Collective], limit: int) -> list[list[Collective]]:
 # ---- the moves they share -------------------------------------------------------------------
 
 
-def _anchor(program: Program, c: Collective, phase: str) -> object:
-    """Where the block that `c` gathers for starts computing in `phase`: its first compute node, or
-    the gather's wait where that comes first."""
-    order = ops.node_order(program.graph)
-    first = first_compute(program, c.block, phase)
-    return c.wait if first is None or order[c.wait] < order[first] else first
+def _anchor(c: Collective, firsts: dict[str, fx.Node]) -> fx.Node:
+    """Where the block that `c` gathers for starts computing: its first compute node in `firsts`
+    (`first_computes` of the phase), or the gather's wait where that comes first."""
+    first = firsts.get(c.block)
+    return c.wait if first is None or c.wait < first else first
 
 
 def gather_ahead(
@@ -225,7 +227,8 @@ def gather_ahead(
     gathers before it, a gather is issued when the phase begins (`from_begin`), or stays put."""
     if not gathers:
         return 0
-    anchors = [_anchor(program, c, phase) for c in gathers]
+    firsts = first_computes(program, phase)
+    anchors = [_anchor(c, firsts) for c in gathers]
     begin = phase_begin(program, phase)
     moved = 0
     for k, c in enumerate(gathers):
@@ -243,11 +246,10 @@ def gather_ahead(
 def wait_at_next(program: Program, reductions: list[Collective], *, counts: list[bool]) -> None:
     """Each reduction waited right before the next counted one is issued (the last at the end): one
     flat buffer in flight at a time, overlapping the backward of the blocks before it."""
-    order = ops.node_order(program.graph)
     counted = [c.start for c, k in zip(reductions, counts) if k]
     output = program.output_node()
     for c in reductions:
-        nxt = next((s for s in counted if order[s] > order[c.start]), output)
+        nxt = next((s for s in counted if s > c.start), output)
         wait_before(c, nxt)
 
 

@@ -1,0 +1,75 @@
+"""Compile time against depth: tracing and each pass, for GPT models of L layers on meta.
+
+    python benchmarks/compile_time.py                       # L = 4, 16, 64 (the dev CPU)
+    python benchmarks/compile_time.py --layers 4,16,64,128 --profile 64
+    PYTHONPATH=.base python benchmarks/compile_time.py --package fbmt_base   # an older commit's tree
+
+Nothing runs: the model is built on meta, compiled for `--world` ranks and traced on CPU fakes, as
+`fbmt.simulate` does, so the numbers are the compiler's own time, without Inductor or a device.
+A compiler whose passes are linear in the program's nodes shows a flat `ms/layer` column per pass;
+`--profile L` prints cProfile's top functions for one depth, to find the pass that is not.
+`--package fbmt_base` times a tree written by `benchmarks/base_package.sh COMMIT .base` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib
+import pstats
+import time
+
+import torch
+
+
+def compile_once(
+    layers: int, d_model: int, world: int, remat: str, package: str = "fbmt"
+) -> tuple[float, dict[str, float], int]:
+    fbmt = importlib.import_module(package)
+    gpt = importlib.import_module(f"{package}.models.gpt")
+    GPT, GPTConfig = gpt.GPT, gpt.GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=32000, seq_len=1024, n_layer=layers, n_head=16, d_model=d_model))
+    started = time.perf_counter()
+    compiled = fbmt.compile(model, world_size=world, device="meta", remat=remat)
+    program = compiled.trace(torch.zeros(2, 1024, dtype=torch.long), device="cpu")
+    total = time.perf_counter() - started
+    passes = {r.name: r.seconds for r in program.history}
+    return total, passes, len(program.graph.nodes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="4,16,64")
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--remat", default="block")
+    ap.add_argument("--profile", type=int, default=0, help="profile this depth instead")
+    ap.add_argument("--package", default="fbmt", help="the package to time (fbmt_base: an older tree)")
+    args = ap.parse_args()
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.runcall(compile_once, args.profile, args.d_model, args.world, args.remat, args.package)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+        return
+    rows = []
+    for layers in (int(x) for x in args.layers.split(",")):
+        total, passes, nodes = compile_once(layers, args.d_model, args.world, args.remat, args.package)
+        rows.append((layers, total, passes, nodes))
+        print(f"L={layers}: {total:.2f} s, {nodes} nodes", flush=True)
+    names = list(rows[0][2])
+    print("\n| layers | nodes | total (s) | trace + rest (s) | " + " | ".join(f"{n} (s)" for n in names) + " |")
+    print("|---" * (4 + len(names)) + "|")
+    for layers, total, passes, nodes in rows:
+        rest = total - sum(passes.values())
+        cells = " | ".join(f"{passes[n]:.2f}" for n in names)
+        print(f"| {layers} | {nodes} | {total:.2f} | {rest:.2f} | {cells} |")
+    first, last = rows[0], rows[-1]
+    print(
+        f"\nper layer: L={first[0]} {first[1] / first[0] * 1e3:.0f} ms, L={last[0]} {last[1] / last[0] * 1e3:.0f} ms "
+        f"(total {last[1] / first[1]:.1f}x for {last[0] / first[0]:.0f}x the layers)"
+    )
+
+
+if __name__ == "__main__":
+    main()

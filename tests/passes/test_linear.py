@@ -1,0 +1,65 @@
+"""No pass walks the graph once per block or per collective: compile time must follow the program's
+size, not its size times its depth (issue 31). Counted, not timed: every walk of a graph's nodes
+from fbmt's code while a program is traced and passed, for a model of 2 and of 6 layers."""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+
+import fbmt
+from fbmt.models.gpt import GPT, GPTConfig
+
+# remat's trailing-block search is a binary search over the last blocks: it walks log2(depth) times
+LOGARITHMIC = {"saved_with"}
+
+
+def _within(frame, names: set[str], depth: int = 4) -> bool:
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in names:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _walks(monkeypatch: pytest.MonkeyPatch, n_layer: int, **options) -> collections.Counter:
+    nodes = fx.Graph.nodes
+    walks: collections.Counter = collections.Counter()
+
+    def counted(graph: fx.Graph):
+        caller = sys._getframe(1)
+        if "/fbmt/" in caller.f_code.co_filename.replace("\\", "/") and not _within(caller, LOGARITHMIC):
+            walks[f"{caller.f_code.co_filename.rsplit('fbmt', 1)[-1]}:{caller.f_code.co_name}"] += 1
+        return nodes.fget(graph)
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=n_layer, d_model=32, n_head=2, vocab_size=64, seq_len=16))
+    compiled = fbmt.compile(model, world_size=4, device="meta", **options)
+    monkeypatch.setattr(fx.Graph, "nodes", property(counted))
+    compiled.trace(torch.zeros(2, 16, dtype=torch.long), device="cpu")
+    monkeypatch.undo()
+    return walks
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"schedule": "bucket"},
+        {"schedule": "greedy"},
+        {"remat": "mincut"},
+        {"remat": "selective", "zero": 2},
+    ],
+    ids=["prefetch-block", "bucket", "greedy", "mincut", "selective-zero2"],
+)
+def test_walks_do_not_grow_with_depth(monkeypatch, options):
+    shallow, deep = _walks(monkeypatch, 2, **options), _walks(monkeypatch, 6, **options)
+    grew = {k: (shallow[k], deep[k]) for k in shallow.keys() | deep.keys() if deep[k] > shallow[k]}
+    assert not grew, f"walks of the whole graph that grow with depth (2 layers, 6 layers): {grew}"
+    assert sum(deep.values()) > 0  # the counting sees the passes' walks
