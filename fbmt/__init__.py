@@ -12,7 +12,7 @@ by `api.py` (`fbmt.compile`); beside them the main job (`train.py`), checkpoints
 
 import sys as _sys
 
-from fbmt import checkpoint, job
+from fbmt import checkpoint, job, logs
 from fbmt.api import compile
 from fbmt.compiler import CompiledModule, CompileOptions, Program, Schedule, TraceError, ops
 from fbmt.compiler.passes import register_strategy
@@ -67,6 +67,8 @@ for _module in (
 ):
     _alias(_module.__name__.rsplit(".", 1)[1], _module)
 
+logs.from_environment()  # FBMT_LOG=info: what fbmt does, on stderr
+
 __all__ = [
     # fbmt.compile
     "compile",
@@ -106,6 +108,7 @@ __all__ = [
     "checkpoint",
     "distributed",
     "job",
+    "logs",
     "global_var",
     "inspect",
     "loss",

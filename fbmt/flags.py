@@ -74,6 +74,21 @@ MACHINE = Flag(
     "a file: where fbmt.calibrate() saves this machine's profile and fbmt.simulate reads it by default "
     "(default ~/.cache/fbmt/machine-<host>-<ranks>.json); never what fbmt.compile(remat='auto') prices with",
 )
+
+
+def _level(raw: str) -> str:
+    if raw.lower() not in ("debug", "info", "warning", "error"):
+        raise ValueError("expected debug, info, warning or error")
+    return raw.lower()
+
+
+LOG = Flag(
+    "FBMT_LOG",
+    _level,
+    "",
+    "info/debug: print what fbmt does to stderr, each line with its rank: every compile stage, pass and "
+    "Inductor region with its seconds, and why a new program is built (fbmt.logs.show)",
+)
 INIT_TIMEOUT = Flag(
     "FBMT_INIT_TIMEOUT",
     float,
@@ -137,6 +152,7 @@ MPLBACKEND = Flag("MPLBACKEND", str, "", "matplotlib's backend; fbmt.viz picks a
 FLAGS = (
     CHECKS,
     DUMP_DIR,
+    LOG,
     MACHINE,
     INIT_TIMEOUT,
     TIMEOUT,

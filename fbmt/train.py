@@ -219,6 +219,8 @@ def progress(step: int, total: int, width: int = 24) -> str:
 def main(args: argparse.Namespace) -> None:
     fbmt.init_distributed(seed=args.seed)
     rank, world = fbmt.rank(), fbmt.world_size()
+    if rank == 0 and not flags.is_set(flags.LOG):
+        fbmt.logs.show("info")  # the compile's stages as they happen (FBMT_LOG chooses otherwise)
     device = fbmt.job.local_device()
     cfg = GPTConfig(
         vocab_size=256,

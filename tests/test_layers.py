@@ -2,7 +2,7 @@
 between fbmt's modules must point down or sideways in the picture of docs/ARCHITECTURE.md, never up
 and never in a circle. Imports under `if TYPE_CHECKING:` serve annotations only and are not counted.
 
-    base          flags, job, files, kernels/ (numba), _C                         imports only base
+    base          flags, logs, job, files, kernels/ (numba), _C                   imports only base
     compiler      compiler/: its own layers below                                 + base
     integrations  integrations/ (bmt, optim, transformers, torch_guards)         + base, compiler's public names
     tools         tools/ (sim, calibration, profiling, viz, auto_remat)          + base, compiler's public names
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent / "fbmt"
 
 GROUPS = [  # (module prefix, group); the longest matching prefix decides; a module matching none is an error
     ("fbmt.flags", "base"),
+    ("fbmt.logs", "base"),
     ("fbmt.job", "base"),
     ("fbmt.files", "base"),
     ("fbmt.kernels", "base"),

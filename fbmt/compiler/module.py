@@ -38,6 +38,39 @@ from fbmt.compiler.runtime.partition import Executable
 from fbmt.compiler.runtime.regions import RegionCache
 
 log = logging.getLogger("fbmt")
+_SHAPES_WARNING = 4  # programs that differ in input shapes alone before the warning to pad
+
+
+def _same_but_shapes(old: tuple, new: tuple) -> bool:
+    """Two calls' input signatures (`_key`'s) that differ at most in their tensors' shapes."""
+    if len(old) != len(new):
+        return False
+    for a, b in zip(old, new):
+        tensors = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
+        if a != b and not (tensors and a[1:] == b[1:] and len(a[0]) == len(b[0])):
+            return False
+    return True
+
+
+def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict) -> str:
+    """What tells the call with key `new` from the one with key `old` (`_key`'s), in a user's words."""
+    said = []
+    if old[0] != new[0]:
+        said.append("arguments of another structure (other keyword arguments, or None where a tensor was)")
+    elif old[1] != new[1]:
+        leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+        path, a, b = next((path, a, b) for (path, _), a, b in zip(leaves, old[1], new[1]) if a != b)
+        kind, name, rest = path[0].idx, path[1], pytree.keystr(path[2:])  # (args, kwargs)[kind][name]...
+        where = f"argument {name.idx}{rest}" if kind == 0 else f"{name.key}{rest}"
+        tensors = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
+        if tensors and a[1:] == b[1:]:
+            said.append(f"{where} of shape {tuple(b[0])}, where it was {tuple(a[0])}")
+        else:
+            said.append(f"{where} {str(b)[:80]}, where it was {str(a)[:80]}")
+    labels = ("", "", "submodules' train()/eval() modes", "grad mode", "which parameters require grad")
+    labels += ("recording (fbmt.inspect)", "autocast", "the device traced for")
+    said += [f"another {labels[i]}" for i in range(2, min(len(old), len(new))) if old[i] != new[i]]
+    return "; ".join(said) or "another call signature"
 
 
 class CompiledModule(nn.Module):
@@ -65,6 +98,7 @@ class CompiledModule(nn.Module):
         self._executables: dict[Any, Executable] = {}
         self.program: Program | None = None
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
+        self._warned_shapes = False  # the warning that programs pile up for new input shapes, given once
         self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
         # what every call reads, found once: walking the module tree on every call costs host time before the
         # step's first kernel
@@ -217,7 +251,7 @@ class CompiledModule(nn.Module):
     ) -> Executable:
         started = time.perf_counter()
         if self.programs:
-            log.info("fbmt: compiling a new program for a new input signature (%d cached)", len(self.programs))
+            self._say_why_new(key, args, kwargs)
         program, exe = pipeline.build(
             self._orig,
             self.layout,
@@ -230,10 +264,28 @@ class CompiledModule(nn.Module):
             device=torch.device(device) if device is not None else self.device,
             search=self.search,
         )
-        log.info("fbmt: traced, passed and partitioned in %.2fs", time.perf_counter() - started)
+        log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
         return exe
+
+    def _say_why_new(self, key: tuple, args: tuple, kwargs: dict) -> None:
+        """Log what differs from the last program built; warn once when programs pile up for input
+        shapes alone (each new sequence length traces and compiles again)."""
+        last = next(reversed(self.programs))
+        why = _difference(last, key, args, kwargs)
+        log.info("a new program for %s (%d built so far)", why, len(self.programs))
+        by_shape = all(k[0] == key[0] and _same_but_shapes(k[1], key[1]) and k[2:] == key[2:] for k in self.programs)
+        if by_shape and len(self.programs) + 1 >= _SHAPES_WARNING and not self._warned_shapes:
+            self._warned_shapes = True
+            log.warning(
+                "fbmt: program %d for new input shapes (%s): each new shape traces and compiles a new "
+                "program (%.1fs so far). Pad batches to a few fixed lengths to bound them (Hugging Face: "
+                "DataCollatorWithPadding(pad_to_multiple_of=64), or the tokenizer's padding='max_length')",
+                len(self.programs) + 1,
+                why,
+                self.compile_seconds,
+            )
 
     def _feed(self, exe: Executable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         shards = list(self.flat_params._parameters.values())

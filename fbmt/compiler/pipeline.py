@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from fbmt import logs
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.passes import (
     Pass,
@@ -95,16 +96,19 @@ def build(
     search: Search | None = None,
 ) -> tuple[Program, Executable]:
     # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
-    program = trace(
-        module,
-        layout,
-        dict(module.named_buffers()),
-        args,
-        kwargs,
-        param_device=device,
-        needs_grad=needs_grad,
-        trainable=trainable,
-    )
+    what = "forward and backward" if needs_grad else "forward"
+    with logs.stage(f"tracing {type(module).__name__}'s {what} ({len(layout.blocks)} blocks)") as said:
+        program = trace(
+            module,
+            layout,
+            dict(module.named_buffers()),
+            args,
+            kwargs,
+            param_device=device,
+            needs_grad=needs_grad,
+            trainable=trainable,
+        )
+        said["done"] = f"{len(program.graph.nodes)} nodes"
     # 2. the passes: blocks, recompute, merged products, ZeRO sharding, overlap, checks
     if plan.remat == "auto":
         if search is None:
@@ -113,12 +117,16 @@ def build(
                 "programs; compile through fbmt.compile, which provides one (fbmt.tools.auto_remat.choose)"
             )
         plan = plan.with_choice(search(program, plan))  # each block's policy, and the depth it chose
-    program = run(program, plan)
+    with logs.stage("passes", begin=False) as said:
+        program = run(program, plan)
+        said["done"] = ", ".join(f"{r.name} {r.seconds:.2f}s" for r in program.history)
     # 3. partition into a forward and a backward GraphModule whose collectives run on torch.distributed
-    exe = partition(program)
+    with logs.stage("partitioning", begin=False):
+        exe = partition(program)
     # 4. with backend="inductor", compile the compute between collectives (identical blocks share it)
     if plan.backend == "inductor":
         exe.forward = split_regions(exe.forward, regions)
         if exe.backward is not None:
             exe.backward = split_regions(exe.backward, regions)
+        logs.log.info("Inductor compiles each kind of region on the first call that runs it")
     return program, exe

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fbmt import logs
 from fbmt.compiler.passes.verify import check
 from fbmt.compiler.program import Note, Program
 
@@ -40,6 +41,7 @@ def run_passes(
         else:
             program, stats = fn(program)
         program.record(name, time.perf_counter() - started, stats)
+        logs.log.debug("pass %s: %.2fs: %s", name, program.history[-1].seconds, program.history[-1].summary)
         if checks and name != "verify" and name not in disable:
             check(program, after=name)
         if dump_dir:

@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fbmt import logs
 from fbmt.compiler import ops
 
 
@@ -73,9 +74,18 @@ class Region(nn.Module):
             started = time.perf_counter()
             with cat_guard():
                 fn = compile_fx(self.gm, list(args))
-            self.cache.seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.cache.seconds += seconds
             self.cache.compiled[key] = fn
             self.cache.misses += 1
+            logs.log.info(
+                "Inductor: a region of %d ops compiled in %.2fs (%d kinds compiled, %d reused, %.1fs in all)",
+                sum(n.op == "call_function" for n in self.gm.graph.nodes),
+                seconds,
+                self.cache.misses,
+                self.cache.hits,
+                self.cache.seconds,
+            )
         else:
             self.cache.hits += 1
         self.fn = fn

@@ -1,0 +1,98 @@
+"""What fbmt says while it compiles (fbmt/logs.py): each stage with its seconds under FBMT_LOG, why
+a new program is built, and a warning when programs pile up for new input shapes (issue 31)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fbmt
+from fbmt.models.gpt import GPT, GPTConfig
+
+SCRIPT = """
+import torch, fbmt
+from fbmt.models.gpt import GPT, GPTConfig
+m = fbmt.compile(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2)), world_size=1)
+m(torch.zeros(2, 16, dtype=torch.long)).sum().backward()
+"""
+
+
+def _run(**env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_fbmt_log_prints_each_stage_with_its_seconds():
+    out = _run(FBMT_LOG="info", RANK="3")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("[fbmt rank 3 ")]
+    text = "\n".join(lines)
+    assert "tracing GPT's forward and backward (7 blocks) ..." in text, out.stderr
+    assert "nodes" in text and "passes: " in text and "remat " in text and "program 1 built in" in text, text
+    assert "pass remat" not in text  # a pass's own line is DEBUG
+
+
+def test_fbmt_log_debug_adds_each_pass_and_unset_prints_nothing():
+    debug = _run(FBMT_LOG="debug")
+    assert debug.returncode == 0, debug.stderr
+    assert "pass shard: " in debug.stderr and "gathers" in debug.stderr, debug.stderr
+    quiet = _run(FBMT_LOG="")
+    assert quiet.returncode == 0 and "[fbmt" not in quiet.stderr, quiet.stderr
+
+
+def test_a_misspelt_level_names_the_variable():
+    out = _run(FBMT_LOG="verbose")
+    assert out.returncode != 0 and "$FBMT_LOG='verbose'" in out.stderr and "expected debug, info" in out.stderr
+
+
+@pytest.fixture
+def records(caplog):
+    caplog.set_level(logging.INFO, logger="fbmt")
+    return caplog
+
+
+def _messages(caplog, level=logging.INFO) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "fbmt" and r.levelno == level]
+
+
+def test_a_new_program_says_what_differs(records):
+    torch.manual_seed(0)
+    model = fbmt.compile(GPT(GPTConfig(n_layer=1, d_model=32, n_head=2)), world_size=1)
+    model(torch.zeros(2, 16, dtype=torch.long)).sum().backward()
+    model(torch.zeros(2, 24, dtype=torch.long)).sum().backward()
+    with torch.no_grad():
+        model(torch.zeros(2, 24, dtype=torch.long))
+    said = [m for m in _messages(records) if m.startswith("a new program")]
+    assert said == [
+        "a new program for argument 0 of shape (2, 24), where it was (2, 16) (1 built so far)",
+        "a new program for another grad mode (2 built so far)",
+    ]
+    assert not _messages(records, logging.WARNING)  # two shapes: no warning yet
+
+
+def test_programs_for_new_shapes_warn_once_naming_the_keyword(records):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = fbmt.compile(transformers.LlamaForCausalLM(cfg), world_size=1)
+    for length in (8, 12, 16, 20, 24):
+        ids = torch.randint(0, 64, (2, length))
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert "a new program for input_ids of shape (2, 12), where it was (2, 8) (1 built so far)" in _messages(records)
+    warnings = _messages(records, logging.WARNING)
+    assert len(warnings) == 1, warnings  # programs 4 and 5: once
+    assert warnings[0].startswith("fbmt: program 4 for new input shapes (input_ids of shape (2, 20)")
+    assert "pad_to_multiple_of" in warnings[0]
