@@ -51,7 +51,7 @@ def _walks(monkeypatch: pytest.MonkeyPatch, n_layer: int, **options) -> collecti
     "options",
     [
         {},
-        {"schedule": "bucket"},
+        {"schedule": ("bucket", {"bucket_bytes": 120_000})},  # about two blocks' gathers a bucket
         {"schedule": "greedy"},
         {"remat": "mincut"},
         {"remat": "selective", "zero": 2},

@@ -267,7 +267,8 @@ def fuse(cs: list[Collective], anchor: fx.Node | None = None) -> int | None:
                 f"{c.name}: cannot be issued in a bucket at %{anchor.name}, "
                 f"before %{late[0].name} that it sends is computed"
             )
-    bucket = 1 + max((b for n in g.nodes if (b := meta.bucket(n)) is not None), default=-1)
+    starts = (n for k in comm.kinds() for n in g.find_nodes(op="call_function", target=k.node))  # indexed by fx
+    bucket = 1 + max((b for n in starts if (b := meta.bucket(n)) is not None), default=-1)
     for c in cs:
         anchor.prepend(c.start)
         meta.tag(c.start, bucket=bucket)
