@@ -13,6 +13,7 @@ import torch
 
 import fbmt
 from fbmt.models.gpt import GPT, GPTConfig
+from tests.models import hf
 
 SCRIPT = """
 import torch, fbmt
@@ -77,19 +78,9 @@ def test_a_new_program_says_what_differs(records):
 
 
 def test_programs_for_new_shapes_warn_once_naming_the_keyword(records):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = fbmt.compile(transformers.LlamaForCausalLM(cfg), world_size=1)
+    model = fbmt.compile(hf.build("llama"), world_size=1)
     for length in (8, 12, 16, 20, 24):
-        ids = torch.randint(0, 64, (2, length))
+        ids = torch.randint(0, hf.VOCAB, (2, length))
         model(input_ids=ids, labels=ids).loss.backward()
     assert "a new program for input_ids of shape (2, 12), where it was (2, 8) (1 built so far)" in _messages(records)
     warnings = _messages(records, logging.WARNING)
