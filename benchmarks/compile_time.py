@@ -2,6 +2,7 @@
 
     python benchmarks/compile_time.py                       # L = 4, 16, 64 (the dev CPU)
     python benchmarks/compile_time.py --layers 4,16,64,128 --profile 64
+    python benchmarks/compile_time.py --cache /tmp/c; python benchmarks/compile_time.py --cache /tmp/c
     PYTHONPATH=.base python benchmarks/compile_time.py --package fbmt_base   # an older commit's tree
 
 Nothing runs: the model is built on meta, compiled for `--world` ranks and traced on CPU fakes, as
@@ -9,6 +10,8 @@ Nothing runs: the model is built on meta, compiled for `--world` ranks and trace
 A compiler whose passes are linear in the program's nodes shows a flat `ms/layer` column per pass;
 `--profile L` prints cProfile's top functions for one depth, to find the pass that is not.
 `--package fbmt_base` times a tree written by `benchmarks/base_package.sh COMMIT .base` instead.
+`--cache DIR` compiles with the compile cache in DIR: the first run fills it (cold), a second
+process loads every program from it (warm; the pass columns are then 0).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 
 def compile_once(
-    layers: int, d_model: int, world: int, remat: str, package: str = "fbmt"
+    layers: int, d_model: int, world: int, remat: str, package: str = "fbmt", cache_dir: str | bool = False
 ) -> tuple[float, dict[str, float], int]:
     fbmt = importlib.import_module(package)
     gpt = importlib.import_module(f"{package}.models.gpt")
@@ -31,10 +34,13 @@ def compile_once(
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=32000, seq_len=1024, n_layer=layers, n_head=16, d_model=d_model))
     started = time.perf_counter()
-    compiled = fbmt.compile(model, world_size=world, device="meta", remat=remat)
+    options = {"cache_dir": cache_dir} if cache_dir else {}  # an older tree may have no cache
+    compiled = fbmt.compile(model, world_size=world, device="meta", remat=remat, **options)
     program = compiled.trace(torch.zeros(2, 1024, dtype=torch.long), device="cpu")
     total = time.perf_counter() - started
-    passes = {r.name: r.seconds for r in program.history}
+    # a program loaded from the cache took no pass time in this run
+    loaded = getattr(program, "origin", "").startswith("loaded")
+    passes = {r.name: 0.0 if loaded else r.seconds for r in program.history}
     return total, passes, len(program.graph.nodes)
 
 
@@ -46,15 +52,20 @@ def main() -> None:
     ap.add_argument("--remat", default="block")
     ap.add_argument("--profile", type=int, default=0, help="profile this depth instead")
     ap.add_argument("--package", default="fbmt", help="the package to time (fbmt_base: an older tree)")
+    ap.add_argument("--cache", default="", help="compile with this cache folder (run twice: cold, then warm)")
     args = ap.parse_args()
     if args.profile:
         prof = cProfile.Profile()
-        prof.runcall(compile_once, args.profile, args.d_model, args.world, args.remat, args.package)
+        prof.runcall(
+            compile_once, args.profile, args.d_model, args.world, args.remat, args.package, args.cache or False
+        )
         pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
         return
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
-        total, passes, nodes = compile_once(layers, args.d_model, args.world, args.remat, args.package)
+        total, passes, nodes = compile_once(
+            layers, args.d_model, args.world, args.remat, args.package, args.cache or False
+        )
         rows.append((layers, total, passes, nodes))
         print(f"L={layers}: {total:.2f} s, {nodes} nodes", flush=True)
     names = list(rows[0][2])

@@ -89,6 +89,13 @@ LOG = Flag(
     "info/debug: print what fbmt does to stderr, each line with its rank: every compile stage, pass and "
     "Inductor region with its seconds, and why a new program is built (fbmt.logs.show)",
 )
+CACHE_DIR = Flag(
+    "FBMT_CACHE_DIR",
+    str,
+    "",
+    "a folder: where fbmt.compile keeps compiled programs between runs (default ~/.cache/fbmt/compile); "
+    "off: no compile cache (compile(cache_dir=...))",
+)
 INIT_TIMEOUT = Flag(
     "FBMT_INIT_TIMEOUT",
     float,
@@ -147,12 +154,16 @@ RESTART_COUNT = Flag("TORCHELASTIC_RESTART_COUNT", int, 0, "how many times torch
 OMP_NUM_THREADS: Flag[int | None] = Flag(
     "OMP_NUM_THREADS", int, None, "threads per CPU rank; the main job sets it for the ranks it launches"
 )
+XDG_CACHE_HOME = Flag(
+    "XDG_CACHE_HOME", str, "", "the user's cache folder; fbmt's compile cache goes in its fbmt/compile"
+)
 MPLBACKEND = Flag("MPLBACKEND", str, "", "matplotlib's backend; fbmt.viz picks a headless one where it is unset")
 
 FLAGS = (
     CHECKS,
     DUMP_DIR,
     LOG,
+    CACHE_DIR,
     MACHINE,
     INIT_TIMEOUT,
     TIMEOUT,
@@ -167,7 +178,7 @@ FLAGS = (
 
 
 LAUNCHER = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, AGENT_STORE, RESTART_COUNT)
-OTHERS = (OMP_NUM_THREADS, MPLBACKEND)
+OTHERS = (OMP_NUM_THREADS, MPLBACKEND, XDG_CACHE_HOME)
 
 
 def is_set(flag: Flag) -> bool:

@@ -7,7 +7,7 @@ and never in a circle. Imports under `if TYPE_CHECKING:` serve annotations only 
     integrations  integrations/ (bmt, optim, transformers, torch_guards)         + base, compiler's public names
     tools         tools/ (sim, calibration, profiling, viz, auto_remat)          + base, compiler's public names
     models        models/                                                         nothing of fbmt
-    top           fbmt/__init__.py, api, train, checkpoint                         + all, compiler's public names
+    top           fbmt/__init__.py, api, train, checkpoint, cache                 + all, compiler's public names
 
 Inside the compiler:
 
@@ -58,6 +58,7 @@ GROUPS = [  # (module prefix, group); the longest matching prefix decides; a mod
     ("fbmt.api", "top"),
     ("fbmt.train", "top"),
     ("fbmt.checkpoint", "top"),
+    ("fbmt.cache", "top"),
 ]
 TOP_PACKAGE = "fbmt"  # fbmt/__init__.py itself: the public names
 COMPILER = {"compiler.ir", "compiler.trace", "compiler.passes", "compiler.runtime", "compiler.front"}

@@ -13,6 +13,7 @@
     options.py        CompileOptions; plan.py: the options resolved once (Plan)
     pipeline.py       trace -> passes -> partition -> regions
     module.py         CompiledModule: a program per input signature, the call, state dicts
+    cache.py          the compile cache: programs kept on disk between runs, keyed by what decides them
     agreement.py      every call: the ranks run the same program, or fail saying where they part
     owners.py         what compile took over (placeholders, shards' groups), kept beside the objects
     api.py            compile_module
@@ -23,6 +24,7 @@ know as arguments: remat="auto"'s search and cost model, the class of the module
 initializer for a model built on `meta`.
 """
 
+from fbmt.compiler import cache as compile_cache
 from fbmt.compiler import collectives, meta, ops, passes
 from fbmt.compiler.api import compile_module
 from fbmt.compiler.decisions import Schedule
@@ -61,6 +63,7 @@ __all__ = [
     "Search",
     "TraceError",
     "collectives",
+    "compile_cache",
     "compile_module",
     "copy_into_shard",
     "group_of",

@@ -1,7 +1,7 @@
 """The module `fbmt.compile` returns: shards as parameters, a program per input signature.
 
-`CompiledModule.forward` looks up (or builds, with `fbmt.compiler.pipeline.build`) the program for the
-call's input shapes, dtypes, training flags and grad mode, checks that every rank runs the same one,
+`CompiledModule.forward` looks up (or loads from the compile cache, or builds with `fbmt.compiler.pipeline`)
+the program for the call's input shapes, dtypes, training flags and grad mode, checks that every rank runs the same one,
 then runs it. With gradients, the forward and backward graphs run inside one `autograd.Function`
 (`runtime.autograd`), so the training loop stays plain PyTorch and autograd accumulates each shard's
 gradient into `shard.grad`. Its `state_dict` holds full tensors under the original names.
@@ -18,13 +18,15 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fbmt.compiler import objects, owners, pipeline
+from fbmt import job
+from fbmt.compiler import cache, objects, owners, pipeline
 from fbmt.compiler.agreement import check_ranks_agree
 from fbmt.compiler.layout import Layout, copy_into_shard
 from fbmt.compiler.ops import record
@@ -100,6 +102,9 @@ class CompiledModule(nn.Module):
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
         self._warned_shapes = False  # the warning that programs pile up for new input shapes, given once
         self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
+        self.cache_dir = cache.resolve_dir(options.cache_dir)  # the compile cache (NOTE: [Compile cache]); None: off
+        self._entries: list[Path] = []  # cache entries that take Inductor's artifacts as regions compile
+        self._artifacts_at = 0  # regions compiled when the artifacts were last saved
         # what every call reads, found once: walking the module tree on every call costs host time before the
         # step's first kernel
         self._submodules = list(module.modules())
@@ -151,6 +156,7 @@ class CompiledModule(nn.Module):
         trainable = self.trainable()
         needs_grad = torch.is_grad_enabled() and (any(trainable) or any(x.requires_grad for x in inputs))
         key = self._key(args, kwargs, needs_grad, trainable)
+        self._keep_artifacts()
         exe = self._executables.get(key)
         if exe is None:
             exe = self._build(key, args, kwargs, needs_grad, trainable)
@@ -252,22 +258,103 @@ class CompiledModule(nn.Module):
         started = time.perf_counter()
         if self.programs:
             self._say_why_new(key, args, kwargs)
-        program, exe = pipeline.build(
-            self._orig,
-            self.layout,
-            self.plan,
-            args,
-            kwargs,
-            needs_grad=needs_grad,
-            trainable=trainable,
-            regions=self.regions,
-            device=torch.device(device) if device is not None else self.device,
-            search=self.search,
-        )
+        where = torch.device(device) if device is not None else self.device
+        # a forward's build happens on every rank together, so the ranks can agree on the cache's outcome;
+        # trace() may be called on one rank alone
+        together = device is None and self.layout.world_size == job.world_size() > 1
+        cached = self._from_cache(key, where, together)
+        if cached is not None:
+            program, entry = cached
+        else:
+            program = pipeline.compile_program(
+                self._orig,
+                self.layout,
+                self.plan,
+                args,
+                kwargs,
+                needs_grad=needs_grad,
+                trainable=trainable,
+                device=where,
+                search=self.search,
+            )
+            program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
+            self._to_cache(key, where, program, time.perf_counter() - started)
+        exe = pipeline.lower(program, self.plan, self.regions)
         log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
         return exe
+
+    # ---- the compile cache (NOTE: [Compile cache]) ----
+    def _cache_key(self, key: tuple, where: torch.device) -> cache.Key | None:
+        """This call's key in the compile cache; None where the cache is off or the program cannot be
+        keyed (said under FBMT_LOG)."""
+        if self.cache_dir is None:
+            return None
+        if self.plan.dump_dir:
+            log.info("compile cache: not looked up, since dump_dir asks for every pass's program")
+            return None
+        try:
+            return cache.make_key(self._orig, self.layout, self.plan, key, where)
+        except cache.Uncacheable as e:
+            log.info("compile cache: this program is compiled every time: %s", e)
+            return None
+
+    def _from_cache(self, key: tuple, where: torch.device, together: bool) -> tuple[Program, Path] | None:
+        """The program of `key` loaded from the cache, where every rank (`together`) has it too."""
+        k = self._cache_key(key, where)
+        found = cache.load(self.cache_dir, k, self.layout) if k is not None else None
+        if together and min(job.agree(int(found is not None), "the compile cache's lookup")) == 0:
+            if found is not None:
+                log.info("compile cache: another rank has no entry %s; every rank compiles", k.digest[:8])
+            found = None
+        if found is None:
+            if k is not None and self.cache_dir is not None:
+                log.info("compile cache: miss (%s): %s", k.digest[:8], cache.why_missed(self.cache_dir, k))
+            return None
+        program, entry = found
+        program.origin = (
+            f"loaded from the compile cache ({entry.path}; compiled in {entry.about.get('compile_seconds')}s "
+            f"on {entry.about.get('saved')})"
+        )
+        log.info("compile cache: hit %s (%d nodes)", k.digest[:8], len(program.graph.nodes))
+        if self.plan.backend == "inductor":
+            cache.load_artifacts(entry.path)
+            self._entries.append(entry.path)
+        return program, entry.path
+
+    def _to_cache(self, key: tuple, where: torch.device, program: Program, seconds: float) -> None:
+        """Keep a program just compiled in the cache (the first rank of each machine writes it)."""
+        k = self._cache_key(key, where)
+        if k is None:
+            return
+        cache.trim(program)  # as a loaded program is, so both lower alike
+        if not cache.writer():
+            return
+        try:
+            path = cache.save(self.cache_dir, k, program, seconds)
+        except cache.Uncacheable as e:
+            log.info("compile cache: this program is compiled every time: %s", e)
+            return
+        except OSError as e:
+            log.warning(
+                "fbmt: the compile cache could not save into %s (%s); the next run compiles again", self.cache_dir, e
+            )
+            return
+        program.origin += f"; saved to the compile cache ({path})"
+        log.info("compile cache: saved %s", path)
+        if self.plan.backend == "inductor":
+            self._entries.append(path)
+
+    def _keep_artifacts(self) -> None:
+        """Add Inductor's regions compiled since the last call to this model's cache entries."""
+        if self._entries and self.regions.misses != self._artifacts_at and cache.writer():
+            self._artifacts_at = self.regions.misses
+            for path in self._entries:
+                try:
+                    cache.save_artifacts(path)
+                except OSError as e:
+                    log.warning("fbmt: the compile cache could not save Inductor's artifacts into %s (%s)", path, e)
 
     def _say_why_new(self, key: tuple, args: tuple, kwargs: dict) -> None:
         """Log what differs from the last program built; warn once when programs pile up for input

@@ -9,6 +9,7 @@ docs/options.md explains them at length.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,10 @@ class CompileOptions:
     apart), every rank takes rank 0's, as DDP's start-up broadcast does, and fbmt says which differed;
     "check": that is an error naming the first parameter that differs. A model built on `meta` is
     initialized alike on every rank, and is not compared."""
+    cache_dir: str | os.PathLike | bool | None = None
+    """Where compiled programs are kept between runs (NOTE: [Compile cache]): a later run of the same
+    job loads its programs instead of tracing. None or True: $FBMT_CACHE_DIR, else
+    ~/.cache/fbmt/compile; False: no cache. `python -m fbmt.cache` lists and clears it."""
     broadcast_buffers: bool = True
     """As DDP's option of that name: before each training call (grad enabled) whose program updates
     buffers (BatchNorm's running statistics), every rank takes rank 0's values of those buffers, so

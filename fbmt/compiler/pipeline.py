@@ -1,7 +1,8 @@
 """The compiler, top to bottom: trace -> passes -> partition -> regions.
 
 `build` turns one call of a module (its arguments, grad mode and trainable groups) into the Program
-the passes made and the Executable that runs it. `fbmt.compile` has already planned the layout,
+the passes made (`compile_program`: what the compile cache keeps) and the Executable that runs it
+(`lower`). `fbmt.compile` has already planned the layout,
 resolved the options into a `Plan` and built the shards, since the optimizer needs
 `model.parameters()` before the first call; a `CompiledModule` calls `build` for every new input
 signature.
@@ -95,6 +96,26 @@ def build(
     regions: RegionCache,
     search: Search | None = None,
 ) -> tuple[Program, Executable]:
+    """The program of one call and the Executable that runs it (`compile_program`, then `lower`)."""
+    program = compile_program(
+        module, layout, plan, args, kwargs, needs_grad=needs_grad, trainable=trainable, device=device, search=search
+    )
+    return program, lower(program, plan, regions)
+
+
+def compile_program(
+    module: nn.Module,
+    layout: Layout,
+    plan: Plan,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    needs_grad: bool,
+    trainable: tuple[bool, ...],
+    device: torch.device,
+    search: Search | None = None,
+) -> Program:
+    """Trace one call and run the passes: what the compile cache keeps (NOTE: [Compile cache])."""
     # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
     what = "forward and backward" if needs_grad else "forward"
     with logs.stage(f"tracing {type(module).__name__}'s {what} ({len(layout.blocks)} blocks)") as said:
@@ -120,6 +141,11 @@ def build(
     with logs.stage("passes", begin=False) as said:
         program = run(program, plan)
         said["done"] = ", ".join(f"{r.name} {r.seconds:.2f}s" for r in program.history)
+    return program
+
+
+def lower(program: Program, plan: Plan, regions: RegionCache) -> Executable:
+    """The Executable of a program: its forward and backward GraphModules, with Inductor's regions."""
     # 3. partition into a forward and a backward GraphModule whose collectives run on torch.distributed
     with logs.stage("partitioning", begin=False):
         exe = partition(program)
@@ -129,4 +155,4 @@ def build(
         if exe.backward is not None:
             exe.backward = split_regions(exe.backward, regions)
         logs.log.info("Inductor compiles each kind of region on the first call that runs it")
-    return program, exe
+    return exe

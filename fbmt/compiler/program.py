@@ -133,6 +133,8 @@ class Program:
     # the recompute policy the remat pass applied to each block (NOTE: [Schedules] in fbmt/compiler/decisions.py)
     remat: dict[str, str] = field(default_factory=dict)
     history: list[PassRecord] = field(default_factory=list)
+    # where it came from: "compiled in 3.1s; saved to the compile cache (...)", "loaded from the compile cache (...)"
+    origin: str = ""
 
     # ---- structure helpers passes share -------------------------------------------------
     def placeholders(self) -> list[fx.Node]:
@@ -217,6 +219,8 @@ class Program:
             f"{len(self.layout.blocks)} blocks, {len(self.layout.groups)} flat groups, "
             f"{'forward+backward' if self.needs_grad else 'forward only'}"
         ]
+        if self.origin:
+            head.append(f"# {self.origin}")
         for r in self.history:
             head.append(f"# pass {r.name:<10} {r.seconds * 1e3:7.1f} ms  {r.summary}")
         return "\n".join(head) + "\n" + format_graph(self)

@@ -1,0 +1,52 @@
+"""`python -m fbmt.cache`: what the compile cache holds, how big it is, and clearing it.
+
+    python -m fbmt.cache list            # each entry: its model, when it was saved, size, compile time
+    python -m fbmt.cache size
+    python -m fbmt.cache clear
+    python -m fbmt.cache list --dir PATH # another folder than $FBMT_CACHE_DIR / ~/.cache/fbmt/compile
+
+What an entry is and when one is used: NOTE: [Compile cache] in fbmt/compiler/cache.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fbmt.compiler import compile_cache
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fbmt.cache", description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=("list", "size", "clear"))
+    ap.add_argument("--dir", help="the cache folder (default: $FBMT_CACHE_DIR, else ~/.cache/fbmt/compile)")
+    args = ap.parse_args(argv)
+    root = Path(args.dir).expanduser() if args.dir else compile_cache.default_dir()
+    if root is None:
+        print("the compile cache is off (FBMT_CACHE_DIR=off)")
+        return
+    found = compile_cache.entries(root)
+    if args.command == "list":
+        for e in found:
+            a = e.about
+            print(
+                f"{e.path.name[:12]}  {a.get('saved', '?'):19}  {_size(e.size):>10}  "
+                f"compiled in {a.get('compile_seconds', '?')}s  {a.get('nodes', '?')} nodes  {a.get('model', '?')}"
+            )
+        print(f"{len(found)} entries in {root}")
+    elif args.command == "size":
+        print(f"{_size(sum(e.size for e in found))} in {len(found)} entries in {root}")
+    else:
+        print(f"cleared {compile_cache.clear(root)} entries from {root}")
+
+
+if __name__ == "__main__":
+    main()

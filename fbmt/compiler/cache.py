@@ -1,0 +1,573 @@
+"""The compile cache: a program built once is loaded by every later run of the same job.
+
+NOTE: [Compile cache]
+Tracing and the passes take seconds to minutes on a big model, and what they make depends only on
+what the model computes and how it is compiled. So each Program the pipeline builds is saved on
+disk under a key of everything that decides it (`key`), in parts:
+
+    code      the source files of the model's classes and of the user's files they reach through
+              their globals (a library they come from is keyed by its version), and of a
+              registered schedule strategy the options name
+    model     the module tree: each module's class, attributes (a Hugging Face config included),
+              hooks, and each parameter's and buffer's shape, dtype and requires_grad
+    layout    the flat groups and the world size they are sharded for; ranks per node
+    options   the resolved options (NOTE: [Plan])
+    call      the call's signature: its structure, each tensor's shape, dtype and device, plain
+              values, train/eval and grad modes, autocast, and the device traced for
+    settings  torch's process-wide settings a trace reads (attention kernels enabled, default
+              dtype, deterministic algorithms, float32 matmul precision)
+    versions  the digest of fbmt's own sources, torch, transformers, Python, the entry format
+
+A run looks its key up before tracing. The ranks agree on the outcome (`job.agree`): where every
+rank found and loaded its entry, each partitions the loaded program; where any rank missed, every
+rank compiles, so no two ranks run programs of different origin. A miss says why under FBMT_LOG:
+which parts differ from the closest entry of the same model class. Inductor's compiled regions are
+kept by torch's own caches; fbmt adds torch's cache artifacts (`torch.compiler.save_cache_artifacts`)
+to the entry once the regions have compiled and loads them before a loaded program first runs, so
+the entry restores the whole compile on a machine whose torch caches are empty.
+
+An entry is a folder written whole (a temporary folder renamed into place: a reader never sees
+half of one) by the first rank of each machine: `program.pkl` (the Program, its graph as a list of
+nodes with their `meta` facts and each value's shape, dtype and strides; nothing that runs),
+`about.json` (the key's parts, the pickle's SHA-256, the model, when it was saved) and, with
+Inductor, `inductor.bin`. An entry whose checksum, format or contents do not hold is ignored with
+a warning and deleted; nothing unverified is loaded. A model whose key cannot be made (an attribute
+with no stable description, symbolic sizes) is compiled every time, and FBMT_LOG says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import sys
+import sysconfig
+import types
+import uuid
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from fbmt import flags, job
+from fbmt.compiler.layout import Layout
+from fbmt.compiler.program import Program
+
+log = logging.getLogger("fbmt")
+FORMAT = 1  # the entry format: a change of what an entry holds or how bumps it
+_KEPT_META = ("val", "fbmt_")  # the node facts a Program's readers use (`meta`, and each value's shape)
+
+
+class Uncacheable(Exception):
+    """This program cannot be keyed or saved; the message says what stands in the way."""
+
+
+# ---- where ---------------------------------------------------------------------------------
+
+
+def default_dir() -> Path | None:
+    """$FBMT_CACHE_DIR, else ~/.cache/fbmt/compile ($XDG_CACHE_HOME's fbmt/compile); None: "off"."""
+    given = flags.CACHE_DIR.get()
+    if given.lower() in ("off", "0", "none"):
+        return None
+    if given:
+        return Path(given).expanduser()
+    base = flags.XDG_CACHE_HOME.get() or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fbmt" / "compile"
+
+
+def resolve_dir(option: str | os.PathLike | bool | None) -> Path | None:
+    """The folder `fbmt.compile(cache_dir=...)` means: None or True the default, False off."""
+    if option is None or option is True:
+        return default_dir()
+    if option is False:
+        return None
+    return Path(option).expanduser()
+
+
+# ---- the key -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Key:
+    parts: dict[str, str]  # part -> its digest (NOTE: [Compile cache])
+    model: str  # the model's class, to find the closest entry on a miss
+
+    @property
+    def digest(self) -> str:
+        return _sha("\n".join(f"{k}={v}" for k, v in sorted(self.parts.items())))[:32]
+
+
+def _sha(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+def make_key(module: nn.Module, layout: Layout, plan: Any, call: tuple, device: torch.device) -> Key:
+    """The key of the program `module` compiles to for `call` (CompiledModule's call key); raises
+    `Uncacheable` where a part has no description that is the same in every process."""
+    strategy = plan.strategy if isinstance(plan.strategy, str) else None
+    described = {
+        "code": _code_digest(module, strategy),
+        "model": _describe_module(module),
+        "layout": f"{layout!r} ranks per node {job.ranks_per_node(layout.world_size)}",
+        "options": repr(dataclasses.replace(plan, dump_dir=None)),
+        "call": f"{_stable(repr(call), 'the call')} on {device}",
+        "settings": _settings(),
+        "versions": _versions(),
+    }
+    _stable(described["options"], "the options")
+    return Key(
+        {k: _sha(v)[:16] for k, v in described.items()}, f"{type(module).__module__}.{type(module).__qualname__}"
+    )
+
+
+def _settings() -> str:
+    """torch's process-wide settings that a trace reads: the attention kernels it may choose, the
+    dtype of the constants a forward makes, deterministic algorithms."""
+    sdp = torch.backends.cuda
+    return (
+        f"sdp flash {sdp.flash_sdp_enabled()} mem_efficient {sdp.mem_efficient_sdp_enabled()} "
+        f"math {sdp.math_sdp_enabled()} cudnn {sdp.cudnn_sdp_enabled()} cudnn_backend {torch.backends.cudnn.enabled} "
+        f"default dtype {torch.get_default_dtype()} deterministic {torch.are_deterministic_algorithms_enabled()} "
+        f"float32 matmul {torch.get_float32_matmul_precision()}"
+    )
+
+
+def _stable(text: str, what: str) -> str:
+    """`text`, if it says the same in every process (no object address, no object identity)."""
+    if " at 0x" in text or "'opaque'" in text:
+        at = text.find(" at 0x") if " at 0x" in text else text.find("'opaque'")
+        raise Uncacheable(f"{what} hold an object with no stable description ({text[max(0, at - 60) : at + 20]}...)")
+    return text
+
+
+@functools.cache
+def _fbmt_digest() -> str:
+    """fbmt's own Python sources: a program depends on every pass and table of them."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _versions() -> str:
+    transformers = sys.modules.get("transformers")
+    return (
+        f"format {FORMAT} fbmt {_fbmt_digest()[:16]} torch {torch.__version__} "
+        f"transformers {getattr(transformers, '__version__', None)} python {sys.version.split()[0]}"
+    )
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed packages and the standard library live: not followed further (NOTE: [Compile cache])."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs.add(os.path.dirname(torch.__file__))
+    return tuple(os.path.realpath(d) + os.sep for d in dirs)
+
+
+def _module_of(obj: Any) -> types.ModuleType | None:
+    """The module `obj` is, or the one a function or class was defined in."""
+    if isinstance(obj, types.ModuleType):
+        return obj
+    return sys.modules.get(getattr(obj, "__module__", None) or "")
+
+
+def _code_digest(module: nn.Module, strategy: str | None) -> str:
+    """The code the model runs, as it runs in this process (NOTE: [Compile cache], part code).
+
+    From the Python modules that define the model's classes (and a registered strategy the options
+    name), each module is described by the code objects of every function and class defined in it
+    (bytecode, constants, names, defaults: what is loaded, not what the file says now, so a file
+    edited after its import or a class typed into a notebook are keyed as they run) and its plain
+    global values. A user's module leads on to every module its globals come from; a library's (an
+    installed package, the standard library) does not, and its package's version stands for the
+    rest of it. fbmt's own code is in the versions part."""
+    libraries = _library_dirs()
+    classes = {c for m in module.modules() for c in type(m).__mro__ if c not in (nn.Module, object)}
+    roots: list[Any] = [c for c in classes if not c.__module__.startswith(("torch.", "fbmt."))]
+    if strategy is not None:
+        from fbmt.compiler.passes import STRATEGIES
+
+        if strategy in STRATEGIES:
+            roots.append(STRATEGIES[strategy])
+    described: dict[str, str] = {}
+    todo = [m for m in map(_module_of, roots) if m is not None]
+    while todo:
+        mod = todo.pop()
+        name = mod.__name__
+        if name in described or name.split(".")[0] in ("torch", "fbmt"):
+            continue
+        path = os.path.realpath(getattr(mod, "__file__", None) or "")
+        library = path.startswith(libraries)
+        top = sys.modules.get(name.split(".")[0])
+        lines = [f"version {getattr(top, '__version__', None)}"] if library else []
+        for key, v in sorted(vars(mod).items(), key=lambda kv: kv[0]):
+            if key.startswith("__"):
+                continue
+            if isinstance(v, (types.FunctionType, type)) and getattr(v, "__module__", None) == name:
+                lines.append(f"{key} = {_definition(v)}")
+            elif library:
+                continue  # its version stands for its values (some are drawn anew in every process)
+            elif isinstance(v, _PLAIN) or (isinstance(v, (tuple, frozenset)) and all(isinstance(x, _PLAIN) for x in v)):
+                lines.append(f"{key} = {v!r}")
+            else:
+                other = _module_of(v) if isinstance(v, (types.ModuleType, types.FunctionType, type)) else None
+                if other is not None and other.__name__ not in described:
+                    todo.append(other)
+        described[name] = "\n".join(lines)
+    return _sha("\n\n".join(f"{k}:\n{v}" for k, v in sorted(described.items())))
+
+
+def _definition(v: Any) -> str:
+    """A function by its code and defaults; a class by the code of what it defines."""
+    if isinstance(v, types.FunctionType):
+        return f"{_code(v.__code__)}{_value(v.__defaults__)}{_value(v.__kwdefaults__)}"
+    parts = []
+    for key, member in getattr(v, "__dict__", {}).items():
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        if isinstance(member, property):
+            parts.append(f"{key}:" + ",".join(_definition(f) for f in (member.fget, member.fset) if f is not None))
+        elif isinstance(member, types.FunctionType):
+            parts.append(f"{key}:{_definition(member)}")
+        elif isinstance(member, type) and member.__module__ == v.__module__:  # a class defined inside
+            parts.append(f"{key}:{_definition(member)}")
+        elif isinstance(member, _PLAIN):
+            parts.append(f"{key}={member!r}")
+    return f"class {_qualname(v)}({', '.join(map(_qualname, v.__bases__))}) " + " ".join(parts)
+
+
+def _value(x: Any) -> str:
+    """A default argument's value as text, a function or class by its name (not its address)."""
+    if isinstance(x, _PLAIN):
+        return repr(x)
+    if isinstance(x, (tuple, list)):
+        return "(" + ",".join(map(_value, x)) + ")"
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{k!r}:{_value(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return f"{getattr(x, '__module__', None)}.{getattr(x, '__qualname__', None)}"
+    return f"<{type(x).__qualname__}>"
+
+
+def _qualname(c: type) -> str:
+    """A class's own qualified name (read past a metaclass or class attribute that shadows it)."""
+    return type.__dict__["__qualname__"].__get__(c)
+
+
+def _describe_module(module: nn.Module) -> str:
+    """Every module's class and state that a trace could read (NOTE: [Compile cache], part model)."""
+    paths = {id(m): p for p, m in module.named_modules(remove_duplicate=False)}
+    lines = []
+    for path, m in module.named_modules(remove_duplicate=False):
+        lines.append(f"{path}: {type(m).__module__}.{type(m).__qualname__}")
+        for name, v in vars(m).items():
+            if name == "_modules":
+                continue
+            if name in ("_parameters", "_buffers"):
+                v = {k: None if t is None else (tuple(t.shape), t.dtype, t.requires_grad) for k, t in v.items()}
+            elif "hooks" in name or name.endswith(("_with_kwargs", "_always_called")):
+                v = list(v.values()) if isinstance(v, dict) else v  # keyed by a process-wide counter
+            lines.append(f"  {name} = {_stable(_describe(v, paths, set(), 0), f'{path or type(m).__name__}.{name}')}")
+    return "\n".join(lines)
+
+
+# attributes that hold Python's hash() of a string, which each process salts anew (transformers'
+# GenerationConfig keeps one), and that no forward reads
+_SALTED = frozenset({"_original_object_hash"})
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
+
+
+def _describe(x: Any, paths: dict[int, str], seen: set[int], depth: int) -> str:
+    """A text that is the same for equal values in any process (objects by their state, functions
+    by their code, modules of the tree by their path)."""
+    if isinstance(x, _PLAIN):
+        return repr(x)
+    if isinstance(x, torch.Tensor):
+        text = f"tensor{tuple(x.shape)}:{x.dtype}:{x.device.type}"
+        if x.device.type != "meta" and not torch._subclasses.fake_tensor.is_fake(x) and x.numel() <= 1 << 20:
+            data = x.detach().cpu().contiguous().flatten()
+            text += ":" + _sha(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")[:16]
+        return text
+    if isinstance(x, nn.Module):
+        return f"module {paths[id(x)]}" if id(x) in paths else f"module {type(x).__qualname__}"
+    if isinstance(x, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return _function(x)
+    if isinstance(x, functools.partial):
+        return f"partial({_describe(x.func, paths, seen, depth + 1)}, {_describe(x.args, paths, seen, depth + 1)}, " + (
+            f"{_describe(x.keywords, paths, seen, depth + 1)})"
+        )
+    if isinstance(x, type):
+        return f"class {x.__module__}.{x.__qualname__}"
+    if id(x) in seen or depth > 8:
+        return f"<{type(x).__qualname__}>"
+    seen = seen | {id(x)}
+    if isinstance(x, dict):
+        items = [(k, v) for k, v in x.items() if k not in _SALTED]
+        return "{" + ", ".join(f"{k!r}: {_describe(v, paths, seen, depth + 1)}" for k, v in items) + "}"
+    if isinstance(x, (list, tuple)):
+        return f"{type(x).__name__}[" + ", ".join(_describe(v, paths, seen, depth + 1) for v in x) + "]"
+    if isinstance(x, (set, frozenset)):
+        return "{" + ", ".join(sorted(_describe(v, paths, seen, depth + 1) for v in x)) + "}"
+    if hasattr(x, "__dict__") and not isinstance(x, types.ModuleType):
+        return f"{type(x).__qualname__}({_describe(vars(x), paths, seen, depth + 1)})"
+    return repr(x)
+
+
+def _function(f: Any) -> str:
+    """A function by its name and, for Python code, its code (bytecode, constants, names)."""
+    name = f"{getattr(f, '__module__', None)}.{getattr(f, '__qualname__', repr(f))}"
+    code = getattr(getattr(f, "__func__", f), "__code__", None)
+    return f"function {name}" + (f":{_code(code)}" if code is not None else "")
+
+
+def _code(code: types.CodeType) -> str:
+    consts = [_code(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    return _sha(code.co_code + repr((consts, code.co_names)).encode())[:16]
+
+
+# ---- a Program on disk ---------------------------------------------------------------------
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a Program's parts: nodes by name, ops by name, fake tensors by their description."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, fx.Node):
+            return ("node", obj.name)
+        if isinstance(obj, torch._ops.OpOverload):
+            return ("op", obj.namespace, obj._opname, obj._overloadname)
+        if isinstance(obj, torch._ops.HigherOrderOperator):
+            return ("hop", obj.name())
+        if isinstance(obj, torch.SymInt | torch.SymFloat | torch.SymBool):
+            raise Uncacheable("the program has symbolic sizes")
+        if isinstance(obj, torch.Tensor) and (obj.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(obj)):
+            return (
+                "fake",
+                tuple(obj.shape),
+                obj.stride(),
+                obj.storage_offset(),
+                obj.dtype,
+                str(obj.fake_device if hasattr(obj, "fake_device") else obj.device),
+                obj.requires_grad,
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class _Ref:
+    name: str  # a node, by name, until the node exists
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, fake_mode: Any):
+        super().__init__(io.BytesIO(data))
+        self.fake_mode = fake_mode
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, *rest = pid
+        if kind == "node":
+            return _Ref(rest[0])
+        if kind == "op":
+            namespace, name, overload = rest
+            return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        if kind == "hop":
+            return getattr(torch.ops.higher_order, rest[0])
+        if kind == "fake":  # made as fake tensors are, but straight from a meta tensor: a mode's dispatch costs 5x
+            shape, stride, offset, dtype, device, requires_grad = rest
+            t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            if offset:
+                t = t.as_strided(shape, stride, offset)
+            t = FakeTensor(self.fake_mode, t, torch.device(device))
+            return t.requires_grad_(requires_grad) if requires_grad else t
+        raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+
+
+def dumps(program: Program) -> bytes:
+    """The program as bytes: every field but its layout (the key holds it), the graph node by node."""
+    nodes = []
+    for n in program.graph.nodes:
+        if n.op in ("call_module", "get_attr"):
+            raise Uncacheable(f"the program calls {n.op} {n.target}")
+        kept = {k: v for k, v in n.meta.items() if k.startswith(_KEPT_META)}
+        nodes.append((n.name, n.op, n.target, n.args, n.kwargs, kept))
+    fields = {
+        f.name: getattr(program, f.name) for f in dataclasses.fields(program) if f.name not in ("graph", "layout")
+    }
+    stream = io.BytesIO()
+    try:
+        _Pickler(stream, protocol=pickle.HIGHEST_PROTOCOL).dump((nodes, fields))
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise Uncacheable(f"a part of the program cannot be saved ({type(e).__name__}: {str(e)[:200]})") from None
+    return zlib.compress(stream.getvalue(), 1)
+
+
+def loads(data: bytes, layout: Layout) -> Program:
+    """The program `dumps` saved, for a model of `layout`; its values are fakes of a new fake mode."""
+    with warnings.catch_warnings():  # a pytree spec of an older torch's class names says so when unpickled
+        warnings.simplefilter("ignore", FutureWarning)
+        nodes, fields = _Unpickler(zlib.decompress(data), FakeTensorMode(allow_non_fake_inputs=True)).load()
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+
+    def resolve(a: Any) -> Any:
+        return env[a.name] if isinstance(a, _Ref) else a
+
+    for name, op, target, args, kwargs, kept in nodes:
+        args, kwargs = fx.node.map_aggregate(args, resolve), fx.node.map_aggregate(kwargs, resolve)
+        n = graph.create_node(op, target, args, kwargs, name=name)
+        if n.name != name:
+            raise ValueError(f"node {name!r} came back named {n.name!r}")
+        n.meta.update(kept)
+        env[name] = n
+    return Program(graph=graph, layout=layout, **fields)
+
+
+def trim(program: Program) -> None:
+    """Keep only the node facts an entry keeps, so a program compiled here and one loaded from the
+    cache are the same to partition and to Inductor's own caches (a trace's stack traces differ)."""
+    for n in program.graph.nodes:
+        for k in [k for k in n.meta if not k.startswith(_KEPT_META)]:
+            del n.meta[k]
+
+
+# ---- the store -----------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    path: Path
+    about: dict[str, Any]
+
+    @property
+    def size(self) -> int:
+        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+
+
+def entries(root: Path) -> list[Entry]:
+    """The entries under `root`, newest first (one whose about.json cannot be read is left out)."""
+    found = []
+    for d in (root / "programs").glob("*") if (root / "programs").is_dir() else ():
+        try:
+            found.append(Entry(d, json.loads((d / "about.json").read_text())))
+        except (OSError, ValueError):
+            continue
+    return sorted(found, key=lambda e: e.about.get("saved", ""), reverse=True)
+
+
+def writer() -> bool:
+    """Whether this rank writes entries: the first rank of each machine (all read)."""
+    local = flags.LOCAL_RANK.get()
+    return (local if local is not None else job.rank()) == 0
+
+
+def save(root: Path, key: Key, program: Program, seconds: float) -> Path:
+    """Write the entry of `key` (whole or not at all) and return its folder."""
+    data = dumps(program)
+    about = {
+        "format": FORMAT,
+        "key": key.digest,
+        "parts": key.parts,
+        "model": key.model,
+        "saved": datetime.datetime.now().isoformat(timespec="seconds"),
+        "compile_seconds": round(seconds, 2),
+        "nodes": len(program.graph.nodes),
+        "sha256": _sha(data),
+    }
+    final = root / "programs" / key.digest
+    tmp = root / "programs" / f".{key.digest}.{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / "program.pkl").write_bytes(data)
+        (tmp / "about.json").write_text(json.dumps(about, indent=1))
+        if final.exists():
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load(root: Path, key: Key, layout: Layout) -> tuple[Program, Entry] | None:
+    """The program saved under `key`, verified; None where there is none. A broken entry is
+    deleted with a warning and counts as none."""
+    d = root / "programs" / key.digest
+    if not (d / "about.json").exists():
+        return None
+    try:
+        about = json.loads((d / "about.json").read_text())
+        data = (d / "program.pkl").read_bytes()
+        if about.get("format") != FORMAT or about.get("parts") != key.parts:
+            raise ValueError("its key does not match its folder")
+        if _sha(data) != about.get("sha256"):
+            raise ValueError("program.pkl does not match its checksum (a partial or damaged write)")
+        program = loads(data, layout)
+    except Exception as e:  # anything at all: the entry is not loaded
+        log.warning("fbmt: compile cache entry %s is broken (%s: %s); compiling instead", d, type(e).__name__, e)
+        shutil.rmtree(d, ignore_errors=True)
+        return None
+    return program, Entry(d, about)
+
+
+def why_missed(root: Path, key: Key) -> str:
+    """Which parts of `key` differ from the closest entry of the same model class."""
+    names = {"code": "its code", "model": "its modules", "layout": "its flat groups or world size"}
+    names |= {"options": "the options", "call": "the call's inputs", "versions": "fbmt, torch or transformers"}
+    names |= {"settings": "torch's settings (attention kernels, default dtype, determinism)"}
+    same_model = [e for e in entries(root) if e.about.get("model") == key.model]
+    if not same_model:
+        return f"no entry for {key.model} yet"
+
+    def differ(e: Entry) -> list[str]:
+        return [p for p in key.parts if e.about.get("parts", {}).get(p) != key.parts[p]]
+
+    closest = min(same_model, key=lambda e: len(differ(e)))
+    return f"the closest entry for {key.model} ({closest.path.name[:8]}) differs in " + ", ".join(
+        names.get(p, p) for p in differ(closest)
+    )
+
+
+def save_artifacts(entry: Path) -> None:
+    """Add torch's cache artifacts (Inductor's compiled regions so far) to an entry."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return
+    tmp = entry / f".inductor.{uuid.uuid4().hex[:8]}"
+    tmp.write_bytes(saved[0])
+    os.replace(tmp, entry / "inductor.bin")
+
+
+@functools.cache
+def load_artifacts(entry: Path) -> None:
+    """Give torch's caches the artifacts an entry holds (once per process and entry)."""
+    f = entry / "inductor.bin"
+    if f.exists():
+        try:
+            torch.compiler.load_cache_artifacts(f.read_bytes())
+        except Exception as e:  # torch's own format: a failure costs a compile, never a wrong region
+            log.warning("fbmt: Inductor's artifacts in %s could not be loaded (%s); Inductor compiles anew", f, e)
+
+
+def clear(root: Path) -> int:
+    """Delete every entry under `root`; returns how many."""
+    found = entries(root)
+    shutil.rmtree(root / "programs", ignore_errors=True)
+    return len(found)

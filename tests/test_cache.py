@@ -1,0 +1,263 @@
+"""The compile cache (NOTE: [Compile cache] in fbmt/compiler/cache.py): a later run loads the program
+an earlier one compiled, identical and computing the same; any change of what decides the program
+misses; a broken entry is never loaded; the ranks agree on hit or miss."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fbmt
+from fbmt.compiler import cache
+from fbmt.compiler.program import format_graph
+from fbmt.models.gpt import GPT, GPTConfig
+from tests.dist import run_ranks
+from tests.models import hf
+
+
+def _gpt(d_model: int = 32, n_layer: int = 2) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=n_layer, d_model=d_model, n_head=2))
+
+
+def _trace(folder: Path, model: nn.Module | None = None, **options):
+    """A program of a 2-rank model traced in this process (nothing runs), with the cache in `folder`."""
+    compiled = fbmt.compile(model or _gpt(), world_size=2, device="meta", cache_dir=folder, **options)
+    return compiled.trace(torch.zeros(2, 16, dtype=torch.long), device="cpu")
+
+
+def test_a_second_compile_loads_the_identical_program(tmp_path):
+    first = _trace(tmp_path)
+    assert first.origin.startswith("compiled") and "saved to the compile cache" in first.origin
+    second = _trace(tmp_path)
+    assert second.origin.startswith("loaded from the compile cache"), second.origin
+    assert format_graph(second) == format_graph(first)
+    assert [r.summary for r in second.history] == [r.summary for r in first.history]
+    assert second.collective_signature() == first.collective_signature()
+    assert "# loaded from the compile cache" in str(second)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "option",
+        "world size",
+        "model shape",
+        "model attribute",
+        "torch version",
+        "torch setting",
+        "input shape",
+        "fbmt's code",
+    ],
+)
+def test_each_kind_of_change_misses_and_says_why(tmp_path, monkeypatch, caplog, change):
+    _trace(tmp_path)
+    model, options, seq = _gpt(), {}, 16
+    if change == "option":
+        options = dict(remat="none")
+    elif change == "world size":
+        options = dict(world_size=4)
+    elif change == "model shape":
+        model = _gpt(d_model=48)
+    elif change == "model attribute":
+        model.h[0].attn.n_head = 4  # no parameter changes shape, the program does
+    elif change == "torch version":
+        monkeypatch.setattr(torch, "__version__", torch.__version__ + ".patched")
+    elif change == "input shape":
+        seq = 8
+    elif change == "torch setting":  # which attention kernels a trace may choose
+        flash = torch.backends.cuda.flash_sdp_enabled()
+        torch.backends.cuda.enable_flash_sdp(not flash)
+    elif change == "fbmt's code":
+        monkeypatch.setattr(cache, "_fbmt_digest", lambda: "an edited fbmt")
+    compiled = fbmt.compile(model, device="meta", cache_dir=tmp_path, **{"world_size": 2, **options})
+    try:
+        with caplog.at_level(logging.INFO, logger="fbmt"):
+            program = compiled.trace(torch.zeros(2, seq, dtype=torch.long), device="cpu")
+    finally:
+        if change == "torch setting":
+            torch.backends.cuda.enable_flash_sdp(flash)
+    assert program.origin.startswith("compiled"), (change, program.origin)
+    said = {
+        "option": "the options",
+        "world size": "its flat groups or world size",
+        "model shape": "its modules",
+        "model attribute": "its modules",
+        "torch version": "fbmt, torch or transformers",
+        "input shape": "the call's inputs",
+        "torch setting": "torch's settings",
+        "fbmt's code": "fbmt, torch or transformers",
+    }[change]
+    assert f"differs in {said}" in caplog.text or said in caplog.text, caplog.text
+
+
+MODEL_FILE = """
+import torch, torch.nn as nn
+
+def act(x):
+    return torch.{fn}(x)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = act(layer(x))
+        return x.sum()
+"""
+
+
+def test_an_edited_model_file_misses(tmp_path, monkeypatch):
+    """The user's source (a helper called through the module's globals included) is part of the key."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def program(fn: str):
+        (tmp_path / "usernet.py").write_text(MODEL_FILE.format(fn=fn))
+        sys.modules.pop("usernet", None)
+        import usernet
+
+        compiled = fbmt.compile(usernet.Net(), world_size=2, device="meta", cache_dir=tmp_path / "cache")
+        return compiled.trace(torch.zeros(4, 8), device="cpu")
+
+    first = program("relu")
+    assert program("relu").origin.startswith("loaded")
+    edited = program("tanh")
+    assert edited.origin.startswith("compiled") and "tanh" in format_graph(edited) and "tanh" not in format_graph(first)
+
+
+def test_a_broken_entry_is_never_loaded(tmp_path, caplog):
+    _trace(tmp_path)
+    (entry,) = cache.entries(tmp_path)
+    for damage in ("flip a byte", "cut short", "no program", "garbled about"):
+        pkl, about = entry.path / "program.pkl", entry.path / "about.json"
+        if damage == "flip a byte":
+            data = bytearray(pkl.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            pkl.write_bytes(bytes(data))
+        elif damage == "cut short":
+            pkl.write_bytes(pkl.read_bytes()[:100])
+        elif damage == "no program":
+            pkl.unlink()
+        else:
+            about.write_text("{not json")
+        with caplog.at_level(logging.WARNING, logger="fbmt"):
+            caplog.clear()
+            program = _trace(tmp_path)
+        assert program.origin.startswith("compiled"), damage
+        assert "is broken" in caplog.text and "compiling instead" in caplog.text, damage
+        assert _trace(tmp_path).origin.startswith("loaded"), damage  # compiled again, saved again
+
+
+def test_a_model_with_no_stable_description_compiles_every_time(tmp_path, caplog):
+    model = _gpt()
+    model.h[0].tool = object()  # "<object object at 0x...>": nothing to tell one process's from another's
+    with caplog.at_level(logging.INFO, logger="fbmt"):
+        program = _trace(tmp_path, model)
+    assert program.origin.startswith("compiled") and "saved" not in program.origin
+    assert "compiled every time" in caplog.text and "h.0.tool" in caplog.text
+    assert cache.entries(tmp_path) == []
+
+
+def test_cache_dir_false_and_the_variable_turn_it_off(tmp_path, monkeypatch):
+    _trace(tmp_path)
+    program = fbmt.compile(_gpt(), world_size=2, device="meta", cache_dir=False).trace(
+        torch.zeros(2, 16, dtype=torch.long), device="cpu"
+    )
+    assert program.origin.startswith("compiled") and "saved" not in program.origin
+    monkeypatch.setenv("FBMT_CACHE_DIR", "off")
+    assert cache.default_dir() is None
+    monkeypatch.setenv("FBMT_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert cache.default_dir() == tmp_path / "elsewhere"
+
+
+def _train(rank: int, world: int, folders: list[str], steps: int = 2) -> dict:
+    torch.manual_seed(0)
+    model = hf.build("llama")
+    compiled = fbmt.compile(model, cache_dir=folders[rank])
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        out = compiled(**fbmt.local_part(hf.inputs("llama", step)))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+    return {
+        "origin": compiled.program.origin,
+        "text": format_graph(compiled.program),
+        "losses": losses,
+        "params": compiled.full_parameters(),
+    }
+
+
+def _eager(steps: int = 2) -> tuple[list[float], dict]:
+    torch.manual_seed(0)
+    model = hf.build("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        out = model(**hf.inputs("llama", step))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+    return losses, dict(model.named_parameters())
+
+
+def test_on_two_ranks_a_loaded_program_trains_as_the_compiled_one_and_as_eager(tmp_path):
+    folders = [str(tmp_path)] * 2
+    cold = run_ranks(2, _train, folders)
+    warm = run_ranks(2, _train, folders)
+    assert all(r["origin"].startswith("compiled") for r in cold)
+    assert all(r["origin"].startswith("loaded") for r in warm), [r["origin"] for r in warm]
+    assert warm[0]["text"] == cold[0]["text"]
+    assert warm[0]["losses"] == cold[0]["losses"]
+    for name, p in cold[0]["params"].items():
+        assert torch.equal(warm[0]["params"][name], p), name
+    losses, params = _eager()
+    both = (torch.tensor(warm[0]["losses"]) + torch.tensor(warm[1]["losses"])) / 2  # each rank's half of the batch
+    torch.testing.assert_close(both, torch.tensor(losses), rtol=1e-4, atol=1e-5)
+    for name, p in params.items():
+        if name in warm[0]["params"]:
+            torch.testing.assert_close(warm[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_ranks_agree_when_one_has_no_entry(tmp_path):
+    """Rank 0 finds its entry, rank 1 (another machine's disk) has none: both compile, and train."""
+    warm, empty = tmp_path / "warm", tmp_path / "empty"
+    first = run_ranks(2, _train, [str(warm)] * 2, 1)
+    results = run_ranks(2, _train, [str(warm), str(empty)], 1)
+    assert all(r["origin"].startswith("compiled") for r in results), [r["origin"] for r in results]
+    assert [r["losses"] for r in results] == [r["losses"] for r in first]
+
+
+def test_the_command_lists_sizes_and_clears(tmp_path):
+    _trace(tmp_path)
+    _trace(tmp_path, remat="none")
+
+    def cli(*args: str) -> str:
+        env = {**os.environ, "PYTHONPATH": str(Path(fbmt.__file__).parents[1])}
+        done = subprocess.run(
+            [sys.executable, "-m", "fbmt.cache", *args, "--dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    listed = cli("list")
+    assert listed.count("fbmt.models.gpt.GPT") == 2 and "2 entries" in listed, listed
+    assert "KiB" in cli("size") or "MiB" in cli("size")
+    assert "cleared 2 entries" in cli("clear")
+    assert cache.entries(tmp_path) == [] and "0 entries" in cli("list")
