@@ -5,8 +5,9 @@ After partitioning, a forward or backward GraphModule is a sequence of pure aten
 collective nodes (starts, waits) and effectful ops (random draws, buffer writes, recording) in
 between. `split_regions` cuts it at every node that is not pure aten compute and replaces each
 maximal run of pure nodes that does real work (not only views) by one call of a `Region` module. A
-region compiles itself on its first call, from the real inputs, with
-`torch._inductor.compile_fx.compile_fx`, and keeps the result in a cache shared by the whole model,
+region compiles itself on its first call, from its inputs' shapes, strides and dtypes, with
+`torch._inductor.compile_fx.compile_fx` (where torch's own FX graph and AOTAutograd caches find it
+again in a later run: `_cacheable`), and keeps the result in a cache shared by the whole model,
 keyed by the region's structure (ops and how they connect, constants included) and its inputs'
 shapes, strides and dtypes. The regions of identical blocks have the same key, so a 32-layer model
 compiles one forward and a few backward regions, not 32 of each: compile time does not grow with
@@ -26,7 +27,7 @@ import hashlib
 import operator
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -72,8 +73,8 @@ class Region(nn.Module):
             from torch._inductor.compile_fx import compile_fx
 
             started = time.perf_counter()
-            with cat_guard():
-                fn = compile_fx(self.gm, list(args))
+            with cat_guard(), _cacheable() as fake:
+                fn = compile_fx(self.gm, [fake(a) for a in args])
             seconds = time.perf_counter() - started
             self.cache.seconds += seconds
             self.cache.compiled[key] = fn
@@ -89,6 +90,21 @@ class Region(nn.Module):
         else:
             self.cache.hits += 1
         self.fn = fn
+
+
+@contextlib.contextmanager
+def _cacheable() -> Iterator[Callable[[Any], Any]]:
+    """Where a region compiles: a tracing context whose fake mode has a shape environment, which
+    torch's FX graph and AOTAutograd caches need to key a graph (without one they bypass the cache and
+    every run compiles every region again), and the region's inputs as fakes of static shapes in
+    that mode (given real inputs, the mode would make their sizes symbolic)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    with tracing(TracingContext(mode)):
+        yield lambda a: mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
 
 
 # The torch releases (major, minor), first and last, whose Inductor the cat guard below was written
