@@ -10,6 +10,8 @@
 #   13b          13B with block recompute against FSDP2 + compile, one after the other (two do not fit)
 #   hf-0.89b     transformers' LlamaForCausalLM of 0.89B, unmodified: fbmt (mincut, ZeRO-3 and ZeRO-2) against
 #                FSDP2 + compile (called with use_cache=False, its best), interleaved
+#   first-step   start time: process start to the first finished step, cold and warm (the compile cache),
+#                the 1.36B (block recompute) and transformers' 0.89B, against FSDP2 + per-layer compile, one GPU
 #   predict      the simulator against measurement after fbmt.calibrate(): the 1.36B (bf16, eager) on every
 #                GPU for five strategy/recompute settings (benchmarks/predict.py)
 #   restructure  1.36B with block recompute: this commit against the one before the move into compiler/,
@@ -47,6 +49,13 @@ case $stage in
   1.36b-none)
     run 1.36_none 230 benchmarks/gpu_train.py $b136 --remat none --warmup 2 --steps 30 --interleave \
       --methods fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-nomerge,fsdp2-compile --out "$out/1.36_none.json" ;;
+  first-step)
+    CUDA_VISIBLE_DEVICES=0 timeout 290 python3 benchmarks/first_step.py --config 1.36b --remat block \
+      --fbmt fbmt-inductor --out "$out/first_step_1.36b.json" > "$out/first_step_1.36b.txt" 2>&1
+    tail -9 "$out/first_step_1.36b.txt"
+    CUDA_VISIBLE_DEVICES=0 timeout 290 python3 benchmarks/first_step.py --config 0.89b --hf --batch 4 --remat mincut \
+      --fbmt fbmt-inductor-mincut --out "$out/first_step_hf.json" > "$out/first_step_hf.txt" 2>&1
+    tail -9 "$out/first_step_hf.txt" ;;
   predict)
     timeout 560 python3 benchmarks/predict.py --ranks "$gpus" --config 1.36b --rounds 1 > "$out/predict.txt" 2>&1
     echo "rc=$?" >> "$out/predict.txt"

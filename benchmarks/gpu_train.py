@@ -520,6 +520,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         result["inductor_s"] = model.regions.seconds  # compiling regions (backend="inductor"), in the first step
         result["capture_s"] = model.capture_seconds  # CUDA graphs (-graph methods)
         result["regions"] = repr(model.regions)
+        result["origin"] = model.program.origin  # compiled, or loaded from the compile cache (and why not kept)
         # what the passes decided about the model's ends: the last block saved or not, the group kept
         result["passes"] = {name: model.program.summary(name).split("; ")[-1] for name in PASSES_SHOWN}
         model.release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL

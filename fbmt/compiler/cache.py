@@ -14,6 +14,7 @@ disk under a key of everything that decides it (`key`), in parts:
     options   the resolved options (NOTE: [Plan])
     call      the call's signature: its structure, each tensor's shape, dtype and device, plain
               values, train/eval and grad modes, autocast, and the device traced for
+    registries  fbmt's tables a user may add to: the collective kinds and the schedule strategies
     settings  torch's process-wide settings a trace reads (attention kernels enabled, default
               dtype, deterministic algorithms, float32 matmul precision)
     versions  the digest of fbmt's own sources, torch, transformers, Python, the entry format
@@ -126,6 +127,7 @@ def make_key(module: nn.Module, layout: Layout, plan: Any, call: tuple, device: 
         "layout": f"{layout!r} ranks per node {job.ranks_per_node(layout.world_size)}",
         "options": repr(dataclasses.replace(plan, dump_dir=None)),
         "call": f"{_stable(repr(call), 'the call')} on {device}",
+        "registries": _stable(_registries(), "the registered collective kinds and strategies"),
         "settings": _settings(),
         "versions": _versions(),
     }
@@ -133,6 +135,15 @@ def make_key(module: nn.Module, layout: Layout, plan: Any, call: tuple, device: 
     return Key(
         {k: _sha(v)[:16] for k, v in described.items()}, f"{type(module).__module__}.{type(module).__qualname__}"
     )
+
+
+def _registries() -> str:
+    """What fbmt's tables hold that a program depends on: the collective kinds (one a user registers
+    changes what the shard pass emits) and the schedule strategies, by their code."""
+    from fbmt.compiler import collectives
+    from fbmt.compiler.passes import STRATEGIES
+
+    return _describe([collectives.kinds(), STRATEGIES], {}, set(), 0)
 
 
 def _settings() -> str:
@@ -532,6 +543,7 @@ def why_missed(root: Path, key: Key) -> str:
     names = {"code": "its code", "model": "its modules", "layout": "its flat groups or world size"}
     names |= {"options": "the options", "call": "the call's inputs", "versions": "fbmt, torch or transformers"}
     names |= {"settings": "torch's settings (attention kernels, default dtype, determinism)"}
+    names |= {"registries": "the registered collective kinds or strategies"}
     same_model = [e for e in entries(root) if e.about.get("model") == key.model]
     if not same_model:
         return f"no entry for {key.model} yet"

@@ -262,9 +262,11 @@ class CompiledModule(nn.Module):
         # a forward's build happens on every rank together, so the ranks can agree on the cache's outcome;
         # trace() may be called on one rank alone
         together = device is None and self.layout.world_size == job.world_size() > 1
-        cached = self._from_cache(key, where, together)
+        # the key is made once, before tracing: a forward may change its modules' attributes as it runs
+        k, why_not = self._cache_key(key, where)
+        cached = self._from_cache(k, together)
         if cached is not None:
-            program, entry = cached
+            program = cached
         else:
             program = pipeline.compile_program(
                 self._orig,
@@ -278,7 +280,10 @@ class CompiledModule(nn.Module):
                 search=self.search,
             )
             program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
-            self._to_cache(key, where, program, time.perf_counter() - started)
+            if k is not None:
+                why_not = self._to_cache(k, program, time.perf_counter() - started)
+            if why_not:
+                program.origin += f"; not kept in the compile cache: {why_not}"
         exe = pipeline.lower(program, self.plan, self.regions)
         log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
@@ -286,30 +291,28 @@ class CompiledModule(nn.Module):
         return exe
 
     # ---- the compile cache (NOTE: [Compile cache]) ----
-    def _cache_key(self, key: tuple, where: torch.device) -> cache.Key | None:
-        """This call's key in the compile cache; None where the cache is off or the program cannot be
-        keyed (said under FBMT_LOG)."""
+    def _cache_key(self, key: tuple, where: torch.device) -> tuple[cache.Key | None, str]:
+        """This call's key in the compile cache, or None and why not (the cache is off, or the program
+        cannot be keyed)."""
         if self.cache_dir is None:
-            return None
+            return None, ""
         if self.plan.dump_dir:
-            log.info("compile cache: not looked up, since dump_dir asks for every pass's program")
-            return None
+            return None, "dump_dir asks for every pass's program"
         try:
-            return cache.make_key(self._orig, self.layout, self.plan, key, where)
+            return cache.make_key(self._orig, self.layout, self.plan, key, where), ""
         except cache.Uncacheable as e:
             log.info("compile cache: this program is compiled every time: %s", e)
-            return None
+            return None, str(e)
 
-    def _from_cache(self, key: tuple, where: torch.device, together: bool) -> tuple[Program, Path] | None:
-        """The program of `key` loaded from the cache, where every rank (`together`) has it too."""
-        k = self._cache_key(key, where)
+    def _from_cache(self, k: cache.Key | None, together: bool) -> Program | None:
+        """The program of key `k` loaded from the cache, where every rank (`together`) has it too."""
         found = cache.load(self.cache_dir, k, self.layout) if k is not None else None
         if together and min(job.agree(int(found is not None), "the compile cache's lookup")) == 0:
             if found is not None:
                 log.info("compile cache: another rank has no entry %s; every rank compiles", k.digest[:8])
             found = None
         if found is None:
-            if k is not None and self.cache_dir is not None:
+            if k is not None:
                 log.info("compile cache: miss (%s): %s", k.digest[:8], cache.why_missed(self.cache_dir, k))
             return None
         program, entry = found
@@ -321,30 +324,29 @@ class CompiledModule(nn.Module):
         if self.plan.backend == "inductor":
             cache.load_artifacts(entry.path)
             self._entries.append(entry.path)
-        return program, entry.path
+        return program
 
-    def _to_cache(self, key: tuple, where: torch.device, program: Program, seconds: float) -> None:
-        """Keep a program just compiled in the cache (the first rank of each machine writes it)."""
-        k = self._cache_key(key, where)
-        if k is None:
-            return
+    def _to_cache(self, k: cache.Key, program: Program, seconds: float) -> str:
+        """Keep a program just compiled in the cache (the first rank of each machine writes it); returns
+        why it was not kept, or ""."""
         cache.trim(program)  # as a loaded program is, so both lower alike
         if not cache.writer():
-            return
+            return ""
         try:
             path = cache.save(self.cache_dir, k, program, seconds)
         except cache.Uncacheable as e:
             log.info("compile cache: this program is compiled every time: %s", e)
-            return
+            return str(e)
         except OSError as e:
             log.warning(
                 "fbmt: the compile cache could not save into %s (%s); the next run compiles again", self.cache_dir, e
             )
-            return
+            return f"{type(e).__name__}: {e}"
         program.origin += f"; saved to the compile cache ({path})"
         log.info("compile cache: saved %s", path)
         if self.plan.backend == "inductor":
             self._entries.append(path)
+        return ""
 
     def _keep_artifacts(self) -> None:
         """Add Inductor's regions compiled since the last call to this model's cache entries."""

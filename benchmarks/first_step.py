@@ -1,0 +1,104 @@
+"""Start time: a training process's first finished step, cold and warm, fbmt against FSDP2 + per-layer
+`torch.compile`.
+
+    python benchmarks/first_step.py --config 1.36b --remat block --fbmt fbmt-inductor
+    python benchmarks/first_step.py --config 0.89b --hf --remat mincut --fbmt fbmt-inductor-mincut
+
+Every run is a process of its own (torchrun on one GPU) of benchmarks/gpu_train.py for one step.
+Cold: fbmt's compile cache, Inductor's cache and Triton's cache start in empty folders. Warm: a
+second process with the same folders, as a second run of a job on the same machine. "Entry only"
+(fbmt): fbmt's folder kept, Inductor's and Triton's empty again, so all that is there is what the
+compile cache's entries hold (the programs and torch's cache artifacts), as on a machine that
+received the folder. Each round runs fbmt, then the peer. Printed per run: the process's wall time
+(Python's start to its exit, one step and the teardown included), building the model, the first
+step, and for fbmt its compile (trace and passes, or loading) and Inductor's seconds. `--out` writes
+JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def one(method: str, args: argparse.Namespace, folders: dict[str, str]) -> dict[str, Any]:
+    """One process of gpu_train.py running `method` for a step, with the caches in `folders`."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
+    command += [f"--master_port={29500 + random.randrange(1000)}", os.path.join(HERE, "gpu_train.py")]
+    command += ["--config", args.config, "--batch", str(args.batch), "--seq", str(args.seq), "--remat", args.remat]
+    command += ["--methods", method, "--steps", "1", "--warmup", "0", "--out", out] + (["--hf"] if args.hf else [])
+    env = {
+        **os.environ,
+        "FBMT_CACHE_DIR": folders["fbmt"],
+        "TORCHINDUCTOR_CACHE_DIR": folders["inductor"],
+        "TRITON_CACHE_DIR": folders["triton"],
+    }
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        return dict(method=method, error=(done.stdout + done.stderr)[-2000:])
+    with open(out) as f:
+        (r,) = json.load(f)["results"]
+    os.unlink(out)
+    keep = ("setup_s", "first_step_s", "compile_s", "inductor_s", "losses", "peak_gib", "origin")
+    return dict(method=method, wall_s=wall, **{k: r[k] for k in keep if k in r})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="1.36b")
+    ap.add_argument("--hf", action="store_true", help="transformers' LlamaForCausalLM (gpu_train.py --hf)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--remat", default="block")
+    ap.add_argument("--fbmt", default="fbmt-inductor", help="gpu_train.py's fbmt method")
+    ap.add_argument("--peer", default="fsdp2-compile", help="gpu_train.py's peer method")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds one process may take")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="first-step-")
+    folders = {
+        who: {kind: os.path.join(root, who, kind) for kind in ("fbmt", "inductor", "triton")}
+        for who in ("fbmt", "peer")
+    }
+    rows = []
+    for round_ in ("cold", "warm"):
+        for who, method in (("fbmt", args.fbmt), ("peer", args.peer)):
+            rows.append(dict(round=round_, **one(method, args, folders[who])))
+            print(json.dumps(rows[-1]), flush=True)
+    entry_only = {
+        **folders["fbmt"],
+        "inductor": os.path.join(root, "empty", "i"),
+        "triton": os.path.join(root, "empty", "t"),
+    }
+    rows.append(dict(round="entry only", **one(args.fbmt, args, entry_only)))
+    print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{args.config}{' (HF)' if args.hf else ''}, remat {args.remat}, batch {args.batch} x {args.seq}")
+    print("| method | round | process (s) | build (s) | first step (s) | fbmt compile (s) | Inductor (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['method']} | {r['round']} | failed: {r['error'][-300:]!r} |")
+            continue
+        extra = f"{r['compile_s']:.1f} | {r['inductor_s']:.1f}" if "compile_s" in r else "– | –"
+        times = f"{r['wall_s']:.1f} | {r['setup_s']:.1f} | {r['first_step_s']:.1f}"
+        print(f"| {r['method']} | {r['round']} | {times} | {extra} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
