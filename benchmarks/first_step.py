@@ -43,6 +43,7 @@ def one(method: str, args: argparse.Namespace, folders: dict[str, str]) -> dict[
         "FBMT_CACHE_DIR": folders["fbmt"],
         "TORCHINDUCTOR_CACHE_DIR": folders["inductor"],
         "TRITON_CACHE_DIR": folders["triton"],
+        "FBMT_LOG": "info",  # for what the compile cache did (kept in the JSON)
     }
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -52,8 +53,9 @@ def one(method: str, args: argparse.Namespace, folders: dict[str, str]) -> dict[
     with open(out) as f:
         (r,) = json.load(f)["results"]
     os.unlink(out)
+    said = [line[line.index("]") + 2 :] for line in done.stderr.splitlines() if "compile cache" in line]
     keep = ("setup_s", "first_step_s", "compile_s", "inductor_s", "losses", "peak_gib", "origin")
-    return dict(method=method, wall_s=wall, **{k: r[k] for k in keep if k in r})
+    return dict(method=method, wall_s=wall, **{k: r[k] for k in keep if k in r}, cache_log=said)
 
 
 def main() -> None:
@@ -64,7 +66,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--remat", default="block")
     ap.add_argument("--fbmt", default="fbmt-inductor", help="gpu_train.py's fbmt method")
-    ap.add_argument("--peer", default="fsdp2-compile", help="gpu_train.py's peer method")
+    ap.add_argument("--peer", default="fsdp2-compile", help="gpu_train.py's peer method ('': fbmt alone)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds one process may take")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -75,7 +77,7 @@ def main() -> None:
     }
     rows = []
     for round_ in ("cold", "warm"):
-        for who, method in (("fbmt", args.fbmt), ("peer", args.peer)):
+        for who, method in (("fbmt", args.fbmt), ("peer", args.peer)) if args.peer else (("fbmt", args.fbmt),):
             rows.append(dict(round=round_, **one(method, args, folders[who])))
             print(json.dumps(rows[-1]), flush=True)
     entry_only = {

@@ -116,7 +116,7 @@ class Net(nn.Module):
 """
 
 
-def test_an_edited_model_file_misses(tmp_path, monkeypatch):
+def test_an_edited_model_file_misses(tmp_path, monkeypatch, caplog):
     """The user's source (a helper called through the module's globals included) is part of the key."""
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -130,8 +130,45 @@ def test_an_edited_model_file_misses(tmp_path, monkeypatch):
 
     first = program("relu")
     assert program("relu").origin.startswith("loaded")
-    edited = program("tanh")
+    with caplog.at_level(logging.INFO, logger="fbmt"):
+        edited = program("tanh")
+    assert "its code (Python modules usernet)" in caplog.text, caplog.text
     assert edited.origin.startswith("compiled") and "tanh" in format_graph(edited) and "tanh" not in format_graph(first)
+
+
+PROCESS = """
+import sys, torch, fbmt
+sys.path.insert(0, {folder!r})
+import usernet
+from tests.models import hf
+for model, x in ((usernet.Net(), (torch.zeros(4, 8),)), (hf.build("llama"), (torch.zeros(2, 8, dtype=torch.long),))):
+    compiled = fbmt.compile(model, world_size=2, device="meta", cache_dir={folder!r} + "/cache")
+    print(compiled.trace(*x, device="cpu").origin.split(" ")[0])
+"""
+
+
+def test_another_process_with_other_string_hashes_loads_the_entry(tmp_path):
+    """Keys are the same in every process: Python salts str hashes per process, so a set literal in the
+    model's code (its constants) or a value a library draws at import must not enter the key."""
+    code = MODEL_FILE.format(fn="relu").replace("return x.sum()", 'return x.sum() if "a" in {"a", "b", "c"} else x')
+    (tmp_path / "usernet.py").write_text(code)
+    root = str(Path(fbmt.__file__).parents[1])
+
+    def run(seed: str) -> list[str]:
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}
+        done = subprocess.run(
+            [sys.executable, "-c", PROCESS.format(folder=str(tmp_path))],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=root,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert run("1") == ["compiled", "compiled"]
+    assert run("2") == ["loaded", "loaded"]
 
 
 def test_a_broken_entry_is_never_loaded(tmp_path, caplog):

@@ -107,6 +107,7 @@ def resolve_dir(option: str | os.PathLike | bool | None) -> Path | None:
 class Key:
     parts: dict[str, str]  # part -> its digest (NOTE: [Compile cache])
     model: str  # the model's class, to find the closest entry on a miss
+    modules: dict[str, str]  # the code part by Python module, to name the modules that differ on a miss
 
     @property
     def digest(self) -> str:
@@ -121,8 +122,9 @@ def make_key(module: nn.Module, layout: Layout, plan: Any, call: tuple, device: 
     """The key of the program `module` compiles to for `call` (CompiledModule's call key); raises
     `Uncacheable` where a part has no description that is the same in every process."""
     strategy = plan.strategy if isinstance(plan.strategy, str) else None
+    modules = _code_digest(module, strategy)
     described = {
-        "code": _code_digest(module, strategy),
+        "code": repr(sorted(modules.items())),
         "model": _describe_module(module),
         "layout": f"{layout!r} ranks per node {job.ranks_per_node(layout.world_size)}",
         "options": repr(dataclasses.replace(plan, dump_dir=None)),
@@ -132,9 +134,8 @@ def make_key(module: nn.Module, layout: Layout, plan: Any, call: tuple, device: 
         "versions": _versions(),
     }
     _stable(described["options"], "the options")
-    return Key(
-        {k: _sha(v)[:16] for k, v in described.items()}, f"{type(module).__module__}.{type(module).__qualname__}"
-    )
+    model = f"{type(module).__module__}.{type(module).__qualname__}"
+    return Key({k: _sha(v)[:16] for k, v in described.items()}, model, modules)
 
 
 def _registries() -> str:
@@ -186,11 +187,25 @@ def _versions() -> str:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    """Where installed packages and the standard library live: not followed further (NOTE: [Compile cache])."""
+    """Where installed packages and the standard library live, however this Python was installed."""
     paths = sysconfig.get_paths()
     dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    dirs.add(os.path.dirname(torch.__file__))
+    dirs |= {os.path.dirname(os.__file__), os.path.dirname(torch.__file__)}
     return tuple(os.path.realpath(d) + os.sep for d in dirs)
+
+
+def _is_users(mod: types.ModuleType) -> bool:
+    """A module of the user's own (followed through its globals, its plain values keyed): Python source
+    outside the standard library and installed packages, or a notebook's or script's `__main__`. A
+    module with no Python source (built into the interpreter, compiled) is a library's."""
+    if mod.__name__ == "__main__":
+        return True
+    path = getattr(mod, "__file__", None) or ""
+    if not path.endswith(".py") or mod.__name__.split(".")[0] in sys.stdlib_module_names:
+        return False
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    return not (path.startswith(_library_dirs()) or "site-packages" in parts or "dist-packages" in parts)
 
 
 def _module_of(obj: Any) -> types.ModuleType | None:
@@ -200,7 +215,7 @@ def _module_of(obj: Any) -> types.ModuleType | None:
     return sys.modules.get(getattr(obj, "__module__", None) or "")
 
 
-def _code_digest(module: nn.Module, strategy: str | None) -> str:
+def _code_digest(module: nn.Module, strategy: str | None) -> dict[str, str]:
     """The code the model runs, as it runs in this process (NOTE: [Compile cache], part code).
 
     From the Python modules that define the model's classes (and a registered strategy the options
@@ -210,7 +225,6 @@ def _code_digest(module: nn.Module, strategy: str | None) -> str:
     global values. A user's module leads on to every module its globals come from; a library's (an
     installed package, the standard library) does not, and its package's version stands for the
     rest of it. fbmt's own code is in the versions part."""
-    libraries = _library_dirs()
     classes = {c for m in module.modules() for c in type(m).__mro__ if c not in (nn.Module, object)}
     roots: list[Any] = [c for c in classes if not c.__module__.startswith(("torch.", "fbmt."))]
     if strategy is not None:
@@ -225,29 +239,29 @@ def _code_digest(module: nn.Module, strategy: str | None) -> str:
         name = mod.__name__
         if name in described or name.split(".")[0] in ("torch", "fbmt"):
             continue
-        path = os.path.realpath(getattr(mod, "__file__", None) or "")
-        library = path.startswith(libraries)
+        users = _is_users(mod)
         top = sys.modules.get(name.split(".")[0])
-        lines = [f"version {getattr(top, '__version__', None)}"] if library else []
+        lines = [] if users else [f"version {getattr(top, '__version__', None)}"]
         for key, v in sorted(vars(mod).items(), key=lambda kv: kv[0]):
             if key.startswith("__"):
                 continue
             if isinstance(v, (types.FunctionType, type)) and getattr(v, "__module__", None) == name:
-                lines.append(f"{key} = {_definition(v)}")
-            elif library:
+                lines.append(f"{key} = {_definition(v, users)}")
+            elif not users:
                 continue  # its version stands for its values (some are drawn anew in every process)
-            elif isinstance(v, _PLAIN) or (isinstance(v, (tuple, frozenset)) and all(isinstance(x, _PLAIN) for x in v)):
-                lines.append(f"{key} = {v!r}")
+            elif isinstance(v, _PLAIN) or isinstance(v, (tuple, frozenset)) and all(isinstance(x, _PLAIN) for x in v):
+                lines.append(f"{key} = {_value(v)}")
             else:
                 other = _module_of(v) if isinstance(v, (types.ModuleType, types.FunctionType, type)) else None
                 if other is not None and other.__name__ not in described:
                     todo.append(other)
         described[name] = "\n".join(lines)
-    return _sha("\n\n".join(f"{k}:\n{v}" for k, v in sorted(described.items())))
+    return {name: _sha(text)[:16] for name, text in described.items()}
 
 
-def _definition(v: Any) -> str:
-    """A function by its code and defaults; a class by the code of what it defines."""
+def _definition(v: Any, values: bool = True) -> str:
+    """A function by its code and defaults; a class by the code of what it defines, and its plain
+    values where `values` (a library's may be drawn anew in every process)."""
     if isinstance(v, types.FunctionType):
         return f"{_code(v.__code__)}{_value(v.__defaults__)}{_value(v.__kwdefaults__)}"
     parts = []
@@ -259,8 +273,8 @@ def _definition(v: Any) -> str:
         elif isinstance(member, types.FunctionType):
             parts.append(f"{key}:{_definition(member)}")
         elif isinstance(member, type) and member.__module__ == v.__module__:  # a class defined inside
-            parts.append(f"{key}:{_definition(member)}")
-        elif isinstance(member, _PLAIN):
+            parts.append(f"{key}:{_definition(member, values)}")
+        elif values and isinstance(member, _PLAIN):
             parts.append(f"{key}={member!r}")
     return f"class {_qualname(v)}({', '.join(map(_qualname, v.__bases__))}) " + " ".join(parts)
 
@@ -271,6 +285,8 @@ def _value(x: Any) -> str:
         return repr(x)
     if isinstance(x, (tuple, list)):
         return "(" + ",".join(map(_value, x)) + ")"
+    if isinstance(x, (set, frozenset)):
+        return "{" + ",".join(sorted(map(_value, x))) + "}"
     if isinstance(x, dict):
         return "{" + ",".join(f"{k!r}:{_value(v)}" for k, v in x.items()) + "}"
     if isinstance(x, (types.FunctionType, types.BuiltinFunctionType, type)):
@@ -350,7 +366,9 @@ def _function(f: Any) -> str:
 
 
 def _code(code: types.CodeType) -> str:
-    consts = [_code(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    """A code object's digest: its bytecode, names and constants (a set's in sorted order: Python salts
+    the hashes of strings, so a set literal's order differs from process to process)."""
+    consts = [_code(c) if isinstance(c, types.CodeType) else _value(c) for c in code.co_consts]
     return _sha(code.co_code + repr((consts, code.co_names)).encode())[:16]
 
 
@@ -497,6 +515,7 @@ def save(root: Path, key: Key, program: Program, seconds: float) -> Path:
         "key": key.digest,
         "parts": key.parts,
         "model": key.model,
+        "modules": key.modules,
         "saved": datetime.datetime.now().isoformat(timespec="seconds"),
         "compile_seconds": round(seconds, 2),
         "nodes": len(program.graph.nodes),
@@ -552,9 +571,12 @@ def why_missed(root: Path, key: Key) -> str:
         return [p for p in key.parts if e.about.get("parts", {}).get(p) != key.parts[p]]
 
     closest = min(same_model, key=lambda e: len(differ(e)))
-    return f"the closest entry for {key.model} ({closest.path.name[:8]}) differs in " + ", ".join(
-        names.get(p, p) for p in differ(closest)
-    )
+    said = [names.get(p, p) for p in differ(closest)]
+    if "code" in differ(closest):
+        saved = closest.about.get("modules", {})
+        changed = sorted(m for m in set(saved) | set(key.modules) if saved.get(m) != key.modules.get(m))
+        said[said.index("its code")] = f"its code (Python modules {', '.join(changed[:5])})"
+    return f"the closest entry for {key.model} ({closest.path.name[:8]}) differs in " + ", ".join(said)
 
 
 def save_artifacts(entry: Path) -> None:
