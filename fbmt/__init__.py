@@ -12,7 +12,7 @@ by `api.py` (`fbmt.compile`); beside them the main job (`train.py`), checkpoints
 
 import sys as _sys
 
-from fbmt import checkpoint, job, logs
+from fbmt import job, logs
 from fbmt.api import compile
 from fbmt.compiler import CompiledModule, CompileOptions, Program, Schedule, TraceError, ops
 from fbmt.compiler.passes import register_strategy
@@ -121,3 +121,13 @@ __all__ = [
     "utils",
 ]
 __version__ = "0.3.0"
+
+
+def __getattr__(name: str):
+    """`fbmt.checkpoint` is imported on first use: torch.distributed.checkpoint takes most of a second
+    to import, paid by every process that imports fbmt, while a process that never saves needs none of it."""
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module("fbmt.checkpoint")
+    raise AttributeError(f"module 'fbmt' has no attribute {name!r}")

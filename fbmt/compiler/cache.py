@@ -5,9 +5,12 @@ Tracing and the passes take seconds to minutes on a big model, and what they mak
 what the model computes and how it is compiled. So each Program the pipeline builds is saved on
 disk under a key of everything that decides it (`key`), in parts:
 
-    code      the source files of the model's classes and of the user's files they reach through
-              their globals (a library they come from is keyed by its version), and of a
-              registered schedule strategy the options name
+    code      the code as it runs in this process, by Python module: the code objects (bytecode,
+              constants, names, defaults) of every function and class defined in the modules of
+              the model's classes and of a registered strategy the options name; the user's
+              modules also by their plain globals, and followed to every module their globals come
+              from; a library's (standard library, installed package, no Python source) by its
+              version instead, and not followed
     model     the module tree: each module's class, attributes (a Hugging Face config included),
               hooks, and each parameter's and buffer's shape, dtype and requires_grad
     layout    the flat groups and the world size they are sharded for; ranks per node
@@ -23,9 +26,12 @@ A run looks its key up before tracing. The ranks agree on the outcome (`job.agre
 rank found and loaded its entry, each partitions the loaded program; where any rank missed, every
 rank compiles, so no two ranks run programs of different origin. A miss says why under FBMT_LOG:
 which parts differ from the closest entry of the same model class. Inductor's compiled regions are
-kept by torch's own caches; fbmt adds torch's cache artifacts (`torch.compiler.save_cache_artifacts`)
-to the entry once the regions have compiled and loads them before a loaded program first runs, so
-the entry restores the whole compile on a machine whose torch caches are empty.
+kept by torch's own FX graph and AOTAutograd caches (`runtime/regions.py` compiles them where
+those caches can key them); fbmt adds torch's cache artifacts (`torch.compiler.save_cache_artifacts`)
+to the entry once the regions have compiled, and loads them before a loaded program first runs, for
+a machine whose torch caches are empty (on a CPU, Inductor builds its C++ kernels again all the same).
+A key is the same in every process (no object's address, no set in the order of salted hashes,
+no value a library draws at import): tests/test_cache.py checks it across hash seeds.
 
 An entry is a folder written whole (a temporary folder renamed into place: a reader never sees
 half of one) by the first rank of each machine: `program.pkl` (the Program, its graph as a list of
