@@ -43,7 +43,9 @@ def _text(name: str, options: dict) -> str:
     model = fbmt.compile(BUILDERS[name](), world_size=2, device="cpu", **options)
     args, kwargs, _ = batch(name, 0)
     program = model.trace(*args, **kwargs)
-    lines = [re.sub(r"^# pass (\S+)\s+[\d.]+ ms  ", r"# pass \1: ", line) for line in str(program).splitlines()]
+    # where the program came from (compiled in N s, or loaded from the cache) is not what it is
+    text = [line for line in str(program).splitlines() if line != f"# {program.origin}"]
+    lines = [re.sub(r"^# pass (\S+)\s+[\d.]+ ms  ", r"# pass \1: ", line) for line in text]
     return f"# torch {TORCH}\n" + "\n".join(lines) + "\n"
 
 

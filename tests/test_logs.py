@@ -25,7 +25,12 @@ m(torch.zeros(2, 16, dtype=torch.long)).sum().backward()
 
 def _run(**env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", SCRIPT], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+        # no compile cache: what these tests read is what compiling says
+        [sys.executable, "-c", SCRIPT],
+        env={**os.environ, "FBMT_CACHE_DIR": "off", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

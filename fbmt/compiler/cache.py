@@ -22,9 +22,11 @@ disk under a key of everything that decides it (`key`), in parts:
               dtype, deterministic algorithms, float32 matmul precision)
     versions  the digest of fbmt's own sources, torch, transformers, Python, the entry format
 
-A run looks its key up before tracing. The ranks agree on the outcome (`job.agree`): where every
-rank found and loaded its entry, each partitions the loaded program; where any rank missed, every
-rank compiles, so no two ranks run programs of different origin. A miss says why under FBMT_LOG:
+A run looks its key up before tracing. Each rank loads or compiles alone: a rank that found its
+entry and one that did not (another machine's disk) end with the same program, and the agreement
+before every call (`agreement.check_ranks_agree`) compares what every rank runs, whatever its
+origin; a collective of the cache's own would pair with that check on a rank not building and
+hide the rank that runs another program. A miss says why under FBMT_LOG:
 which parts differ from the closest entry of the same model class. Inductor's compiled regions are
 kept by torch's own FX graph and AOTAutograd caches (`runtime/regions.py` compiles them where
 those caches can key them); fbmt adds torch's cache artifacts (`torch.compiler.save_cache_artifacts`)
@@ -126,7 +128,17 @@ def _sha(text: str | bytes) -> str:
 
 def make_key(module: nn.Module, layout: Layout, plan: Any, call: tuple, device: torch.device) -> Key:
     """The key of the program `module` compiles to for `call` (CompiledModule's call key); raises
-    `Uncacheable` where a part has no description that is the same in every process."""
+    `Uncacheable` where a part has no description that is the same in every process, or where
+    describing one fails (a compile never fails for its cache's sake)."""
+    try:
+        return _make_key(module, layout, plan, call, device)
+    except Uncacheable:
+        raise
+    except Exception as e:
+        raise Uncacheable(f"describing the model for its key failed ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _make_key(module: nn.Module, layout: Layout, plan: Any, call: tuple, device: torch.device) -> Key:
     strategy = plan.strategy if isinstance(plan.strategy, str) else None
     modules = _code_digest(module, strategy)
     described = {
@@ -275,7 +287,11 @@ def _definition(v: Any, values: bool = True) -> str:
         if isinstance(member, (staticmethod, classmethod)):
             member = member.__func__
         if isinstance(member, property):
-            parts.append(f"{key}:" + ",".join(_definition(f) for f in (member.fget, member.fset) if f is not None))
+            accessors = (member.fget, member.fset)
+            parts.append(
+                f"{key}:"
+                + ",".join(_definition(f) if isinstance(f, types.FunctionType) else _value(f) for f in accessors)
+            )
         elif isinstance(member, types.FunctionType):
             parts.append(f"{key}:{_definition(member)}")
         elif isinstance(member, type) and member.__module__ == v.__module__:  # a class defined inside

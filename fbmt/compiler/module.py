@@ -25,7 +25,6 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fbmt import job
 from fbmt.compiler import cache, objects, owners, pipeline
 from fbmt.compiler.agreement import check_ranks_agree
 from fbmt.compiler.layout import Layout, copy_into_shard
@@ -259,12 +258,9 @@ class CompiledModule(nn.Module):
         if self.programs:
             self._say_why_new(key, args, kwargs)
         where = torch.device(device) if device is not None else self.device
-        # a forward's build happens on every rank together, so the ranks can agree on the cache's outcome;
-        # trace() may be called on one rank alone
-        together = device is None and self.layout.world_size == job.world_size() > 1
         # the key is made once, before tracing: a forward may change its modules' attributes as it runs
         k, why_not = self._cache_key(key, where)
-        cached = self._from_cache(k, together)
+        cached = self._from_cache(k)
         if cached is not None:
             program = cached
         else:
@@ -304,13 +300,14 @@ class CompiledModule(nn.Module):
             log.info("compile cache: this program is compiled every time: %s", e)
             return None, str(e)
 
-    def _from_cache(self, k: cache.Key | None, together: bool) -> Program | None:
-        """The program of key `k` loaded from the cache, where every rank (`together`) has it too."""
+    def _from_cache(self, k: cache.Key | None) -> Program | None:
+        """The program of key `k` loaded from the cache, or None.
+
+        Each rank decides alone: a rank that loads and one that compiles (another machine's disk held
+        no entry) have the same program, and the agreement before every call (`check_ranks_agree`)
+        compares what they run whatever its origin. A collective of its own here would pair with that
+        check on a rank that is not building, and hide the rank that runs another program."""
         found = cache.load(self.cache_dir, k, self.layout) if k is not None else None
-        if together and min(job.agree(int(found is not None), "the compile cache's lookup")) == 0:
-            if found is not None:
-                log.info("compile cache: another rank has no entry %s; every rank compiles", k.digest[:8])
-            found = None
         if found is None:
             if k is not None:
                 log.info("compile cache: miss (%s): %s", k.digest[:8], cache.why_missed(self.cache_dir, k))
