@@ -44,6 +44,10 @@ def test_a_second_compile_loads_the_identical_program(tmp_path):
     assert "# loaded from the compile cache" in str(second)
 
 
+def _scaled_by(scale: float):
+    return lambda module, inputs, output: output * scale
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -51,6 +55,7 @@ def test_a_second_compile_loads_the_identical_program(tmp_path):
         "world size",
         "model shape",
         "model attribute",
+        "a hook's captured value",
         "torch version",
         "torch setting",
         "input shape",
@@ -58,7 +63,11 @@ def test_a_second_compile_loads_the_identical_program(tmp_path):
     ],
 )
 def test_each_kind_of_change_misses_and_says_why(tmp_path, monkeypatch, caplog, change):
-    _trace(tmp_path)
+    hooked = change == "a hook's captured value"
+    first = _gpt()
+    if hooked:
+        first.h[0].register_forward_hook(_scaled_by(2.0))
+    _trace(tmp_path, first)
     model, options, seq = _gpt(), {}, 16
     if change == "option":
         options = dict(remat="none")
@@ -68,6 +77,8 @@ def test_each_kind_of_change_misses_and_says_why(tmp_path, monkeypatch, caplog, 
         model = _gpt(d_model=48)
     elif change == "model attribute":
         model.h[0].attn.n_head = 4  # no parameter changes shape, the program does
+    elif hooked:  # the same hook's code, another value in its closure
+        model.h[0].register_forward_hook(_scaled_by(3.0))
     elif change == "torch version":
         monkeypatch.setattr(torch, "__version__", torch.__version__ + ".patched")
     elif change == "input shape":
@@ -90,6 +101,7 @@ def test_each_kind_of_change_misses_and_says_why(tmp_path, monkeypatch, caplog, 
         "world size": "its flat groups or world size",
         "model shape": "its modules",
         "model attribute": "its modules",
+        "a hook's captured value": "its modules",
         "torch version": "fbmt, torch or transformers",
         "input shape": "the call's inputs",
         "torch setting": "torch's settings",

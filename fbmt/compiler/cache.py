@@ -357,7 +357,13 @@ def _describe(x: Any, paths: dict[int, str], seen: set[int], depth: int) -> str:
         return text
     if isinstance(x, nn.Module):
         return f"module {paths[id(x)]}" if id(x) in paths else f"module {type(x).__qualname__}"
-    if isinstance(x, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+    if isinstance(x, types.MethodType):  # a bound method: its function and the object it is bound to
+        return f"{_function(x.__func__)} of {_describe(x.__self__, paths, seen, depth + 1)}"
+    if isinstance(x, types.FunctionType):  # what a closure captured decides what it computes, too
+        cells = [c.cell_contents for c in x.__closure__ or () if _filled(c)]
+        captured = f" capturing {_describe(cells, paths, seen, depth + 1)}" if cells else ""
+        return f"{_function(x)}{_value(x.__defaults__)}{_value(x.__kwdefaults__)}{captured}"
+    if isinstance(x, types.BuiltinFunctionType):
         return _function(x)
     if isinstance(x, functools.partial):
         return f"partial({_describe(x.func, paths, seen, depth + 1)}, {_describe(x.args, paths, seen, depth + 1)}, " + (
@@ -378,6 +384,17 @@ def _describe(x: Any, paths: dict[int, str], seen: set[int], depth: int) -> str:
     if hasattr(x, "__dict__") and not isinstance(x, types.ModuleType):
         return f"{type(x).__qualname__}({_describe(vars(x), paths, seen, depth + 1)})"
     return repr(x)
+
+
+def _filled(cell: types.CellType) -> bool:
+    """Whether a closure's cell holds a value yet (reading an empty one raises)."""
+    try:
+        return cell.cell_contents is not _UNFILLED
+    except ValueError:
+        return False
+
+
+_UNFILLED = object()
 
 
 def _function(f: Any) -> str:
