@@ -1,10 +1,11 @@
 """The module `fbmt.compile` returns: shards as parameters, a program per input signature.
 
-`CompiledModule.forward` looks up (or loads from the compile cache, or builds with `fbmt.compiler.pipeline`)
-the program for the call's input shapes, dtypes, training flags and grad mode, checks that every rank runs the same one,
-then runs it. With gradients, the forward and backward graphs run inside one `autograd.Function`
-(`runtime.autograd`), so the training loop stays plain PyTorch and autograd accumulates each shard's
-gradient into `shard.grad`. Its `state_dict` holds full tensors under the original names.
+`CompiledModule.forward` looks up the program for the call's input shapes, dtypes, training flags and
+grad mode (loading it from the compile cache, or building it with `fbmt.compiler.pipeline`), checks
+that every rank runs the same one, then runs it. With gradients, the forward and backward graphs run
+inside one `autograd.Function` (`runtime.autograd`), so the training loop stays plain PyTorch and
+autograd accumulates each shard's gradient into `shard.grad`. Its `state_dict` holds full tensors
+under the original names.
 
 It is the compiler's own module and knows nothing of the libraries around it: `fbmt.compile` returns
 a subclass that adds what they need (`fbmt/integrations`: Hugging Face's method lookup, accelerate's
@@ -352,7 +353,7 @@ class CompiledModule(nn.Module):
             for path in self._entries:
                 try:
                     cache.save_artifacts(path)
-                except OSError as e:
+                except Exception as e:  # torch's own format and files: a failure costs a later compile, not this step
                     log.warning("fbmt: the compile cache could not save Inductor's artifacts into %s (%s)", path, e)
 
     def _say_why_new(self, key: tuple, args: tuple, kwargs: dict) -> None:
