@@ -312,3 +312,21 @@ def test_the_command_lists_sizes_and_clears(tmp_path):
     assert "KiB" in cli("size") or "MiB" in cli("size")
     assert "cleared 2 entries" in cli("clear")
     assert cache.entries(tmp_path) == [] and "0 entries" in cli("list")
+
+
+def test_inductor_artifacts_are_loaded_only_where_their_checksum_holds(tmp_path, monkeypatch, caplog):
+    """torch's cache artifacts are compiled code: a damaged blob is never handed to torch."""
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled regions", None))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for entry in (good, bad):
+        entry.mkdir()
+        cache.save_artifacts(entry)
+    (bad / "inductor.bin").write_bytes(b"compiled regionz")
+    cache.load_artifacts.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="fbmt"):
+        cache.load_artifacts(good)
+        cache.load_artifacts(bad)
+    assert loaded == [b"compiled regions"]
+    assert "do not match their checksum" in caplog.text

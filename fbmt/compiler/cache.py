@@ -39,7 +39,7 @@ An entry is a folder written whole (a temporary folder renamed into place: a rea
 half of one) by the first rank of each machine: `program.pkl` (the Program, its graph as a list of
 nodes with their `meta` facts and each value's shape, dtype and strides; nothing that runs),
 `about.json` (the key's parts, the pickle's SHA-256, the model, when it was saved) and, with
-Inductor, `inductor.bin`. An entry whose checksum, format or contents do not hold is ignored with
+Inductor, `inductor.bin` beside its SHA-256 (`inductor.sha256`: compiled code is loaded only where it holds). An entry whose checksum, format or contents do not hold is ignored with
 a warning and deleted; nothing unverified is loaded. A model whose key cannot be made (an attribute
 with no stable description, symbolic sizes) is compiled every time, and FBMT_LOG says why.
 """
@@ -532,6 +532,8 @@ def entries(root: Path) -> list[Entry]:
     """The entries under `root`, newest first (one whose about.json cannot be read is left out)."""
     found = []
     for d in (root / "programs").glob("*") if (root / "programs").is_dir() else ():
+        if d.name.startswith("."):  # a folder being written, or left by a writer that died
+            continue
         try:
             found.append(Entry(d, json.loads((d / "about.json").read_text())))
         except (OSError, ValueError):
@@ -622,20 +624,28 @@ def save_artifacts(entry: Path) -> None:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return
-    tmp = entry / f".inductor.{uuid.uuid4().hex[:8]}"
-    tmp.write_bytes(saved[0])
-    os.replace(tmp, entry / "inductor.bin")
+    data = saved[0]
+    # the checksum first, then the artifacts: a reader that finds artifacts finds their checksum
+    for name, content in (("inductor.sha256", _sha(data).encode()), ("inductor.bin", data)):
+        tmp = entry / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.write_bytes(content)
+        os.replace(tmp, entry / name)
 
 
 @functools.cache
 def load_artifacts(entry: Path) -> None:
-    """Give torch's caches the artifacts an entry holds (once per process and entry)."""
+    """Give torch's caches the artifacts an entry holds, where their checksum holds (once per
+    process and entry): they are compiled code, which a flipped byte could make compute otherwise."""
     f = entry / "inductor.bin"
-    if f.exists():
-        try:
-            torch.compiler.load_cache_artifacts(f.read_bytes())
-        except Exception as e:  # torch's own format: a failure costs a compile, never a wrong region
-            log.warning("fbmt: Inductor's artifacts in %s could not be loaded (%s); Inductor compiles anew", f, e)
+    if not f.exists():
+        return
+    try:
+        data = f.read_bytes()
+        if _sha(data).encode() != (entry / "inductor.sha256").read_bytes():
+            raise ValueError("they do not match their checksum")
+        torch.compiler.load_cache_artifacts(data)
+    except Exception as e:  # a failure costs a compile, never a wrong region
+        log.warning("fbmt: Inductor's artifacts in %s are not loaded (%s); Inductor compiles anew", f, e)
 
 
 def clear(root: Path) -> int:
