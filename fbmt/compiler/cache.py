@@ -35,13 +35,14 @@ a machine whose torch caches are empty (on a CPU, Inductor builds its C++ kernel
 A key is the same in every process (no object's address, no set in the order of salted hashes,
 no value a library draws at import): tests/test_cache.py checks it across hash seeds.
 
-An entry is a folder written whole (a temporary folder renamed into place: a reader never sees
-half of one) by the first rank of each machine: `program.pkl` (the Program, its graph as a list of
-nodes with their `meta` facts and each value's shape, dtype and strides; nothing that runs),
-`about.json` (the key's parts, the pickle's SHA-256, the model, when it was saved) and, with
-Inductor, `inductor.bin` beside its SHA-256 (`inductor.sha256`: compiled code is loaded only where it holds). An entry whose checksum, format or contents do not hold is ignored with
-a warning and deleted; nothing unverified is loaded. A model whose key cannot be made (an attribute
-with no stable description, symbolic sizes) is compiled every time, and FBMT_LOG says why.
+An entry is a folder written whole (a temporary folder renamed into place: a reader never sees half
+of one) by the first rank of each machine: `program.pkl` (the Program, its graph as a list of nodes
+with their `meta` facts and each value's shape, dtype and strides; nothing that runs), `about.json`
+(the key's parts, the pickle's SHA-256, the model, when it was saved) and, with Inductor,
+`inductor.bin` beside its SHA-256 (`inductor.sha256`: compiled code is loaded only where it holds).
+An entry whose checksum, format or contents do not hold is ignored with a warning and deleted;
+nothing unverified is loaded. A model whose key cannot be made (an attribute with no stable
+description, symbolic sizes) is compiled every time, and FBMT_LOG says why.
 """
 
 from __future__ import annotations
