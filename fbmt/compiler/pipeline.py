@@ -1,11 +1,10 @@
 """The compiler, top to bottom: trace -> passes -> partition -> regions.
 
-`build` turns one call of a module (its arguments, grad mode and trainable groups) into the Program
-the passes made (`compile_program`: what the compile cache keeps) and the Executable that runs it
-(`lower`). `fbmt.compile` has already planned the layout,
-resolved the options into a `Plan` and built the shards, since the optimizer needs
-`model.parameters()` before the first call; a `CompiledModule` calls `build` for every new input
-signature.
+`compile_program` turns one call of a module (its arguments, grad mode and trainable groups) into
+the Program the passes made (what the compile cache keeps), and `lower` turns a Program into the
+Executable that runs it. `fbmt.compile` has already planned the layout, resolved the options into a
+`Plan` and built the shards, since the optimizer needs `model.parameters()` before the first call; a
+`CompiledModule` loads or compiles a program, then lowers it, for every new input signature.
 """
 
 from __future__ import annotations
@@ -81,26 +80,6 @@ def passes(plan: Plan) -> list[tuple[str, Pass]]:
 def run(program: Program, plan: Plan) -> Program:
     """The passes of `plan` on a traced program."""
     return run_passes(program, passes(plan), disable=plan.disable, checks=plan.checks, dump_dir=plan.dump_dir)
-
-
-def build(
-    module: nn.Module,
-    layout: Layout,
-    plan: Plan,
-    args: tuple,
-    kwargs: dict[str, Any],
-    *,
-    needs_grad: bool,
-    trainable: tuple[bool, ...],
-    device: torch.device,
-    regions: RegionCache,
-    search: Search | None = None,
-) -> tuple[Program, Executable]:
-    """The program of one call and the Executable that runs it (`compile_program`, then `lower`)."""
-    program = compile_program(
-        module, layout, plan, args, kwargs, needs_grad=needs_grad, trainable=trainable, device=device, search=search
-    )
-    return program, lower(program, plan, regions)
 
 
 def compile_program(
