@@ -4,6 +4,7 @@ misses; a broken entry is never loaded; the ranks agree on hit or miss."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import subprocess
@@ -330,3 +331,43 @@ def test_inductor_artifacts_are_loaded_only_where_their_checksum_holds(tmp_path,
         cache.load_artifacts(bad)
     assert loaded == [b"compiled regions"]
     assert "do not match their checksum" in caplog.text
+
+
+SCALED_FILE = """
+import torch, torch.nn as nn
+
+SCALE = [{scale}]  # a list, as configuration often is
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * SCALE[0]
+        return x.sum()
+"""
+
+
+def test_a_changed_global_value_of_the_users_code_misses(tmp_path, monkeypatch):
+    """A forward that reads a module-level value bakes it into the program: another value, from an edited
+    file, must not load the program with the old one."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+
+    def run(scale: float):
+        (tmp_path / "scalednet.py").write_text(SCALED_FILE.format(scale=scale))
+        sys.modules.pop("scalednet", None)
+        import scalednet
+
+        torch.manual_seed(0)
+        ref = scalednet.Net()
+        model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=tmp_path / "cache")
+        torch.testing.assert_close(model(x), ref(x))
+        return model.program.origin
+
+    assert run(2.0).startswith("compiled")
+    assert run(2.0).startswith("loaded")
+    assert run(3.0).startswith("compiled")

@@ -268,14 +268,33 @@ def _code_digest(module: nn.Module, strategy: str | None) -> dict[str, str]:
                 lines.append(f"{key} = {_definition(v, users)}")
             elif not users:
                 continue  # its version stands for its values (some are drawn anew in every process)
-            elif isinstance(v, _PLAIN) or isinstance(v, (tuple, frozenset)) and all(isinstance(x, _PLAIN) for x in v):
-                lines.append(f"{key} = {_value(v)}")
-            else:
-                other = _module_of(v) if isinstance(v, (types.ModuleType, types.FunctionType, type)) else None
+            elif isinstance(v, (types.ModuleType, types.FunctionType, type)):
+                other = _module_of(v)
                 if other is not None and other.__name__ not in described:
                     todo.append(other)
+            elif (data := _data(v)) is not None:
+                lines.append(f"{key} = {data}")
         described[name] = "\n".join(lines)
     return {name: _sha(text)[:16] for name, text in described.items()}
+
+
+def _data(v: Any) -> str | None:
+    """A user module's global that a forward may read as data, by its value: plain values, tensors
+    and arrays (a trace bakes what it reads of them into the program) and containers of those; None
+    for anything else (a logger, a lock), which no trace turns into a value."""
+    if isinstance(v, _PLAIN):
+        return repr(v)
+    if type(v).__module__ == "numpy" and type(v).__name__ == "ndarray":
+        try:
+            v = torch.from_numpy(v)
+        except TypeError:  # an array of objects
+            return None
+    if isinstance(v, (torch.Tensor, tuple, list, dict, set, frozenset)):
+        try:
+            return _stable(_describe(v, {}, set(), 0), "a global")
+        except Uncacheable:
+            return None
+    return None
 
 
 def _definition(v: Any, values: bool = True) -> str:
