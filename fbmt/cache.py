@@ -14,14 +14,7 @@ import argparse
 from pathlib import Path
 
 from fbmt.compiler import compile_cache
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from fbmt.compiler.ops import size
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,12 +31,12 @@ def main(argv: list[str] | None = None) -> None:
         for e in found:
             a = e.about
             print(
-                f"{e.path.name[:12]}  {a.get('saved', '?'):19}  {_size(e.size):>10}  "
+                f"{e.path.name[:12]}  {a.get('saved', '?'):19}  {size(e.size):>10}  "
                 f"compiled in {a.get('compile_seconds', '?')}s  {a.get('nodes', '?')} nodes  {a.get('model', '?')}"
             )
         print(f"{len(found)} entries in {root}")
     elif args.command == "size":
-        print(f"{_size(sum(e.size for e in found))} in {len(found)} entries in {root}")
+        print(f"{size(sum(e.size for e in found))} in {len(found)} entries in {root}")
     else:
         print(f"cleared {compile_cache.clear(root)} entries from {root}")
 
