@@ -7,8 +7,8 @@ buffer, placed at the end of the forward), every node stamped with its phase (NO
 every forward node with the innermost module path that produced it.
 
 How: `make_fx` over `torch.func.functional_call` + `torch.autograd.grad` gives the joint graph,
-in-place ops included; a second `make_fx` over `torch.func.functionalize` of that graph removes the
-mutations (the functional transforms refuse `requires_grad_` inside, hence two steps). Global
+in-place ops included; where it has any, a second `make_fx` over `torch.func.functionalize` of that
+graph removes them (the functional transforms refuse `requires_grad_` inside, hence two steps). Global
 module hooks tag each node with its module while the first trace runs; an Interpreter carries the
 tags through the second.
 """
@@ -211,10 +211,12 @@ def trace(
     flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
     with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
         first = make_fx(joint, tracing_mode="fake", decomposition_table=_DECOMPOSITIONS)(*flat_in)
-    with _translate_errors(module):
-        gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
-            *flat_in
-        )
+    gm = first
+    if _mutates(first.graph):  # NOTE: [Functional already]
+        with _translate_errors(module):
+            gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
+                *flat_in
+            )
 
     constants = _lift_constants(gm, before=n_p + n_b + n_x)
     inputs = (
@@ -317,6 +319,20 @@ class _Results:
         return out
 
 
+# NOTE: [Functional already]
+# The second trace (functionalization) exists to remove in-place ops and to write mutated inputs
+# back. Most joint graphs have none: the forward of a typical model mutates nothing, and autograd
+# accumulates gradients out of place. Its only other effect is dropping `detach`, which
+# `_canonicalize` does as well. So the second trace runs only where an op of the first graph may
+# write to a tensor (its schema says so); it is 40% of the trace time where it runs.
+def _mutates(graph: fx.Graph) -> bool:
+    """Whether any op of `graph` writes to one of its arguments (its schema says it may)."""
+    return any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+        for n in graph.nodes
+    )
+
+
 def _lift_constants(gm: fx.GraphModule, before: int) -> dict[str, torch.Tensor]:
     """Tensors the forward makes from Python values (`torch.tensor([])` in a cache's set-up, the
     scalar of `x[:, 0] = 1.0`) are attributes of the traced module (`_tensor_constant0`); the
@@ -340,8 +356,20 @@ def _lift_constants(gm: fx.GraphModule, before: int) -> dict[str, torch.Tensor]:
     return constants
 
 
+def _default(op: torch._ops.OpOverload, name: str, value: Any) -> bool:
+    """Whether `value` is the default of `op`'s argument `name` (an autograd formula passes
+    `attn_mask=None` explicitly; a trace of the same call through functionalization leaves it out)."""
+    if value is not None and type(value) not in (bool, int, float, str):
+        return False
+    for a in op._schema.arguments:
+        if a.name == name:
+            return a.has_default_value() and type(a.default_value) is type(value) and a.default_value == value
+    return False
+
+
 def _canonicalize(program: Program) -> None:
-    """Flatten the output, drop no-op detaches, stamp phases, move buffer updates into the forward."""
+    """Flatten the output, drop no-op detaches and keyword arguments given their default value, stamp
+    phases, move buffer updates into the forward."""
     g = program.graph
     out = program.output_node()
     (values,) = out.args
@@ -350,6 +378,8 @@ def _canonicalize(program: Program) -> None:
         if n.op == "call_function" and n.target in (aten.detach.default, aten.alias.default):
             n.replace_all_uses_with(n.args[0])
             g.erase_node(n)
+        elif n.op == "call_function" and n.kwargs and isinstance(n.target, torch._ops.OpOverload):
+            n.kwargs = {k: v for k, v in n.kwargs.items() if not _default(n.target, k, v)}
     placeholders = set(program.placeholders())
     # Functionalization writes mutated inputs back with copy_ at the very end; those are forward effects.
     epilogue = [
