@@ -17,6 +17,7 @@ group's zero-padded flat buffer; `local_range` and `copy_into_shard` compute wit
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -92,16 +93,22 @@ class Layout:
                     return g, s
         raise KeyError(param_name)
 
+    @functools.cached_property
+    def _block_paths(self) -> frozenset[str]:
+        return frozenset(self.blocks)
+
     def block_of_module(self, module_path: str | None) -> str | None:
-        """The block a module path belongs to: the longest block path that prefixes it."""
+        """The block a module path belongs to: the longest block path that prefixes it (a pass asks
+        this for every node, so it looks up the path's prefixes, not every block)."""
         if module_path is None:
             return None
-        best = None
-        for b in self.blocks:
-            if b == "" or module_path == b or module_path.startswith(b + "."):
-                if best is None or len(b) > len(best):
-                    best = b
-        return best
+        path = module_path
+        while True:
+            if path in self._block_paths:
+                return path
+            if not path:
+                return None
+            path = path.rpartition(".")[0]
 
 
 def find_blocks(module: nn.Module, explicit: list[str] | None = None) -> list[str]:
