@@ -259,6 +259,24 @@ class CompiledModule(nn.Module):
         if self.programs:
             self._say_why_new(key, args, kwargs)
         where = torch.device(device) if device is not None else self.device
+        with pipeline.fewer_collections():  # NOTE: [Collections while compiling]
+            exe, program = self._load_or_compile(key, args, kwargs, needs_grad, trainable, where, started)
+        log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
+        self.compile_seconds += time.perf_counter() - started
+        self.programs[key], self._executables[key], self.program = program, exe, program
+        return exe
+
+    def _load_or_compile(
+        self,
+        key: tuple,
+        args: tuple,
+        kwargs: dict,
+        needs_grad: bool,
+        trainable: tuple[bool, ...],
+        where: torch.device,
+        started: float,
+    ) -> tuple[Executable, Program]:
+        """The program of this call, from the compile cache or compiled, and its Executable."""
         # the key is made once, before tracing: a forward may change its modules' attributes as it runs
         k, why_not = self._cache_key(key, where)
         cached = self._from_cache(k)
@@ -281,11 +299,7 @@ class CompiledModule(nn.Module):
                 why_not = self._to_cache(k, program, time.perf_counter() - started)
             if why_not:
                 program.origin += f"; not kept in the compile cache: {why_not}"
-        exe = pipeline.lower(program, self.plan, self.regions)
-        log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
-        self.compile_seconds += time.perf_counter() - started
-        self.programs[key], self._executables[key], self.program = program, exe, program
-        return exe
+        return pipeline.lower(program, self.plan, self.regions), program
 
     # ---- the compile cache (NOTE: [Compile cache]) ----
     def _cache_key(self, key: tuple, where: torch.device) -> tuple[cache.Key | None, str]:

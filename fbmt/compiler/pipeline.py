@@ -9,8 +9,10 @@ Executable that runs it. `fbmt.compile` has already planned the layout, resolved
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,6 +72,28 @@ PIPELINE: tuple[tuple[str, Callable[..., Any], Callable[[Plan], dict[str, Any]]]
     ("verify", verify_program, lambda plan: {}),  # the invariants, once more
 )
 PASS_NAMES = tuple(name for name, _, _ in PIPELINE)  # what `disable=` is checked against
+
+
+# NOTE: [Collections while compiling]
+# Tracing and the passes make millions of short-lived objects (fx nodes, fake tensors, the programs
+# each pass copies), and Python's cycle collector runs on every 700 new ones, each of its full runs
+# walking the whole heap, which grows with the model: the deeper the model, the larger the share of
+# a compile spent collecting (BENCHMARKS.md). While a program is compiled or lowered,
+# the collector runs less often (gen-0 every 100,000 objects, a full run every 1,000 gen-1 runs);
+# the garbage is still freed by the rarer runs, so memory stays bounded. The thresholds are put back
+# afterwards; a collector a user turned off stays off.
+@contextlib.contextmanager
+def fewer_collections() -> Iterator[None]:
+    """Run Python's cycle collector less often while compiling (NOTE: [Collections while compiling])."""
+    before = gc.get_threshold()
+    if before[0] == 0:  # thresholds of 0: the user turned automatic collection off
+        yield
+        return
+    gc.set_threshold(max(before[0], 100_000), max(before[1], 20), max(before[2], 1000))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def passes(plan: Plan) -> list[tuple[str, Pass]]:
