@@ -20,6 +20,7 @@ from fbmt.compiler.options import CompileOptions
 from fbmt.compiler.pipeline import Search
 from fbmt.compiler.plan import Plan
 from fbmt.compiler.runtime.params import InitFn, agree_on_weights, build_shards
+from fbmt.compiler.runtime.regions import start_compile_workers
 
 
 def compile_module(
@@ -69,6 +70,8 @@ def compile_module(
             f"one compiles for {device}; pass device='cuda' or leave cuda_graph off"
         )
     plan = Plan.of(o, world)  # every option resolved and checked, before the model is touched (NOTE: [Plan])
+    if plan.backend == "inductor":
+        start_compile_workers(device)  # they start while the model is built and traced
     layout = plan_layout(model, world, o.block_paths, param_dtype=o.param_dtype)
     if world > 1 and world == job.world_size():  # NOTE: [Ranks' weights]
         agree_on_weights(model, layout, o.weights)

@@ -43,6 +43,7 @@ class RegionCache:
 
     def __init__(self) -> None:
         self.compiled: dict[tuple, Any] = {}
+        self.graphs: dict[str, fx.GraphModule] = {}  # each structure's GraphModule, made once (`_extract`)
         self.hits = self.misses = 0
         self.seconds = 0.0
 
@@ -90,6 +91,21 @@ class Region(nn.Module):
         else:
             self.cache.hits += 1
         self.fn = fn
+
+
+def start_compile_workers(device: torch.device) -> None:
+    """Start Inductor's pool of compile workers now, in the background, for regions that compile later.
+
+    Inductor compiles a region's kernels in a pool of worker processes, but uses the pool only once it
+    has started; until then each kernel compiles in this process, one after another. torch.compile
+    starts the pool as soon as a model is first compiled; regions call Inductor directly, so fbmt
+    starts it while it traces. Only kernels for CUDA (Triton) use the pool; Inductor itself declines
+    where the pool cannot serve (no Triton, compile threads set to 1, TORCH_WARM_POOL=0)."""
+    if device.type != "cuda":
+        return
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
 
 
 @contextlib.contextmanager
@@ -232,7 +248,7 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
     for n in g.nodes:
         if n in start_of:
             run = start_of[n]
-            ins, outs, sub, structure = _extract(run)
+            ins, outs, sub, structure = _extract(run, cache)
             name = f"region{len(root._modules)}"
             root.add_module(name, Region(sub, structure, cache))
             call = out.call_module(name, tuple(env[i] for i in ins))
@@ -247,8 +263,11 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
     return fx.GraphModule(root, out, class_name=type(gm).__name__)
 
 
-def _extract(run: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node], fx.GraphModule, str]:
-    """The run's inputs, outputs, as a standalone GraphModule, and its structural key."""
+def _extract(run: list[fx.Node], cache: RegionCache) -> tuple[list[fx.Node], list[fx.Node], fx.GraphModule, str]:
+    """The run's inputs, outputs, as a standalone GraphModule, and its structural key.
+
+    Runs of one structure (the same region of every layer) share one GraphModule: making one
+    generates and compiles its Python code, which would otherwise be most of lowering's time."""
     members = set(run)
     ins: list[fx.Node] = []
     for n in run:
@@ -256,19 +275,23 @@ def _extract(run: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node], fx.Graph
             if a not in members and a not in ins:
                 ins.append(a)
     outs = [n for n in run if any(u not in members for u in n.users)]
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
     local = {a: f"i{k}" for k, a in enumerate(ins)}
     parts = []
-    for k, a in enumerate(ins):
-        env[a] = sub.placeholder(f"in{k}")
-        env[a].meta = dict(a.meta)
     for j, n in enumerate(run):
-        env[n] = sub.node_copy(n, env.__getitem__)
         local[n] = f"n{j}"
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: local[a])
         parts.append(f"{n.target}{args}")
-    sub.output(tuple(env[o] for o in outs))
     parts.append("->" + ",".join(local[o] for o in outs))
     structure = hashlib.sha1("\n".join(parts).encode()).hexdigest()
-    return ins, outs, fx.GraphModule(nn.Module(), sub), structure
+    gm = cache.graphs.get(structure)
+    if gm is None:
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for k, a in enumerate(ins):
+            env[a] = sub.placeholder(f"in{k}")
+            env[a].meta = dict(a.meta)
+        for n in run:
+            env[n] = sub.node_copy(n, env.__getitem__)
+        sub.output(tuple(env[o] for o in outs))
+        gm = cache.graphs[structure] = fx.GraphModule(nn.Module(), sub)
+    return ins, outs, gm, structure
