@@ -34,8 +34,10 @@ def compile_once(
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=32000, seq_len=1024, n_layer=layers, n_head=16, d_model=d_model))
     started = time.perf_counter()
-    options = {"cache_dir": cache_dir} if cache_dir else {}  # an older tree may have no cache
-    compiled = fbmt.compile(model, world_size=world, device="meta", remat=remat, **options)
+    try:  # without --cache, no cache at all: a default folder filled by an earlier run would load
+        compiled = fbmt.compile(model, world_size=world, device="meta", remat=remat, cache_dir=cache_dir)
+    except TypeError:  # an older tree, from before the compile cache
+        compiled = fbmt.compile(model, world_size=world, device="meta", remat=remat)
     program = compiled.trace(torch.zeros(2, 1024, dtype=torch.long), device="cpu")
     total = time.perf_counter() - started
     # a program loaded from the cache took no pass time in this run
