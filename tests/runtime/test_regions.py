@@ -29,6 +29,8 @@ def test_inductor_regions_match_eager_and_identical_blocks_share_one_compile():
     regions = [m for gm in (exe.forward, exe.backward) for m in gm.modules() if isinstance(m, Region)]
     assert model.regions.hits > 0, model.regions  # the three identical blocks reuse compiled regions
     assert len(model.regions.compiled) < len(regions)
+    # regions of one structure share one GraphModule: each is made (its code generated) once
+    assert len({id(r.gm) for r in regions}) == len({r.structure for r in regions}) < len(regions)
     kinds = [n.target for n in exe.forward.graph.nodes if n.op == "call_function"]
     assert torch_impl.all_gather in kinds and torch_impl.wait in kinds  # communication stays outside regions
 
