@@ -9,7 +9,9 @@ Cold: fbmt's compile cache, Inductor's cache and Triton's cache start in empty f
 second process with the same folders, as a second run of a job on the same machine. "Entry only"
 (fbmt): fbmt's folder kept, Inductor's and Triton's empty again, so all that is there is what the
 compile cache's entries hold (the programs and torch's cache artifacts), as on a machine that
-received the folder. Each round runs fbmt, then the peer. Printed per run: the process's wall time
+received the folder. Before the rounds, a run of each method on a tiny model fills a folder of
+Python's bytecode that every run shares, as a normal install has it (not counted). Each round runs
+fbmt, then the peer. Printed per run: the process's wall time
 (Python's start to its exit, one step and the teardown included), building the model, the first
 step, and for fbmt its compile (trace and passes, or loading) and Inductor's seconds. `--out` writes
 JSON.
@@ -30,13 +32,14 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def one(method: str, args: argparse.Namespace, folders: dict[str, str]) -> dict[str, Any]:
+def one(method: str, args: argparse.Namespace, folders: dict[str, str], config: str | None = None) -> dict[str, Any]:
     """One process of gpu_train.py running `method` for a step, with the caches in `folders`."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
     command += [f"--master_port={29500 + random.randrange(1000)}", os.path.join(HERE, "gpu_train.py")]
-    command += ["--config", args.config, "--batch", str(args.batch), "--seq", str(args.seq), "--remat", args.remat]
+    shape = ["--batch", "2", "--seq", "128"] if config else ["--batch", str(args.batch), "--seq", str(args.seq)]
+    command += ["--config", config or args.config, *shape, "--remat", args.remat]
     command += ["--methods", method, "--steps", "1", "--warmup", "0", "--out", out] + (["--hf"] if args.hf else [])
     env = {
         **os.environ,
@@ -44,6 +47,7 @@ def one(method: str, args: argparse.Namespace, folders: dict[str, str]) -> dict[
         "TORCHINDUCTOR_CACHE_DIR": folders["inductor"],
         "TRITON_CACHE_DIR": folders["triton"],
         "FBMT_LOG": "info",  # for what the compile cache did (kept in the JSON)
+        "PYTHONPYCACHEPREFIX": folders["pyc"],  # Python's own bytecode (see main)
     }
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -71,10 +75,21 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="first-step-")
+    pyc = os.path.join(root, "pyc")
     folders = {
-        who: {kind: os.path.join(root, who, kind) for kind in ("fbmt", "inductor", "triton")}
+        who: {**{kind: os.path.join(root, who, kind) for kind in ("fbmt", "inductor", "triton")}, "pyc": pyc}
         for who in ("fbmt", "peer")
     }
+    # Python's bytecode of torch, transformers and fbmt is not a compile cache of either method: on a
+    # machine where they were installed normally it is there before the first run. Where the
+    # packages' folders cannot be written (a read-only image), every process would compile thousands
+    # of source files again, so all runs keep it in one folder, filled first by a run of each method
+    # on the tiny model (its own caches, not counted).
+    for method in (args.fbmt, args.peer) if args.peer else (args.fbmt,):
+        scratch = {kind: os.path.join(root, "bytecode", kind) for kind in ("fbmt", "inductor", "triton")}
+        warmed = one(method, args, {**scratch, "pyc": pyc}, config="tiny")
+        if "error" in warmed:
+            print(f"the bytecode run of {method} failed: {warmed['error'][-300:]}", flush=True)
     rows = []
     for round_ in ("cold", "warm"):
         for who, method in (("fbmt", args.fbmt), ("peer", args.peer)) if args.peer else (("fbmt", args.fbmt),):
