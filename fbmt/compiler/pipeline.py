@@ -79,7 +79,7 @@ PASS_NAMES = tuple(name for name, _, _ in PIPELINE)  # what `disable=` is checke
 # each pass copies), and Python's cycle collector runs on every 700 new ones, each of its full runs
 # walking the whole heap, which grows with the model: the deeper the model, the larger the share of
 # a compile spent collecting (BENCHMARKS.md). While a program is compiled or lowered,
-# the collector runs less often (gen-0 every 100,000 objects, a full run every 1,000 gen-1 runs);
+# the collector runs less often (gen-0 every 200,000 objects, a full run every 1,000 gen-1 runs);
 # the garbage is still freed by the rarer runs, so memory stays bounded. The thresholds are put back
 # afterwards; a collector a user turned off stays off.
 @contextlib.contextmanager
@@ -89,7 +89,7 @@ def fewer_collections() -> Iterator[None]:
     if before[0] == 0:  # thresholds of 0: the user turned automatic collection off
         yield
         return
-    gc.set_threshold(max(before[0], 100_000), max(before[1], 20), max(before[2], 1000))
+    gc.set_threshold(max(before[0], 200_000), max(before[1], 20), max(before[2], 1000))
     try:
         yield
     finally:

@@ -324,7 +324,8 @@ class _Results:
 # back. Most joint graphs have none: the forward of a typical model mutates nothing, and autograd
 # accumulates gradients out of place. Its only other effect is dropping `detach`, which
 # `_canonicalize` does as well. So the second trace runs only where an op of the first graph may
-# write to a tensor (its schema says so); it is 40% of the trace time where it runs.
+# write to a tensor (its schema says so); elsewhere tracing takes little more than half as long
+# (BENCHMARKS.md).
 def _mutates(graph: fx.Graph) -> bool:
     """Whether any op of `graph` writes to one of its arguments (its schema says it may)."""
     return any(
