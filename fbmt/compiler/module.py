@@ -75,6 +75,17 @@ def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict) -> str:
     return "; ".join(said) or "another call signature"
 
 
+def _dims_text(dims: dict[int, tuple[int, ...]]) -> str:
+    return ", ".join(f"input {i} dimension{'s' * (len(ds) > 1)} {', '.join(map(str, ds))}" for i, ds in dims.items())
+
+
+def _without_shapes(key: tuple) -> tuple:
+    """A call's key with each tensor's shape replaced by its number of dimensions."""
+    spec, sig, *rest = key
+    bare = tuple((len(x[0]), *x[1:]) if isinstance(x, tuple) and x and isinstance(x[0], tuple) else x for x in sig)
+    return (spec, bare, *rest)
+
+
 class CompiledModule(nn.Module):
     """A module compiled by `fbmt.compile`; see that function for the options."""
 
@@ -101,6 +112,8 @@ class CompiledModule(nn.Module):
         self.program: Program | None = None
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
         self._warned_shapes = False  # the warning that programs pile up for new input shapes, given once
+        self._input_shapes: dict[Any, list[tuple[int, ...]]] = {}  # a program's key -> its inputs' shapes
+        self._admitted: dict[Any, Any] = {}  # a call's key -> the key of the symbolic program that runs it
         self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
         self.cache_dir = cache.resolve_dir(options.cache_dir)  # the compile cache (NOTE: [Compile cache]); None: off
         self._entries: list[Path] = []  # cache entries that take Inductor's artifacts as regions compile
@@ -157,9 +170,10 @@ class CompiledModule(nn.Module):
         needs_grad = torch.is_grad_enabled() and (any(trainable) or any(x.requires_grad for x in inputs))
         key = self._key(args, kwargs, needs_grad, trainable)
         self._keep_artifacts()
+        key = self._admitted.get(key, key)  # a size a symbolic program ran before (NOTE: [Dynamic sizes])
         exe = self._executables.get(key)
         if exe is None:
-            exe = self._build(key, args, kwargs, needs_grad, trainable)
+            exe, key = self._symbolic_or_new(key, inputs, args, kwargs, needs_grad, trainable)
         program = self.programs[key]
         check_ranks_agree(exe.signature, program)
         if exe.updated_buffers and needs_grad and self.options.broadcast_buffers and self.layout.world_size > 1:
@@ -246,6 +260,43 @@ class CompiledModule(nn.Module):
             autocast,
         )
 
+    # ---- programs for many input sizes (NOTE: [Dynamic sizes]) ----
+    def _symbolic_or_new(
+        self, key: tuple, inputs: list[torch.Tensor], args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple
+    ) -> tuple[Executable, tuple]:
+        """The Executable for a call no program has the key of, and the key it is kept under: a
+        symbolic program that admits the call's sizes, else a new program (symbolic in the
+        dimensions this call differs from an existing program in, where `dynamic=True`)."""
+        family = _without_shapes(key)
+        for known, program in self.programs.items():
+            if program.sizes is not None and _without_shapes(known) == family and program.sizes.admits(inputs) is None:
+                self._admitted[key] = known
+                return self._executables[known], known
+        dims = self._varying(family, inputs)
+        if dims:
+            log.info("one program for many input sizes: symbolic in %s (NOTE: [Dynamic sizes])", _dims_text(dims))
+        exe = self._build(key, args, kwargs, needs_grad, trainable, dynamic=dims)
+        self._input_shapes[key] = [tuple(x.shape) for x in inputs]
+        return exe, key
+
+    def _varying(self, family: tuple, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
+        """The dimensions in which this call's inputs differ from a program of the same key but for
+        shapes (None: no such program, or `dynamic=False`, or CUDA graphs, which replay fixed shapes)."""
+        if not self.options.dynamic or self.options.cuda_graph:
+            return None
+        shapes = [tuple(x.shape) for x in inputs]
+        for known, old in self._input_shapes.items():
+            if _without_shapes(known) != family or len(old) != len(shapes):
+                continue
+            dims = {
+                i: tuple(d for d, (a, b) in enumerate(zip(was, now)) if a != b)
+                for i, (was, now) in enumerate(zip(old, shapes))
+                if was != now and len(was) == len(now)
+            }
+            if dims:
+                return dims
+        return None
+
     def _build(
         self,
         key: tuple,
@@ -254,13 +305,14 @@ class CompiledModule(nn.Module):
         needs_grad: bool,
         trainable: tuple[bool, ...],
         device: torch.device | str | None = None,
+        dynamic: dict[int, tuple[int, ...]] | None = None,
     ) -> Executable:
         started = time.perf_counter()
         if self.programs:
             self._say_why_new(key, args, kwargs)
         where = torch.device(device) if device is not None else self.device
         with pipeline.fewer_collections():  # NOTE: [Collections while compiling]
-            exe, program = self._load_or_compile(key, args, kwargs, needs_grad, trainable, where, started)
+            exe, program = self._load_or_compile(key, args, kwargs, needs_grad, trainable, where, started, dynamic)
         log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
@@ -275,10 +327,11 @@ class CompiledModule(nn.Module):
         trainable: tuple[bool, ...],
         where: torch.device,
         started: float,
+        dynamic: dict[int, tuple[int, ...]] | None = None,
     ) -> tuple[Executable, Program]:
         """The program of this call, from the compile cache or compiled, and its Executable."""
         # the key is made once, before tracing: a forward may change its modules' attributes as it runs
-        k, why_not = self._cache_key(key, where)
+        k, why_not = self._cache_key(key, where) if not dynamic else (None, "it has symbolic sizes")
         cached = self._from_cache(k)
         if cached is not None:
             program = cached
@@ -293,6 +346,7 @@ class CompiledModule(nn.Module):
                 trainable=trainable,
                 device=where,
                 search=self.search,
+                dynamic=dynamic,
             )
             program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
             if k is not None:

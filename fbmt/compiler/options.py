@@ -71,6 +71,11 @@ class CompileOptions:
     cuda_graph: bool = False
     """Replay each training step's forward and backward as CUDA graphs after two warm-up calls (CUDA
     only; NOTE: [CUDA graphs]). Needs fixed input shapes and each backward before the next forward."""
+    dynamic: bool = True
+    """When a call's input sizes differ from a compiled program's only in some dimensions (a new
+    sequence length), compile one program with those dimensions symbolic, which then serves every
+    size it admits (NOTE: [Dynamic sizes]). False: a program for every input shape. Off under
+    cuda_graph, whose replays need fixed shapes."""
     disable: tuple[str, ...] = ()
     """Pass names to skip (to bisect a problem); "shard" cannot be skipped."""
     checks: bool | None = None

@@ -117,8 +117,10 @@ def compile_program(
     trainable: tuple[bool, ...],
     device: torch.device,
     search: Search | None = None,
+    dynamic: dict[int, tuple[int, ...]] | None = None,
 ) -> Program:
-    """Trace one call and run the passes: what the compile cache keeps (NOTE: [Compile cache])."""
+    """Trace one call and run the passes: what the compile cache keeps (NOTE: [Compile cache]).
+    `dynamic`: the input dimensions to trace as symbols (NOTE: [Dynamic sizes])."""
     # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
     what = "forward and backward" if needs_grad else "forward"
     with logs.stage(f"tracing {type(module).__name__}'s {what} ({len(layout.blocks)} blocks)") as said:
@@ -131,6 +133,7 @@ def compile_program(
             param_device=device,
             needs_grad=needs_grad,
             trainable=trainable,
+            dynamic=dynamic,
         )
         said["done"] = f"{len(program.graph.nodes)} nodes"
     # 2. the passes: blocks, recompute, merged products, ZeRO sharding, overlap, checks

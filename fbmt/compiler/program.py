@@ -135,6 +135,8 @@ class Program:
     history: list[PassRecord] = field(default_factory=list)
     # where it came from: "compiled in 3.1s; saved to the compile cache (...)", "loaded from the compile cache (...)"
     origin: str = ""
+    # a program for many input sizes: which dimensions are symbolic, what it assumes (NOTE: [Dynamic sizes])
+    sizes: Any = None
 
     # ---- structure helpers passes share -------------------------------------------------
     def placeholders(self) -> list[fx.Node]:
@@ -221,6 +223,8 @@ class Program:
         ]
         if self.origin:
             head.append(f"# {self.origin}")
+        if self.sizes is not None:
+            head.append(f"# {self.sizes}")
         for r in self.history:
             head.append(f"# pass {r.name:<10} {r.seconds * 1e3:7.1f} ms  {r.summary}")
         return "\n".join(head) + "\n" + format_graph(self)

@@ -15,6 +15,7 @@ tags through the second.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
@@ -32,8 +33,9 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from fbmt.compiler import meta, objects
+from fbmt.compiler import meta, objects, sizes
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.ops import record
 from fbmt.compiler.program import BWD, FWD, Program, Results, Role
@@ -58,6 +60,42 @@ def _native_batch_norm(*args: Any) -> Any:
 
 
 _DECOMPOSITIONS = {aten.native_batch_norm.default: _native_batch_norm}
+
+
+def _constant_pad_nd(input: torch.Tensor, pad: list, value: Any = 0) -> torch.Tensor:
+    """`constant_pad_nd` as narrows and a cat: its own fake kernel reads the input's sizes as plain
+    integers, which fixes a symbolic size (Hugging Face's loss pads the labels by one). Traced
+    this way only where sizes are symbolic (NOTE: [Dynamic sizes])."""
+    x = input
+    for k in range(len(pad) // 2):
+        dim, left, right = input.dim() - 1 - k, pad[2 * k], pad[2 * k + 1]
+        if left < 0:
+            x = x.narrow(dim, -left, x.shape[dim] + left)
+        if right < 0:
+            x = x.narrow(dim, 0, x.shape[dim] + right)
+        parts = [x]
+        for side, at in ((left, 0), (right, len(parts) + 1)):
+            if side > 0:
+                shape = list(x.shape)
+                shape[dim] = side
+                parts.insert(at, x.new_full(shape, value))
+        x = torch.cat(parts, dim) if len(parts) > 1 else x
+    return x.clone() if x is input else x
+
+
+_SYMBOLIC_DECOMPOSITIONS = {**_DECOMPOSITIONS, aten.constant_pad_nd.default: _constant_pad_nd}
+
+
+class _Decompose(TorchDispatchMode):
+    """Runs the ops of `table` as their decompositions (the fake forward's: make_fx takes a table)."""
+
+    def __init__(self, table: dict) -> None:
+        super().__init__()
+        self.table = table
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        decomposition = self.table.get(func)
+        return (decomposition or func)(*args, **(kwargs or {}))
 
 
 _fakes_registered = False
@@ -133,24 +171,31 @@ def trace(
     param_device: torch.device,
     needs_grad: bool,
     trainable: tuple[bool, ...] | None = None,
+    dynamic: dict[int, tuple[int, ...]] | None = None,
 ) -> Program:
     """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring).
 
     `trainable[k]` says whether group k's parameters get gradients (default: `group.requires_grad`).
+    `dynamic[i]`: the dimensions of input tensor i traced as symbols (NOTE: [Dynamic sizes]).
     """
     started = time.perf_counter()
     _grouped_mm_of_any_dtype()
-    fake_mode = FakeTensorMode()
+    fake_mode = sizes.symbolic_mode() if dynamic else FakeTensorMode()
     rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
     params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]
     with fake_mode:
         fake_params = [torch.empty(shape, dtype=dt, device=param_device) for _, shape, dt, _ in params]
-    fake_buffers = [fake_mode.from_tensor(b) for b in buffers.values()]
+    fake_buffers = [fake_mode.from_tensor(b, static_shapes=True) for b in buffers.values()]  # never symbolic
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     in_objects = {i: objects.tensors_in(x) for i, x in enumerate(leaves) if objects.is_object(x)}
     real_inputs = objects.input_tensors(leaves)
-    fake_inputs = [fake_mode.from_tensor(x) for x in real_inputs]
+    symbolic = None
+    if dynamic:
+        fake_inputs = sizes.fake_inputs(fake_mode, real_inputs, dynamic)
+        symbolic = sizes.SymbolicSizes.of(fake_inputs, real_inputs)  # the symbols as made, before any guard
+    else:
+        fake_inputs = [fake_mode.from_tensor(x) for x in real_inputs]
     input_rg = [needs_grad and x.requires_grad for x in real_inputs]
     names = [p[0] for p in params] + list(buffers)
     param_rg = [needs_grad and p[3] for p in params]
@@ -169,7 +214,8 @@ def trace(
 
     # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
     # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
-    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode:
+    probe_ops = _Decompose(_SYMBOLIC_DECOMPOSITIONS) if dynamic else contextlib.nullcontext()
+    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode, probe_ops:
         with torch.enable_grad() if needs_grad else torch.no_grad():
             probe, copies = call(
                 [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)],
@@ -210,7 +256,8 @@ def trace(
 
     flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
     with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
-        first = make_fx(joint, tracing_mode="fake", decomposition_table=_DECOMPOSITIONS)(*flat_in)
+        table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
+        first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
     gm = first
     if _mutates(first.graph):  # NOTE: [Functional already]
         with _translate_errors(module):
@@ -240,6 +287,7 @@ def trace(
         results=results.plan,
         needs_grad=needs_grad,
         constants=constants,
+        sizes=symbolic,
     )
     _canonicalize(program)
     stats = TraceStats(tuple(constants), tuple(results.plan.notes))

@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fbmt.compiler import meta
-from fbmt.compiler.ops.tables import is_view
+from fbmt.compiler.ops.tables import hint, is_view
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -40,7 +40,7 @@ def fake_like(val: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | No
 def nbytes(value: Any) -> int:
     """Bytes of a node's value (`meta["val"]`): a tensor, or a list/tuple of them; else 0."""
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return hint(value.numel()) * value.element_size()
     if isinstance(value, (list, tuple)):
         return sum(nbytes(x) for x in value)
     return 0

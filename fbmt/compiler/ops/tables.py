@@ -141,6 +141,16 @@ def expensive(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and op_name(node.target) in EXPENSIVE
 
 
+def hint(x: Any) -> Any:
+    """A size as a plain number: a symbolic one (a program for many sequence lengths) by the value it
+    was traced at, without making the program depend on it (estimates only: memory, work)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        node = x.node
+        value = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
+        return int(value) if isinstance(x, torch.SymInt) else float(value)
+    return x
+
+
 def _val(a: Any) -> Any:
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
@@ -148,12 +158,12 @@ def _val(a: Any) -> Any:
 def _matmul(node: fx.Node) -> float:
     args = [_val(a) for a in node.args]
     a, b = (args[0], args[1]) if op_name(node.target) in ("mm", "bmm") else (args[1], args[2])
-    return 2.0 * a.numel() * b.shape[-1]
+    return 2.0 * hint(a.numel()) * hint(b.shape[-1])
 
 
 def _attention(node: fx.Node) -> float:
     q, k = _val(node.args[0]), _val(node.args[1])
-    work = 4.0 * q.numel() * k.shape[-2]  # QK^T and PV: 2 * b*h*s*t*d each
+    work = 4.0 * hint(q.numel()) * hint(k.shape[-2])  # QK^T and PV: 2 * b*h*s*t*d each
     if any(a is True for a in node.args[3:]) or node.kwargs.get("is_causal"):
         work /= 2
     return work * (2.5 if op_name(node.target) in ATTENTION_BACKWARD else 1.0)
@@ -162,13 +172,13 @@ def _attention(node: fx.Node) -> float:
 def _grouped_mm(node: fx.Node) -> float:
     a, b, out = _val(node.args[0]), _val(node.args[1]), _val(node)
     if a.dim() == 2 and b.dim() == 2:  # groups along the contraction (a weight gradient)
-        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-    return 2.0 * out.numel() * a.shape[-1]
+        return 2.0 * hint(a.shape[0]) * hint(a.shape[1]) * hint(b.shape[1])
+    return 2.0 * hint(out.numel()) * hint(a.shape[-1])
 
 
 def _convolution(node: fx.Node) -> float:
     out, w = _val(node), _val(node.args[1])
-    return 2.0 * out.numel() * w[0].numel() if out is not None else 0.0
+    return 2.0 * hint(out.numel()) * w[0].numel() if out is not None else 0.0
 
 
 FLOPS: dict[str, Callable[[fx.Node], float]] = {

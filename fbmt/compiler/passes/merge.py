@@ -95,7 +95,7 @@ def _products(g: fx.Graph, slots: dict) -> dict[tuple, list[tuple[fx.Node, fx.No
         if not (isinstance(tw, fx.Node) and tw.target is aten.t.default and tw.args[0] in slots):
             continue
         base = x.args[0] if x.target in RESHAPES else x
-        shape = tuple(x.meta["val"].shape)
+        shape = tuple(map(str, x.meta["val"].shape))  # a symbolic size by its expression
         found[(meta.phase(n), meta.recompute(n), base, shape)].append((n, tw.args[0]))
     return found
 

@@ -54,13 +54,14 @@ class RegionCache:
 class Region(nn.Module):
     """A run of pure aten nodes, compiled on first call (see NOTE: [Regions])."""
 
-    def __init__(self, gm: fx.GraphModule, structure: str, cache: RegionCache):
+    def __init__(self, gm: fx.GraphModule, structure: str, cache: RegionCache, varying: bool = False):
         super().__init__()
         self.gm, self.structure, self.cache = gm, structure, cache
+        self.varying = varying  # in a program of symbolic sizes: compiled for each layout it meets
         self.fn: Any = None
 
     def forward(self, *args: Any) -> Any:
-        if self.fn is None:
+        if self.fn is None or self.varying:
             self._compile(args)
         return self.fn(*args)
 
@@ -69,6 +70,9 @@ class Region(nn.Module):
             (tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else repr(a) for a in args
         )
         key = (self.structure, layout)
+        if self.varying and key in self.cache.compiled:  # a layout met before: no count, no log
+            self.fn = self.cache.compiled[key]
+            return
         fn = self.cache.compiled.get(key)
         if fn is None:
             from torch._inductor.compile_fx import compile_fx
@@ -250,7 +254,7 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             run = start_of[n]
             ins, outs, sub, structure = _extract(run, cache)
             name = f"region{len(root._modules)}"
-            root.add_module(name, Region(sub, structure, cache))
+            root.add_module(name, Region(sub, structure, cache, varying=any(map(_symbolic, ins))))
             call = out.call_module(name, tuple(env[i] for i in ins))
             for k, o in enumerate(outs):
                 env[o] = out.call_function(operator.getitem, (call, k))
@@ -261,6 +265,14 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             env[n] = out.node_copy(n, env.__getitem__)
     out.lint()
     return fx.GraphModule(root, out, class_name=type(gm).__name__)
+
+
+def _symbolic(n: fx.Node) -> bool:
+    """Whether a region input's size varies between calls (a program of symbolic sizes)."""
+    v = n.meta.get("val")
+    if isinstance(v, torch.SymInt):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride()))
 
 
 def _extract(run: list[fx.Node], cache: RegionCache) -> tuple[list[fx.Node], list[fx.Node], fx.GraphModule, str]:

@@ -1,0 +1,112 @@
+"""Programs for many input sizes: the dimensions a call's inputs vary in, traced as symbols.
+
+NOTE: [Dynamic sizes]
+A language model is called with batches of many lengths; a program per length would compile for
+most steps of a real run. So when a call's inputs differ from an existing program's only in the
+sizes of some dimensions (the same ranks, dtypes, modes and everything else of the key), fbmt
+compiles one more program with exactly those dimensions symbolic (`dynamic=True`, the default), and
+every later call that program admits runs it. Tracing runs in a fake mode with a shape environment:
+the symbolic sizes flow through the model's code, the gradient formulas and the passes, and the
+graph computes every size from its inputs' sizes (`sym_size` nodes), so the layout, the sharding and
+the schedule are the same for every length. What the passes estimate from sizes (memory, work) they
+read at the size it was traced with (`ops.hint`), which adds no assumption.
+
+What the program assumed while it was traced is kept by the shape environment as guards: a model's
+`if seq_len > 1024:` is `s0 > 1024`, a specialization is `Eq(s0, 16)`, and every symbol is at least 2
+(sizes 0 and 1 are traced as constants). Before a call runs a symbolic program, `admits` evaluates
+every guard at the call's sizes, checks that the dimensions traced as constants have their traced
+size and that dimensions traced as one symbol (input ids and labels of one length) are equal; a call
+the program does not admit gets a program of its own, so a guard that fails costs a compile, never
+a wrong result. Not for CUDA graphs (a replay needs the captured shapes) and not kept in the compile
+cache yet; with backend="inductor" each compute region is still compiled for each length it meets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def symbolic_mode() -> FakeTensorMode:
+    """A fake mode whose tensors may have symbolic sizes."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def fake_inputs(mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int, tuple[int, ...]]) -> list:
+    """Fakes of `inputs` in `mode`, dimension d of input i symbolic where `dims[i]` holds d."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    out = []
+    for i, x in enumerate(inputs):
+        varying = dims.get(i, ())
+        kinds = [DimDynamic.DYNAMIC if d in varying else DimDynamic.STATIC for d in range(x.dim())]
+        out.append(mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=kinds)))
+    return out
+
+
+@dataclass
+class SymbolicSizes:
+    """Which input dimensions of a program are symbolic, and what the program assumes of them."""
+
+    traced: list[tuple[int, ...]]  # every input's shape at the call it was traced for
+    symbols: dict[tuple[int, int], Any]  # (input, dimension) -> its sympy symbol
+    shape_env: Any  # the trace's ShapeEnv: its guards grow while the passes run, and are read here
+
+    @classmethod
+    def of(cls, fakes: list[torch.Tensor], inputs: list[torch.Tensor]) -> SymbolicSizes | None:
+        """The symbols of `fakes` as they were made, before tracing (a guard may later replace one
+        by another or by a number; the guards name the symbols as made). None: no symbol at all
+        (a size 0 or 1 is made a constant)."""
+        symbols, env = {}, None
+        for i, f in enumerate(fakes):
+            for d, s in enumerate(f.shape):
+                if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                    symbols[(i, d)] = s.node.expr
+                    env = s.node.shape_env
+        if not symbols:
+            return None
+        return cls([tuple(x.shape) for x in inputs], symbols, env)
+
+    def guards(self) -> list[Any]:
+        """What the program assumes of its symbols, as sympy expressions."""
+        return [g.expr for g in self.shape_env.guards]
+
+    def admits(self, inputs: list[torch.Tensor]) -> str | None:
+        """None if this program computes the call with these inputs; else why not."""
+        if len(inputs) != len(self.traced):
+            return f"{len(inputs)} input tensors where the program takes {len(self.traced)}"
+        values: dict[Any, int] = {}
+        for i, (x, shape) in enumerate(zip(inputs, self.traced)):
+            if x.dim() != len(shape):
+                return f"input {i} has {x.dim()} dimensions where the program's has {len(shape)}"
+            for d, (n, traced) in enumerate(zip(x.shape, shape)):
+                sym = self.symbols.get((i, d))
+                if sym is None:
+                    if n != traced:
+                        return f"input {i} dimension {d} is {n}, and the program was traced at {traced} there"
+                elif values.setdefault(sym, n) != n:  # one symbol for two dimensions: equal when traced
+                    return f"input {i} dimension {d} is {n}, and the program assumes it equals {values[sym]}"
+        for sym, n in values.items():
+            lower, upper = self.shape_env.var_to_range[sym].lower, self.shape_env.var_to_range[sym].upper
+            if not (bool(lower <= n) and bool(n <= upper)):
+                return f"the program assumes {sym} in [{lower}, {upper}], and it is {n}"
+        for expr in self.guards():
+            try:
+                holds = bool(expr.xreplace(values))
+            except TypeError:  # it names a symbol no input gives a value for
+                return f"the program assumes {expr}, which these sizes cannot decide"
+            if not holds:
+                return f"the program assumes {expr}"
+        return None
+
+    def __str__(self) -> str:
+        dims = ", ".join(
+            f"input {i} dim {d} = {e} (traced at {self.traced[i][d]})" for (i, d), e in self.symbols.items()
+        )
+        assumed = ", ".join(str(g) for g in self.guards())
+        return f"symbolic sizes: {dims}" + (f"; assumes {assumed}" if assumed else "")

@@ -1,0 +1,153 @@
+"""One program for many sequence lengths (NOTE: [Dynamic sizes]): symbolic sizes equal eager at
+lengths never traced, a guard that fails compiles anew instead of computing wrong, dynamic=False
+keeps a program per shape."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+import torch.nn as nn
+
+import fbmt
+from fbmt.models.gpt import GPT, GPTConfig
+from tests.dist import run_ranks
+from tests.models import hf
+
+LENGTHS = [16, 24, 16, 40, 128, 57, 33, 96, 16, 71]  # 16-128, most never seen before they arrive
+
+
+def _batch(step: int, length: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch of 4 sequences (rank r's half: 2), the same on every rank."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randint(0, 64, (4, length), generator=g), torch.randint(0, 64, (4, length), generator=g)
+    return (x, y) if rank is None else (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=2, n_head=2, d_model=16))  # positions up to 128
+
+
+def _train_ranks(rank: int, world: int) -> dict:
+    model = fbmt.compile(_model(), cache_dir=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step, length in enumerate(LENGTHS):
+        x, y = _batch(step, length, rank)
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    symbolic = [p for p in model.programs.values() if p.sizes is not None]
+    return {
+        "losses": losses,
+        "params": model.full_parameters(),
+        "programs": len(model.programs),
+        "symbolic": str(symbolic[0]).splitlines()[:4] if symbolic else None,
+    }
+
+
+def test_a_stream_of_lengths_on_two_ranks_compiles_two_programs_and_trains_as_eager():
+    """SGD: Adam would turn rounding-level gradients (the key bias's, zero in exact arithmetic) into
+    steps of the learning rate's size, in eager as much as here."""
+    got = run_ranks(2, _train_ranks)
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for step, length in enumerate(LENGTHS):
+        x, y = _batch(step, length)
+        loss = _loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert [r["programs"] for r in got] == [2, 2]  # length 16, then one for every other length
+    assert any("symbolic sizes: input 0 dim 1" in line for line in got[0]["symbolic"]), got[0]["symbolic"]
+    both = (torch.tensor(got[0]["losses"]) + torch.tensor(got[1]["losses"])) / 2
+    torch.testing.assert_close(both, torch.tensor(losses), rtol=1e-4, atol=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_hugging_face_llama_with_padding_masks_at_unseen_lengths_matches_eager():
+    """As a data collator pads: each batch to its longest sequence, the rest masked, labels -100."""
+    ref = hf.build("llama")
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    rng = random.Random(0)
+    for step, length in enumerate([12, 20, 9, 31, 64, 17]):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(3, hf.VOCAB, (3, length), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, rng.randint(2, length - 1) :] = 0  # one shorter sequence, padded on the right
+        labels = ids.masked_fill(mask == 0, -100)
+        kwargs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        out, want = model(**kwargs), ref(**kwargs)
+        out.loss.backward()
+        want.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"{name} at length {length}")
+            p.grad = None
+        for p in model.parameters():
+            p.grad = None
+    assert len(model.programs) == 2, list(model.programs)
+
+
+class Branches(nn.Module):
+    """A forward whose Python control flow reads the length: the program assumes a side of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.cumsum(1) if x.shape[1] > 20 else h * 2
+
+
+def test_a_size_the_program_does_not_admit_gets_its_own_program_not_a_wrong_result():
+    torch.manual_seed(0)
+    ref = Branches()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for length in (8, 12, 16, 24, 30, 5):
+        x = torch.randn(2, length, 4)
+        torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
+    symbolic = [p for p in model.programs.values() if p.sizes is not None]
+    assert len(symbolic) == 2, [str(p.sizes) for p in model.programs.values()]  # one each side of 20
+    assert "s" in str(symbolic[0].sizes) and "20" in str(symbolic[0].sizes)  # what it assumed, printed
+    assert symbolic[0].sizes.admits([torch.randn(2, 24, 4)]) is not None  # and why a length is refused
+
+
+def test_dynamic_false_compiles_a_program_per_shape():
+    torch.manual_seed(0)
+    model = fbmt.compile(Branches(), world_size=1, cache_dir=False, dynamic=False)
+    for length in (8, 12, 16):
+        model(torch.randn(2, length, 4))
+    assert len(model.programs) == 3 and all(p.sizes is None for p in model.programs.values())
+
+
+def test_with_inductor_each_region_compiles_for_each_length_it_meets():
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=64, seq_len=64, n_layer=1, n_head=2, d_model=16))
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, backend="inductor")
+    for step, length in enumerate((16, 24, 40, 24)):
+        x, y = _batch(step, length)
+        loss, want = _loss(model(x), y), _loss(ref(x), y)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"{name} at length {length}")
+            p.grad = None
+        for p in model.parameters():
+            p.grad = None
+    assert len(model.programs) == 2
