@@ -19,9 +19,11 @@ LENGTHS = [16, 24, 16, 40, 128, 57, 33, 96, 16, 71]  # 16-128, most never seen b
 
 
 def _batch(step: int, length: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step `step`'s batch of 4 sequences (rank r's half: 2), the same on every rank."""
+    """Step `step`'s batch of 4 sequences (rank r's half: 2), the same on every rank: inputs and
+    targets are views of one token tensor, shifted by one, so their strides vary with the length."""
     g = torch.Generator().manual_seed(step)
-    x, y = torch.randint(0, 64, (4, length), generator=g), torch.randint(0, 64, (4, length), generator=g)
+    tokens = torch.randint(0, 64, (4, length + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
     return (x, y) if rank is None else (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
 
 

@@ -23,6 +23,7 @@ cache yet; with backend="inductor" each compute region is still compiled for eac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,21 +57,27 @@ class SymbolicSizes:
     traced: list[tuple[int, ...]]  # every input's shape at the call it was traced for
     symbols: dict[tuple[int, int], Any]  # (input, dimension) -> its sympy symbol
     shape_env: Any  # the trace's ShapeEnv: its guards grow while the passes run, and are read here
+    # (input, dimension) -> the symbol of its stride, for a view whose strides vary with the sizes
+    # (`tokens[:, :-1]`); the guards may name them (a view is not contiguous: `Ne(s1, s0)`)
+    strides: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, fakes: list[torch.Tensor], inputs: list[torch.Tensor]) -> SymbolicSizes | None:
         """The symbols of `fakes` as they were made, before tracing (a guard may later replace one
         by another or by a number; the guards name the symbols as made). None: no symbol at all
         (a size 0 or 1 is made a constant)."""
-        symbols, env = {}, None
+        symbols, strides, env = {}, {}, None
         for i, f in enumerate(fakes):
             for d, s in enumerate(f.shape):
                 if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
                     symbols[(i, d)] = s.node.expr
                     env = s.node.shape_env
+            for d, s in enumerate(f.stride()):
+                if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and s.node.expr not in symbols.values():
+                    strides[(i, d)] = s.node.expr
         if not symbols:
             return None
-        return cls([tuple(x.shape) for x in inputs], symbols, env)
+        return cls([tuple(x.shape) for x in inputs], symbols, env, strides)
 
     def guards(self) -> list[Any]:
         """What the program assumes of its symbols, as sympy expressions."""
@@ -91,6 +98,9 @@ class SymbolicSizes:
                         return f"input {i} dimension {d} is {n}, and the program was traced at {traced} there"
                 elif values.setdefault(sym, n) != n:  # one symbol for two dimensions: equal when traced
                     return f"input {i} dimension {d} is {n}, and the program assumes it equals {values[sym]}"
+        for (i, d), sym in self.strides.items():
+            if values.setdefault(sym, inputs[i].stride(d)) != inputs[i].stride(d):
+                return f"input {i}'s stride {d} is {inputs[i].stride(d)}, and the program assumes {values[sym]}"
         for sym, n in values.items():
             lower, upper = self.shape_env.var_to_range[sym].lower, self.shape_env.var_to_range[sym].upper
             if not (bool(lower <= n) and bool(n <= upper)):
