@@ -83,7 +83,7 @@ def test_a_new_program_says_what_differs(records):
 
 
 def test_programs_for_new_shapes_warn_once_naming_the_keyword(records):
-    model = fbmt.compile(hf.build("llama"), world_size=1)
+    model = fbmt.compile(hf.build("llama"), world_size=1, dynamic=False)  # a program per shape
     for length in (8, 12, 16, 20, 24):
         ids = torch.randint(0, hf.VOCAB, (2, length))
         model(input_ids=ids, labels=ids).loss.backward()
@@ -92,3 +92,15 @@ def test_programs_for_new_shapes_warn_once_naming_the_keyword(records):
     assert len(warnings) == 1, warnings  # programs 4 and 5: once
     assert warnings[0].startswith("fbmt: program 4 for new input shapes (input_ids of shape (2, 20)")
     assert "pad_to_multiple_of" in warnings[0]
+
+
+def test_by_default_a_second_length_compiles_one_program_for_every_length(records):
+    model = fbmt.compile(hf.build("llama"), world_size=1)
+    for length in (8, 12, 16, 20, 24):
+        ids = torch.randint(0, hf.VOCAB, (2, length))
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert len(model.programs) == 2
+    assert "one program for many input sizes: symbolic in input 0 dimension 1, input 1 dimension 1" in " ".join(
+        _messages(records)
+    )
+    assert not _messages(records, logging.WARNING)

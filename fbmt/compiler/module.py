@@ -434,8 +434,10 @@ class CompiledModule(nn.Module):
         if by_shape and len(self.programs) + 1 >= _SHAPES_WARNING and not self._warned_shapes:
             self._warned_shapes = True
             log.warning(
-                "fbmt: program %d for new input shapes (%s): each new shape traces and compiles a new "
-                "program (%.1fs so far). Pad batches to a few fixed lengths to bound them (Hugging Face: "
+                "fbmt: program %d for new input shapes (%s): each shape no compiled program admits traces and "
+                "compiles a new program (%.1fs so far): with dynamic=False every new shape, with dynamic=True "
+                "(the default) a shape a symbolic program's assumptions refuse (print(model.program) lists "
+                "them). Pad batches to a few fixed lengths to bound them (Hugging Face: "
                 "DataCollatorWithPadding(pad_to_multiple_of=64), or the tokenizer's padding='max_length')",
                 len(self.programs) + 1,
                 why,
