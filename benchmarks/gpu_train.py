@@ -142,7 +142,11 @@ def build_fbmt(
 
 
 def build_fsdp2(
-    cfg: LlamaConfig, args: argparse.Namespace, device: torch.device, compile_blocks: bool = False
+    cfg: LlamaConfig,
+    args: argparse.Namespace,
+    device: torch.device,
+    compile_blocks: bool = False,
+    dynamic: bool | None = None,
 ) -> tuple[nn.Module, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -157,7 +161,7 @@ def build_fsdp2(
 
             layer = checkpoint_wrapper(layer)
         if compile_blocks:
-            layer = torch.compile(layer)
+            layer = torch.compile(layer, dynamic=dynamic)
         fully_shard(layer, mp_policy=mp)
         layers[i] = layer
     fully_shard(model, mp_policy=mp)
@@ -200,6 +204,10 @@ KNOB_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 METHODS: dict[str, Callable[..., tuple[nn.Module, Any]]] = {
     "fsdp2": build_fsdp2,
     "fsdp2-compile": lambda cfg, args, device: build_fsdp2(cfg, args, device, compile_blocks=True),
+    # for batches of many lengths (benchmarks/lengths.py): one symbolic compile per layer
+    "fsdp2-compile-dynamic": lambda cfg, args, device: build_fsdp2(
+        cfg, args, device, compile_blocks=True, dynamic=True
+    ),
 }
 for _name, _kw in FBMT_VARIANTS.items():  # each fbmt variant, with "-graph" its step as CUDA graphs, and with
     for _graph in (False, True):  # "base-" the same on the earlier commit of --base

@@ -1,0 +1,126 @@
+"""Batches of many lengths: fbmt against FSDP2 + per-layer `torch.compile(dynamic=True)`, one GPU.
+
+    python benchmarks/lengths.py --config 1.36b --remat block --steps 24 --out lengths.json
+
+Each method trains, in a process of its own (torchrun on one GPU), on the same stream of batches whose
+sequence length is drawn uniformly from [--min, --max] (seeded), from a cold start (empty compile
+caches). Printed per method: how many programs fbmt compiled, the whole stream's tokens/s (compiles
+included: what a short run sees) and the tokens/s of the steps after the third (steady state: a
+length that needs no new compile), and the losses of the first steps (the same model and data). A
+step is `gpu_train.train_step` on a batch of `--batch` sequences of that step's length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One method on the stream (run by torchrun); writes its result to --out."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, HERE)
+    import gpu_train
+
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    cfg = gpu_train.CONFIGS[args.config]
+    cfg = gpu_train.LlamaConfig(**{**cfg.__dict__, "max_seq": max(cfg.max_seq, args.max)})
+    lengths = _lengths(args)
+    args.seq, args.hf, args.loss_in_model, args.lr = lengths[0], False, False, 1e-4
+    model, opt = gpu_train.METHODS[args.method](cfg, args, device)
+    times, losses = [], []
+    for step, length in enumerate(lengths):
+        args.seq = length
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = gpu_train.train_step(model, opt, args, cfg, device, step)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    programs = len(getattr(model, "programs", {})) or None
+    tokens = [args.batch * n for n in lengths]
+    result = dict(
+        method=args.method,
+        programs=programs,
+        tok_s_all=sum(tokens) / sum(times),
+        tok_s_steady=sum(tokens[3:]) / sum(times[3:]),
+        step_s=times,
+        losses=losses[:4],
+        lengths=lengths,
+    )
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _lengths(args: argparse.Namespace) -> list[int]:
+    rng = random.Random(args.seed)
+    return [rng.randint(args.min, args.max) for _ in range(args.steps)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="1.36b")
+    ap.add_argument("--remat", default="block")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--min", type=int, default=64)
+    ap.add_argument("--max", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--methods", default="fbmt-inductor,fsdp2-compile-dynamic")
+    ap.add_argument("--method", default=None, help=argparse.SUPPRESS)  # the worker's
+    ap.add_argument("--prefetch", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--zero", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.method:
+        worker(args)
+        return
+    rows = []
+    root = tempfile.mkdtemp(prefix="lengths-")
+    for method in args.methods.split(","):
+        out = os.path.join(root, f"{method}.json")
+        env = {
+            **os.environ,
+            "FBMT_CACHE_DIR": os.path.join(root, method, "fbmt"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, method, "inductor"),
+            "TRITON_CACHE_DIR": os.path.join(root, method, "triton"),
+        }
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
+        command += [f"--master_port={29500 + random.randrange(1000)}", os.path.abspath(__file__)]
+        command += sys.argv[1:] + ["--method", method, "--out", out]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            rows.append(dict(method=method, error=(done.stdout + done.stderr)[-1500:]))
+        else:
+            with open(out) as f:
+                rows.append(json.load(f))
+        print(json.dumps(rows[-1])[:600], flush=True)
+    print(f"\n{args.config}, remat {args.remat}, batch {args.batch}, {args.steps} lengths in [{args.min}, {args.max}]")
+    print("| method | programs | tokens/s, whole stream | tokens/s, after step 3 | first losses |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['method']} | failed: {r['error'][-200:]!r} |")
+            continue
+        losses = ", ".join(f"{v:.4f}" for v in r["losses"])
+        print(f"| {r['method']} | {r['programs'] or '–'} | {r['tok_s_all']:.0f} | {r['tok_s_steady']:.0f} | {losses} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
