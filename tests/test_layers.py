@@ -49,6 +49,7 @@ GROUPS = [  # (module prefix, group); the longest matching prefix decides; a mod
     ("fbmt.compiler.objects", "compiler.ir"),
     ("fbmt.compiler.decisions", "compiler.ir"),
     ("fbmt.compiler.owners", "compiler.ir"),
+    ("fbmt.compiler.sizes", "compiler.ir"),
     ("fbmt.compiler.trace", "compiler.trace"),
     ("fbmt.compiler.passes", "compiler.passes"),
     ("fbmt.compiler.runtime", "compiler.runtime"),
