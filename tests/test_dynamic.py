@@ -27,6 +27,15 @@ def _batch(step: int, length: int, rank: int | None = None) -> tuple[torch.Tenso
     return (x, y) if rank is None else (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
 
 
+def _gradients_match_and_clear(model: nn.Module, ref: nn.Module, length: int) -> None:
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"{name} at length {length}")
+        p.grad = None
+    for p in model.parameters():
+        p.grad = None
+
+
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
@@ -94,12 +103,7 @@ def test_hugging_face_llama_with_padding_masks_at_unseen_lengths_matches_eager()
         out.loss.backward()
         want.loss.backward()
         torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
-        grads = model.full_gradients()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"{name} at length {length}")
-            p.grad = None
-        for p in model.parameters():
-            p.grad = None
+        _gradients_match_and_clear(model, ref, length)
     assert len(model.programs) == 2, list(model.programs)
 
 
@@ -146,10 +150,5 @@ def test_with_inductor_each_region_compiles_for_each_length_it_meets():
         loss.backward()
         want.backward()
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-        grads = model.full_gradients()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"{name} at length {length}")
-            p.grad = None
-        for p in model.parameters():
-            p.grad = None
+        _gradients_match_and_clear(model, ref, length)
     assert len(model.programs) == 2
