@@ -152,3 +152,16 @@ def test_with_inductor_each_region_compiles_for_each_length_it_meets():
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
         _gradients_match_and_clear(model, ref, length)
     assert len(model.programs) == 2
+
+
+def test_generate_with_the_default_cache_compiles_a_prompt_program_and_one_for_every_next_token():
+    """The cache passed back in is one token longer at each step: its tensors' length is symbolic."""
+    ref = hf.build("llama")
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    prompt = torch.randint(3, hf.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    want = ref.generate(prompt, max_new_tokens=12, do_sample=False)
+    got = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    # the prompt, the first next token (a cache of the prompt's length), then every later one
+    assert len(model.programs) == 3
+    assert sum(p.sizes is not None for p in model.programs.values()) == 1

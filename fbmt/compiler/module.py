@@ -80,9 +80,18 @@ def _dims_text(dims: dict[int, tuple[int, ...]]) -> str:
 
 
 def _without_shapes(key: tuple) -> tuple:
-    """A call's key with each tensor's shape replaced by its number of dimensions."""
+    """A call's key with each tensor's shape replaced by its number of dimensions, the tensors an
+    argument object holds included (a Hugging Face cache, one longer at each step of `generate`)."""
+
+    def held(fp: Any) -> Any:  # inside `objects.fingerprint`: a tensor is ("T", shape, dtype, device, grad)
+        if isinstance(fp, tuple) and len(fp) == 5 and fp[0] == "T" and isinstance(fp[1], tuple):
+            return ("T", len(fp[1]), *fp[2:])
+        return tuple(held(v) for v in fp) if isinstance(fp, tuple) else fp
+
     spec, sig, *rest = key
-    bare = tuple((len(x[0]), *x[1:]) if isinstance(x, tuple) and x and isinstance(x[0], tuple) else x for x in sig)
+    bare = tuple(
+        (len(x[0]), *x[1:]) if isinstance(x, tuple) and x and isinstance(x[0], tuple) else held(x) for x in sig
+    )
     return (spec, bare, *rest)
 
 
