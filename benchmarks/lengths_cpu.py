@@ -1,0 +1,61 @@
+"""Programs and compile seconds for a stream of sequence lengths and for `generate()`, with
+`dynamic=False` (a program per shape) and `dynamic=True` (NOTE: [Dynamic sizes]), on the CPU:
+
+    PYTHONPATH=. python benchmarks/lengths_cpu.py
+
+A GPT of 4 layers (width 64) trains on one rank on batches of 12 lengths from 16 to 128 (inputs and
+targets sliced from one token tensor), and a tiny Hugging Face Llama generates 20 tokens with its
+default cache. Printed: programs compiled, fbmt's compile seconds, and the wall time of the loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fbmt
+from fbmt.models.gpt import GPT, GPTConfig
+from tests.models import hf
+
+
+def stream(dynamic: bool) -> tuple[int, float, float]:
+    torch.manual_seed(0)
+    m = fbmt.compile(
+        GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=4, n_head=2, d_model=64)),
+        world_size=1,
+        cache_dir=False,
+        dynamic=dynamic,
+    )
+    lengths = [16, 24, 16, 40, 128, 57, 33, 96, 16, 71, 88, 20]
+    t = time.perf_counter()
+    for n in lengths:
+        tok = torch.randint(0, 64, (4, n + 1))
+        x, y = tok[:, :-1], tok[:, 1:]
+        F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+    return len(m.programs), m.compile_seconds, time.perf_counter() - t
+
+
+def gen(dynamic: bool) -> tuple[int, float, float]:
+    ref = hf.build("llama")
+    m = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, dynamic=dynamic)
+    prompt = torch.randint(3, hf.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    t = time.perf_counter()
+    m.generate(prompt, max_new_tokens=20, do_sample=False)
+    return len(m.programs), m.compile_seconds, time.perf_counter() - t
+
+
+def main() -> None:
+    for name, f in (
+        ("stream of 12 lengths 16-128, GPT 4 layers d64, 1 rank", stream),
+        ("generate 20 tokens, tiny HF Llama", gen),
+    ):
+        for dynamic in (False, True):
+            p, c, w = f(dynamic)
+            print(f"{name} | dynamic={dynamic} | {p} programs | compile {c:.2f} s | wall {w:.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
