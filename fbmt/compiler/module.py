@@ -123,6 +123,7 @@ class CompiledModule(nn.Module):
         self._warned_shapes = False  # the warning that programs pile up for new input shapes, given once
         self._input_shapes: dict[Any, list[tuple[int, ...]]] = {}  # a program's key -> its inputs' shapes
         self._admitted: dict[Any, Any] = {}  # a call's key -> the key of the symbolic program that runs it
+        self._fixed_sizes: set[Any] = set()  # call families whose forward failed on symbolic sizes
         self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
         self.cache_dir = cache.resolve_dir(options.cache_dir)  # the compile cache (NOTE: [Compile cache]); None: off
         self._entries: list[Path] = []  # cache entries that take Inductor's artifacts as regions compile
@@ -282,16 +283,29 @@ class CompiledModule(nn.Module):
                 self._admitted[key] = known
                 return self._executables[known], known
         dims = self._varying(family, inputs)
+        exe = None
         if dims:
             log.info("one program for many input sizes: symbolic in %s (NOTE: [Dynamic sizes])", _dims_text(dims))
-        exe = self._build(key, args, kwargs, needs_grad, trainable, dynamic=dims)
+            try:
+                exe = self._build(key, args, kwargs, needs_grad, trainable, dynamic=dims)
+            except Exception as e:  # a forward that needs its sizes as numbers (a size as a dict key, say)
+                self._fixed_sizes.add(family)
+                log.warning(
+                    "fbmt: %s cannot be traced with symbolic sizes (%s), so each new input shape compiles a "
+                    "program of its own (dynamic=False skips this attempt): %s",
+                    type(self._orig).__name__,
+                    _dims_text(dims),
+                    str(e).splitlines()[0] if str(e) else type(e).__name__,
+                )
+        if exe is None:
+            exe = self._build(key, args, kwargs, needs_grad, trainable)
         self._input_shapes[key] = [tuple(x.shape) for x in inputs]
         return exe, key
 
     def _varying(self, family: tuple, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
         """The dimensions in which this call's inputs differ from a program of the same key but for
         shapes (None: no such program, or `dynamic=False`, or CUDA graphs, which replay fixed shapes)."""
-        if not self.options.dynamic or self.options.cuda_graph:
+        if not self.options.dynamic or self.options.cuda_graph or family in self._fixed_sizes:
             return None
         shapes = [tuple(x.shape) for x in inputs]
         for known, old in self._input_shapes.items():
@@ -306,6 +320,7 @@ class CompiledModule(nn.Module):
                 return dims
         return None
 
+    @pipeline.fewer_collections()  # NOTE: [Collections while compiling]
     def _build(
         self,
         key: tuple,
@@ -320,25 +335,6 @@ class CompiledModule(nn.Module):
         if self.programs:
             self._say_why_new(key, args, kwargs)
         where = torch.device(device) if device is not None else self.device
-        with pipeline.fewer_collections():  # NOTE: [Collections while compiling]
-            exe, program = self._load_or_compile(key, args, kwargs, needs_grad, trainable, where, started, dynamic)
-        log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
-        self.compile_seconds += time.perf_counter() - started
-        self.programs[key], self._executables[key], self.program = program, exe, program
-        return exe
-
-    def _load_or_compile(
-        self,
-        key: tuple,
-        args: tuple,
-        kwargs: dict,
-        needs_grad: bool,
-        trainable: tuple[bool, ...],
-        where: torch.device,
-        started: float,
-        dynamic: dict[int, tuple[int, ...]] | None = None,
-    ) -> tuple[Executable, Program]:
-        """The program of this call, from the compile cache or compiled, and its Executable."""
         # the key is made once, before tracing: a forward may change its modules' attributes as it runs
         k, why_not = self._cache_key(key, where) if not dynamic else (None, "it has symbolic sizes")
         cached = self._from_cache(k)
@@ -362,7 +358,11 @@ class CompiledModule(nn.Module):
                 why_not = self._to_cache(k, program, time.perf_counter() - started)
             if why_not:
                 program.origin += f"; not kept in the compile cache: {why_not}"
-        return pipeline.lower(program, self.plan, self.regions), program
+        exe = pipeline.lower(program, self.plan, self.regions)
+        log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
+        self.compile_seconds += time.perf_counter() - started
+        self.programs[key], self._executables[key], self.program = program, exe, program
+        return exe
 
     # ---- the compile cache (NOTE: [Compile cache]) ----
     def _cache_key(self, key: tuple, where: torch.device) -> tuple[cache.Key | None, str]:
