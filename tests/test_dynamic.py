@@ -5,8 +5,10 @@ keeps a program per shape."""
 from __future__ import annotations
 
 import copy
+import math
 import random
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -165,3 +167,58 @@ def test_generate_with_the_default_cache_compiles_a_prompt_program_and_one_for_e
     # the prompt, the first next token (a cache of the prompt's length), then every later one
     assert len(model.programs) == 3
     assert sum(p.sizes is not None for p in model.programs.values()) == 1
+
+
+class SizeKeyed(nn.Module):
+    """A forward that keeps a table per length, keyed by the size: it needs sizes as numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scales = {n: float(n) ** -0.5 for n in range(1, 64)}
+
+    def forward(self, x):
+        return self.lin(x) * self.scales[x.shape[1]]
+
+
+def test_a_forward_that_needs_numeric_sizes_gets_a_program_per_shape_and_a_warning(caplog):
+    torch.manual_seed(0)
+    ref = SizeKeyed()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    with caplog.at_level("WARNING", logger="fbmt"):
+        for length in (8, 12, 16, 12):
+            x = torch.randn(2, length, 4)
+            torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
+    assert len(model.programs) == 3 and all(p.sizes is None for p in model.programs.values())
+    said = [r.getMessage() for r in caplog.records if "cannot be traced with symbolic sizes" in r.getMessage()]
+    assert len(said) == 1, said  # tried once, then a program per shape
+
+
+SIZE_USES = {  # what a forward does with its length: each must equal eager at lengths never traced
+    "tensor of the size": lambda h, T: h * torch.tensor(T, dtype=torch.float32),
+    "new_tensor of sizes": lambda h, T: h * h.new_tensor([T, T + 1]).sum(),
+    "math on the size": lambda h, T: h * math.sqrt(T),
+    "division": lambda h, T: h / T,
+    "arange": lambda h, T: h * torch.arange(T).float().view(1, T, 1),
+    "full of a power": lambda h, T: h * torch.full((1,), T**0.5),
+    "interpolate to twice": lambda h, T: nn.functional.interpolate(h.transpose(1, 2), size=T * 2).transpose(1, 2),
+}
+
+
+class UsesSize(nn.Module):
+    def __init__(self, use: str):
+        super().__init__()
+        self.lin, self.use = nn.Linear(4, 4), use
+
+    def forward(self, x):
+        return SIZE_USES[self.use](self.lin(x), x.shape[1])
+
+
+@pytest.mark.parametrize("use", sorted(SIZE_USES))
+def test_a_size_read_as_a_number_is_never_baked_into_a_program_for_other_lengths(use):
+    torch.manual_seed(0)
+    ref = UsesSize(use)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for length in (8, 12, 16, 30, 12):
+        x = torch.randn(2, length, 4)
+        torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
