@@ -17,7 +17,8 @@ What the program assumed while it was traced is kept by the shape environment as
 every guard at the call's sizes, checks that the dimensions traced as constants have their traced
 size and that dimensions traced as one symbol (input ids and labels of one length) are equal; a call
 the program does not admit gets a program of its own, so a guard that fails costs a compile, never
-a wrong result. Not for CUDA graphs (a replay needs the captured shapes) and not kept in the compile
+a wrong result; a forward that fails on symbolic sizes (a size used as a dict key) is warned about
+once and compiled per shape. Not for CUDA graphs (a replay needs the captured shapes) and not kept in the compile
 cache yet; with backend="inductor" each compute region is still compiled for each length it meets.
 """
 
