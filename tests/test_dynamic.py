@@ -89,11 +89,12 @@ def test_a_stream_of_lengths_on_two_ranks_compiles_two_programs_and_trains_as_ea
         torch.testing.assert_close(got[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_hugging_face_llama_with_padding_masks_at_unseen_lengths_matches_eager():
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_hugging_face_llama_with_padding_masks_at_unseen_lengths_matches_eager(backend):
     """As a data collator pads: each batch to its longest sequence, the rest masked, labels -100."""
     ref = hf.build("llama")
-    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
-    rng = random.Random(0)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, backend=backend)
+    rng, compiled = random.Random(0), []
     for step, length in enumerate([12, 20, 9, 31, 64, 17]):
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(3, hf.VOCAB, (3, length), generator=g)
@@ -106,7 +107,9 @@ def test_hugging_face_llama_with_padding_masks_at_unseen_lengths_matches_eager()
         want.loss.backward()
         torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
         _gradients_match_and_clear(model, ref, length)
+        compiled.append(model.regions.misses)
     assert len(model.programs) == 2, list(model.programs)
+    assert compiled[2:] == [compiled[1]] * 4, compiled  # Inductor: nothing compiled after the second length
 
 
 class Branches(nn.Module):
@@ -142,18 +145,23 @@ def test_dynamic_false_compiles_a_program_per_shape():
     assert len(model.programs) == 3 and all(p.sizes is None for p in model.programs.values())
 
 
-def test_with_inductor_each_region_compiles_for_each_length_it_meets():
+def test_with_inductor_regions_compile_once_for_every_length_and_equal_eager():
+    """NOTE: [Symbolic regions]: after the first two lengths (a program per shape, then one of
+    symbolic sizes), lengths never seen before compile nothing, and every one equals eager."""
     torch.manual_seed(0)
-    ref = GPT(GPTConfig(vocab_size=64, seq_len=64, n_layer=1, n_head=2, d_model=16))
+    ref = GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=1, n_head=2, d_model=16))
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, backend="inductor")
-    for step, length in enumerate((16, 24, 40, 24)):
+    compiled = []
+    for step, length in enumerate((16, 24, 40, 24, 97, 33)):
         x, y = _batch(step, length)
         loss, want = _loss(model(x), y), _loss(ref(x), y)
         loss.backward()
         want.backward()
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
         _gradients_match_and_clear(model, ref, length)
+        compiled.append(model.regions.misses)
     assert len(model.programs) == 2
+    assert compiled[1] > compiled[0] and compiled[1:] == [compiled[1]] * 5, compiled
 
 
 def test_generate_with_the_default_cache_compiles_a_prompt_program_and_one_for_every_next_token():

@@ -18,8 +18,9 @@ every guard at the call's sizes, checks that the dimensions traced as constants 
 size and that dimensions traced as one symbol (input ids and labels of one length) are equal; a call
 the program does not admit gets a program of its own, so a guard that fails costs a compile, never
 a wrong result; a forward that fails on symbolic sizes (a size used as a dict key) is warned about
-once and compiled per shape. Not for CUDA graphs (a replay needs the captured shapes) and not kept in the compile
-cache yet; with backend="inductor" each compute region is still compiled for each length it meets.
+once and compiled per shape. With backend="inductor" the compute regions are compiled with the same
+sizes symbolic (NOTE: [Symbolic regions]). Not for CUDA graphs (a replay needs the captured shapes)
+and not kept in the compile cache yet.
 """
 
 from __future__ import annotations

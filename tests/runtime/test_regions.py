@@ -109,3 +109,28 @@ def test_a_collective_between_an_op_and_its_unpacking_keeps_them_in_one_region()
     x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
     lm_step_matches(model, ref, x, y)
     assert "a gather between" in model.program.stats("schedule").detail  # the strategy's own line
+
+
+def test_a_region_of_symbolic_sizes_runs_only_the_layouts_its_guards_admit():
+    """NOTE: [Symbolic regions]: one compile serves every size it admits; a layout it does not
+    (another stride order, a size of 1, another dtype) compiles anew and still computes right."""
+    import torch.fx as fx
+
+    def f(x, n):  # an int input, as a program of symbolic sizes passes a size
+        return torch.ops.aten.reshape.default(torch.ops.aten.cos.default(x), [n, -1])
+
+    cache = regions.RegionCache()
+    region = Region(fx.symbolic_trace(f), "cos-reshape", cache, dims=[(1,), (0,)])
+    compiled = []
+    for x in (
+        torch.randn(4, 10),
+        torch.randn(4, 13),  # another length: the same compile
+        torch.randn(13, 4).t(),  # transposed: its guards assume a contiguous row
+        torch.randn(4, 1),  # a size of 1: they assume at least 2
+        torch.randn(4, 6, dtype=torch.float64),  # none of the three compiles is for float64: exact sizes
+        torch.randn(4, 7),
+    ):
+        torch.testing.assert_close(region(x, 4 * x.shape[1]), x.cos().reshape(4 * x.shape[1], -1))
+        compiled.append(cache.misses)
+    assert compiled == [1, 1, 2, 3, 4, 4], compiled
+    assert len(cache.symbolic["cos-reshape"]) == regions.MAX_SYMBOLIC

@@ -11,7 +11,8 @@ again in a later run: `_cacheable`), and keeps the result in a cache shared by t
 keyed by the region's structure (ops and how they connect, constants included) and its inputs'
 shapes, strides and dtypes. The regions of identical blocks have the same key, so a 32-layer model
 compiles one forward and a few backward regions, not 32 of each: compile time does not grow with
-depth.
+depth. In a program of symbolic sizes a region compiles once for all the sizes it varies in (NOTE:
+[Symbolic regions]).
 
 Collectives stay where the schedule pass put them, so communication overlaps the compiled compute
 exactly as it overlapped the eager one. The one move made first: a multi-output op's unpacking
@@ -28,11 +29,13 @@ import operator
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fbmt import logs
 from fbmt.compiler import ops
@@ -44,6 +47,7 @@ class RegionCache:
     def __init__(self) -> None:
         self.compiled: dict[tuple, Any] = {}
         self.graphs: dict[str, fx.GraphModule] = {}  # each structure's GraphModule, made once (`_extract`)
+        self.symbolic: dict[str, list[Symbolic]] = {}  # each structure's compiles of symbolic sizes
         self.hits = self.misses = 0
         self.seconds = 0.0
 
@@ -51,50 +55,209 @@ class RegionCache:
         return f"RegionCache({self.misses} compiled, {self.hits} reused, {self.seconds:.1f}s compiling)"
 
 
-class Region(nn.Module):
-    """A run of pure aten nodes, compiled on first call (see NOTE: [Regions])."""
+# At most this many compiles of symbolic sizes per region structure: a layout none of them admits
+# (what Inductor assumed of a size fails) then compiles for its exact sizes.
+MAX_SYMBOLIC = 3
 
-    def __init__(self, gm: fx.GraphModule, structure: str, cache: RegionCache, varying: bool = False):
+
+class Region(nn.Module):
+    """A run of pure aten nodes, compiled on first call (see NOTE: [Regions]).
+
+    `dims` gives, for each input of a region in a program of symbolic sizes, the dimensions whose
+    size varies between calls (for an int input: `(0,)`, its value varies); such a region is
+    compiled once with those sizes symbolic and runs every layout whose sizes Inductor's
+    assumptions admit (NOTE: [Symbolic regions])."""
+
+    def __init__(
+        self, gm: fx.GraphModule, structure: str, cache: RegionCache, dims: list[tuple[int, ...]] | None = None
+    ):
         super().__init__()
         self.gm, self.structure, self.cache = gm, structure, cache
-        self.varying = varying  # in a program of symbolic sizes: compiled for each layout it meets
+        self.dims = dims if dims and any(dims) else None
         self.fn: Any = None
 
     def forward(self, *args: Any) -> Any:
-        if self.fn is None or self.varying:
+        if self.fn is None or self.dims is not None:
             self._compile(args)
         return self.fn(*args)
 
     def _compile(self, args: tuple) -> None:
         layout = tuple(
-            (tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else repr(a) for a in args
+            (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
+            if isinstance(a, torch.Tensor)
+            else repr(a)
+            for a in args
         )
         key = (self.structure, layout)
-        if self.varying and key in self.cache.compiled:  # a layout met before: no count, no log
-            self.fn = self.cache.compiled[key]
-            return
         fn = self.cache.compiled.get(key)
         if fn is None:
-            from torch._inductor.compile_fx import compile_fx
-
-            started = time.perf_counter()
-            with cat_guard(), _cacheable() as fake:
-                fn = compile_fx(self.gm, [fake(a) for a in args])
-            seconds = time.perf_counter() - started
-            self.cache.seconds += seconds
+            fn = self._symbolic(args) if self.dims is not None else None
+            if fn is None:
+                fn, _ = self._inductor(args, symbolic=False)
             self.cache.compiled[key] = fn
-            self.cache.misses += 1
-            logs.log.info(
-                "Inductor: a region of %d ops compiled in %.2fs (%d kinds compiled, %d reused, %.1fs in all)",
-                sum(n.op == "call_function" for n in self.gm.graph.nodes),
-                seconds,
-                self.cache.misses,
-                self.cache.hits,
-                self.cache.seconds,
-            )
-        else:
+        elif self.fn is None:  # the same region of another block, compiled already
             self.cache.hits += 1
         self.fn = fn
+
+    def _symbolic(self, args: tuple) -> Any:
+        """A compile of symbolic sizes that admits `args`: one made before, or a new one; None once
+        MAX_SYMBOLIC are made and none admits them."""
+        made = self.cache.symbolic.setdefault(self.structure, [])
+        for s in made:
+            if s.admits(args):
+                self.cache.hits += 1
+                return s.fn
+        if len(made) >= MAX_SYMBOLIC:
+            return None
+        fn, fakes = self._inductor(args, symbolic=True)
+        made.append(Symbolic.of(fn, fakes, args))
+        if not made[-1].admits(args):  # never: its guards were made at these sizes
+            raise AssertionError(f"fbmt: a region's symbolic compile rejects the sizes it was made at: {made[-1].code}")
+        return fn
+
+    def _inductor(self, args: tuple, symbolic: bool) -> tuple[Any, list]:
+        """Inductor's compile of this region for `args`: for their exact sizes, or with the sizes
+        `dims` names symbolic; and the fakes it was compiled from."""
+        from torch._inductor.compile_fx import compile_fx
+
+        started = time.perf_counter()
+        with cat_guard(), _cacheable(static=not symbolic) as mode:
+            if symbolic:
+                fakes = _symbolic_fakes(mode, args, self.dims)
+                gm, reads, sizes = _with_sizes(self.gm, fakes)
+                fn = _reading_sizes(compile_fx(gm, fakes + sizes), reads)
+            else:
+                fakes = [_static(mode, a) for a in args]
+                fn = compile_fx(self.gm, fakes)
+        seconds = time.perf_counter() - started
+        self.cache.seconds += seconds
+        self.cache.misses += 1
+        logs.log.info(
+            "Inductor: a region of %d ops compiled for %s in %.2fs (%d kinds compiled, %d reused, %.1fs in all)",
+            sum(n.op == "call_function" for n in self.gm.graph.nodes),
+            "symbolic sizes" if symbolic else "its exact sizes",
+            seconds,
+            self.cache.misses,
+            self.cache.hits,
+            self.cache.seconds,
+        )
+        return fn, fakes
+
+
+@dataclass
+class Symbolic:
+    """One compile of a region with symbolic sizes, and what it assumes of its inputs.
+
+    NOTE: [Symbolic regions]
+    In a program of symbolic sizes (NOTE: [Dynamic sizes]) a region's inputs vary between calls in
+    the dimensions the program traced as symbols, and in the sizes it passes as ints. Such a region
+    is compiled by Inductor once, from fakes whose varying sizes are symbols of a shape environment
+    of its own; the kernels then compute every size from the inputs. While it compiles, Inductor may
+    assume things of those symbols (that one is at least 2, that two are equal, that a stride is
+    what it was); the shape environment keeps them as guards. A call's layout runs this compile only
+    if, at the call's sizes, every guard holds, every dimension compiled as a constant has its size,
+    and every input has the dtype and device compiled for (`admits`); the answer is kept per layout,
+    so a layout is checked once. A layout no compile admits gets a new one (at most MAX_SYMBOLIC per
+    structure, then one for its exact sizes), never a wrong kernel."""
+
+    fn: Any
+    code: str | None  # the guards as a Python expression over the inputs (torch's ShapeEnv writes it)
+    positions: list[int]  # the inputs the guards read: tensors and symbolic ints
+    fixed: dict[int, Any]  # the other inputs: what each must equal
+    kinds: dict[int, tuple]  # tensor inputs: (dtype, device)
+    env: Any
+
+    @classmethod
+    def of(cls, fn: Any, fakes: list, args: tuple) -> Symbolic:
+        positions = [k for k, f in enumerate(fakes) if isinstance(f, (torch.Tensor, torch.SymInt))]
+        env = next(_env(fakes[k]) for k in positions if _env(fakes[k]) is not None)
+        code = env.produce_guards_expression([fakes[k] for k in positions], ignore_static=False)
+        fixed = {k: a for k, a in enumerate(args) if k not in positions}
+        kinds = {k: (a.dtype, a.device) for k, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        return cls(fn, code, positions, fixed, kinds, env)
+
+    def admits(self, args: tuple) -> bool:
+        if any(args[k] != v for k, v in self.fixed.items()):
+            return False
+        if any((args[k].dtype, args[k].device) != kind for k, kind in self.kinds.items()):
+            return False
+        return self.code is None or bool(
+            self.env.evaluate_guards_expression(self.code, [args[k] for k in self.positions])
+        )
+
+
+def _env(fake: Any) -> Any:
+    if isinstance(fake, torch.SymInt):
+        return fake.node.shape_env
+    return fake.fake_mode.shape_env
+
+
+def _static(mode: FakeTensorMode, a: Any) -> Any:
+    return mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+
+
+def _with_sizes(gm: fx.GraphModule, fakes: list) -> tuple[fx.GraphModule, list[tuple[int, str, int]], list]:
+    """`gm` taking, after its inputs, each symbol of its tensor inputs' sizes and strides that no int
+    input gives, as an int; where each is read (input, "size"/"stride"/"offset", dimension); and
+    those symbols. torch.compile hands Inductor its graphs this way, and Inductor's FX graph cache
+    relies on it: it writes a compiled graph's guards in terms of its int inputs alone."""
+    given = {f.node.expr for f in fakes if isinstance(f, torch.SymInt)}
+    reads, sizes = [], []
+    for k, f in enumerate(fakes):
+        if isinstance(f, torch.Tensor):
+            for kind, values in (("size", f.shape), ("stride", f.stride()), ("offset", (f.storage_offset(),))):
+                for d, v in enumerate(values):
+                    if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol and v.node.expr not in given:
+                        given.add(v.node.expr)
+                        reads.append((k, kind, d))
+                        sizes.append(v)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in placeholders:
+        env[n] = g.node_copy(n)
+    for j in range(len(sizes)):
+        g.placeholder(f"size{j}")
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            env[n] = g.node_copy(n, env.__getitem__)
+    return fx.GraphModule(gm, g), reads, sizes
+
+
+def _reading_sizes(fn: Any, reads: list[tuple[int, str, int]]) -> Callable[..., Any]:
+    """`fn`, called with the region's inputs and then the sizes `reads` names (`_with_sizes`)."""
+    if not reads:
+        return fn
+
+    def read(a: torch.Tensor, kind: str, d: int) -> int:
+        return a.shape[d] if kind == "size" else a.stride(d) if kind == "stride" else a.storage_offset()
+
+    def call(*args: Any) -> Any:
+        return fn(*args, *(read(args[k], kind, d) for k, kind, d in reads))
+
+    return call
+
+
+def _symbolic_fakes(mode: FakeTensorMode, args: tuple, dims: list[tuple[int, ...]]) -> list:
+    """Fakes of `args` in `mode`: dimension d of tensor input k a symbol where `dims[k]` holds d, an
+    int input whose `dims` is not empty a symbolic int. Equal sizes get one symbol (the way
+    torch.compile makes them), which the guards then check."""
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    env = mode.shape_env
+    out = []
+    for k, (a, varying) in enumerate(zip(args, dims)):
+        source = LocalSource(f"in{k}")
+        if isinstance(a, torch.Tensor):
+            kinds = [DimDynamic.DUCK if d in varying else DimDynamic.STATIC for d in range(a.dim())]
+            context = StatelessSymbolicContext(dynamic_sizes=kinds)
+            out.append(mode.from_tensor(a, source=source, symbolic_context=context))
+        elif varying and isinstance(a, int):
+            out.append(env.create_symintnode(env.create_symbol(a, source, DimDynamic.DUCK), hint=a, source=source))
+        else:
+            out.append(a)
+    return out
 
 
 def start_compile_workers(device: torch.device) -> None:
@@ -113,18 +276,17 @@ def start_compile_workers(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _cacheable() -> Iterator[Callable[[Any], Any]]:
+def _cacheable(static: bool = True) -> Iterator[FakeTensorMode]:
     """Where a region compiles: a tracing context whose fake mode has a shape environment, which
     torch's FX graph and AOTAutograd caches need to key a graph (without one they bypass the cache and
-    every run compiles every region again), and the region's inputs as fakes of static shapes in
-    that mode (given real inputs, the mode would make their sizes symbolic)."""
+    every run compiles every region again). Its fakes are made by the caller: of static shapes for
+    a region compiled for exact sizes (given real inputs, the mode would make their sizes symbolic)."""
     from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=static)
     with tracing(TracingContext(mode)):
-        yield lambda a: mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+        yield mode
 
 
 # The torch releases (major, minor), first and last, whose Inductor the cat guard below was written
@@ -254,7 +416,7 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             run = start_of[n]
             ins, outs, sub, structure = _extract(run, cache)
             name = f"region{len(root._modules)}"
-            root.add_module(name, Region(sub, structure, cache, varying=any(map(_symbolic, ins))))
+            root.add_module(name, Region(sub, structure, cache, dims=[_varying(i) for i in ins]))
             call = out.call_module(name, tuple(env[i] for i in ins))
             for k, o in enumerate(outs):
                 env[o] = out.call_function(operator.getitem, (call, k))
@@ -267,12 +429,15 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
     return fx.GraphModule(root, out, class_name=type(gm).__name__)
 
 
-def _symbolic(n: fx.Node) -> bool:
-    """Whether a region input's size varies between calls (a program of symbolic sizes)."""
+def _varying(n: fx.Node) -> tuple[int, ...]:
+    """The dimensions of a region input whose size varies between calls (a program of symbolic
+    sizes); for an int input `(0,)` if its value does."""
     v = n.meta.get("val")
     if isinstance(v, torch.SymInt):
-        return True
-    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride()))
+        return () if v.node.expr.is_number else (0,)
+    if isinstance(v, torch.Tensor):
+        return tuple(d for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and not s.node.expr.is_number)
+    return ()
 
 
 def _extract(run: list[fx.Node], cache: RegionCache) -> tuple[list[fx.Node], list[fx.Node], fx.GraphModule, str]:
