@@ -12,6 +12,8 @@
 #                FSDP2 + compile (called with use_cache=False, its best), interleaved
 #   first-step   start time: process start to the first finished step, cold and warm (the compile cache),
 #                the 1.36B (block recompute) and transformers' 0.89B, against FSDP2 + per-layer compile, one GPU
+#   lengths      a stream of batches of lengths 64-2048: fbmt (one program of symbolic sizes) against FSDP2 +
+#                per-layer torch.compile(dynamic=True), the 1.36B with block recompute, one GPU, cold caches
 #   predict      the simulator against measurement after fbmt.calibrate(): the 1.36B (bf16, eager) on every
 #                GPU for five strategy/recompute settings (benchmarks/predict.py)
 #   restructure  1.36B with block recompute: this commit against the one before the move into compiler/,
@@ -56,6 +58,10 @@ case $stage in
     CUDA_VISIBLE_DEVICES=0 timeout 290 python3 benchmarks/first_step.py --config 0.89b --hf --batch 4 --remat mincut \
       --fbmt fbmt-inductor-mincut --out "$out/first_step_hf.json" > "$out/first_step_hf.txt" 2>&1
     tail -9 "$out/first_step_hf.txt" ;;
+  lengths)
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/lengths.py --config 1.36b --remat block --steps 24 --timeout 170 \
+      --out "$out/lengths.json" > "$out/lengths.txt" 2>&1
+    tail -8 "$out/lengths.txt" ;;
   predict)
     timeout 560 python3 benchmarks/predict.py --ranks "$gpus" --config 1.36b --rounds 1 > "$out/predict.txt" 2>&1
     echo "rc=$?" >> "$out/predict.txt"

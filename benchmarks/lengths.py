@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,11 +50,19 @@ def worker(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+        compiled = getattr(getattr(model, "regions", None), "misses", "-")
+        programs = len(getattr(model, "programs", {})) or "-"
+        print(
+            f"step {step}: length {length}, {times[-1]:.2f}s, programs {programs}, Inductor compiles {compiled}",
+            flush=True,
+        )
     programs = len(getattr(model, "programs", {})) or None
+    regions = getattr(model, "regions", None)
     tokens = [args.batch * n for n in lengths]
     result = dict(
         method=args.method,
         programs=programs,
+        region_compiles=regions.misses if regions is not None else None,
         tok_s_all=sum(tokens) / sum(times),
         tok_s_steady=sum(tokens[3:]) / sum(times[3:]),
         step_s=times,
@@ -84,6 +93,7 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--zero", type=int, default=3, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--timeout", type=float, default=None, help="seconds for each method's process")
     args = ap.parse_args()
     if args.method:
         worker(args)
@@ -101,22 +111,35 @@ def main() -> None:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
         command += [f"--master_port={29500 + random.randrange(1000)}", os.path.abspath(__file__)]
         command += sys.argv[1:] + ["--method", method, "--out", out]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            rows.append(dict(method=method, error=(done.stdout + done.stderr)[-1500:]))
+        log = os.path.splitext(args.out or os.path.join(root, "lengths"))[0] + f"_{method}.log"
+        with open(log, "w") as f:  # the worker's progress, step by step, also when it is stopped
+            proc = subprocess.Popen(command, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                failed = proc.wait(timeout=args.timeout) != 0
+            except subprocess.TimeoutExpired:  # torchrun and its worker: the whole process group
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                failed = True
+        if failed:
+            with open(log) as f:
+                rows.append(dict(method=method, error=f.read()[-1500:]))
         else:
             with open(out) as f:
                 rows.append(json.load(f))
         print(json.dumps(rows[-1])[:600], flush=True)
     print(f"\n{args.config}, remat {args.remat}, batch {args.batch}, {args.steps} lengths in [{args.min}, {args.max}]")
-    print("| method | programs | tokens/s, whole stream | tokens/s, after step 3 | first losses |")
-    print("|---|---|---|---|---|")
+    print("| method | programs | Inductor compiles | tokens/s, whole stream | tokens/s, after step 3 | first losses |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['method']} | failed: {r['error'][-200:]!r} |")
             continue
         losses = ", ".join(f"{v:.4f}" for v in r["losses"])
-        print(f"| {r['method']} | {r['programs'] or '–'} | {r['tok_s_all']:.0f} | {r['tok_s_steady']:.0f} | {losses} |")
+        compiles = r.get("region_compiles") or "–"
+        print(
+            f"| {r['method']} | {r['programs'] or '–'} | {compiles} | {r['tok_s_all']:.0f} | {r['tok_s_steady']:.0f} "
+            f"| {losses} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

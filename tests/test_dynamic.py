@@ -202,6 +202,21 @@ def test_a_forward_that_needs_numeric_sizes_gets_a_program_per_shape_and_a_warni
     assert len(said) == 1, said  # tried once, then a program per shape
 
 
+def test_a_forward_that_fixes_the_size_is_said_once_with_where_and_not_traced_symbolically_again(caplog):
+    """A size read as a number makes the symbolic trace a program of one shape: fbmt says where,
+    once, and the later shapes compile plain programs instead of symbolic attempts."""
+    torch.manual_seed(0)
+    ref = UsesSize("tensor of the size")
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    with caplog.at_level("WARNING", logger="fbmt"):
+        for length in (8, 12, 16, 30, 12):
+            x = torch.randn(2, length, 4)
+            torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
+    said = [r.getMessage() for r in caplog.records if "fixes the size that varies" in r.getMessage()]
+    assert len(said) == 1 and "input 0 dimension 1 made 12 at" in said[0] and "test_dynamic.py" in said[0], said
+    assert [p.sizes is not None for p in model.programs.values()] == [False, True, False, False]
+
+
 SIZE_USES = {  # what a forward does with its length: each must equal eager at lengths never traced
     "tensor of the size": lambda h, T: h * torch.tensor(T, dtype=torch.float32),
     "new_tensor of sizes": lambda h, T: h * h.new_tensor([T, T + 1]).sum(),

@@ -279,9 +279,13 @@ class CompiledModule(nn.Module):
         dimensions this call differs from an existing program in, where `dynamic=True`)."""
         family = _without_shapes(key)
         for known, program in self.programs.items():
-            if program.sizes is not None and _without_shapes(known) == family and program.sizes.admits(inputs) is None:
+            if program.sizes is None or _without_shapes(known) != family:
+                continue
+            why_not = program.sizes.admits(inputs)
+            if why_not is None:
                 self._admitted[key] = known
                 return self._executables[known], known
+            log.info("a program of symbolic sizes does not take this call: %s", why_not)
         dims = self._varying(family, inputs)
         exe = None
         if dims:
@@ -296,6 +300,16 @@ class CompiledModule(nn.Module):
                     type(self._orig).__name__,
                     _dims_text(dims),
                     str(e).splitlines()[0] if str(e) else type(e).__name__,
+                )
+            fixed = exe is not None and self.programs[key].sizes is not None and self.programs[key].sizes.fixed()
+            if fixed:  # the trace read the size as a number: symbolic attempts would each give one size
+                self._fixed_sizes.add(family)
+                log.warning(
+                    "fbmt: %s's forward fixes the size that varies (%s), so a program holds for one shape and "
+                    "each new input shape compiles a program of its own. Keep the size symbolic there (tensor "
+                    "ops on x.shape, not int()/float()/math on it) for one program for every length",
+                    type(self._orig).__name__,
+                    fixed,
                 )
         if exe is None:
             exe = self._build(key, args, kwargs, needs_grad, trainable)

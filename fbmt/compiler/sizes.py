@@ -116,6 +116,29 @@ class SymbolicSizes:
                 return f"the program assumes {expr}"
         return None
 
+    def fixed(self) -> str | None:
+        """None while some symbol may still take more than one value; else each symbol's one value
+        and where the trace fixed it (a forward, or a kernel's shape rule, that read the size as a
+        number): such a program is one for one shape."""
+        values = []
+        first = {}
+        for dim, sym in self.symbols.items():
+            first.setdefault(sym, dim)
+        for sym, (i, d) in first.items():
+            span = self.shape_env.var_to_range.get(sym)
+            if span is None or span.lower != span.upper:
+                return None
+            where = next(
+                (
+                    str(g.sloc).strip("() ")
+                    for g in self.shape_env.guards
+                    if sym in g.expr.free_symbols and hasattr(g, "sloc")
+                ),
+                "",
+            )
+            values.append(f"input {i} dimension {d} made {span.lower}" + (f" at {where}" if where else ""))
+        return "; ".join(values)
+
     def __str__(self) -> str:
         dims = ", ".join(
             f"input {i} dim {d} = {e} (traced at {self.traced[i][d]})" for (i, d), e in self.symbols.items()

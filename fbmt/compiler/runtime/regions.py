@@ -124,11 +124,12 @@ class Region(nn.Module):
         with cat_guard(), _cacheable(static=not symbolic) as mode:
             if symbolic:
                 fakes = _symbolic_fakes(mode, args, self.dims)
-                gm, reads, sizes = _with_sizes(self.gm, fakes)
+                gm, reads, sizes = _for_inductor(self.gm, mode, fakes, lift=True)
                 fn = _reading_sizes(compile_fx(gm, fakes + sizes), reads)
             else:
                 fakes = [_static(mode, a) for a in args]
-                fn = compile_fx(self.gm, fakes)
+                gm, _, _ = _for_inductor(self.gm, mode, fakes, lift=False)
+                fn = compile_fx(gm, fakes)
         seconds = time.perf_counter() - started
         self.cache.seconds += seconds
         self.cache.misses += 1
@@ -196,15 +197,25 @@ def _static(mode: FakeTensorMode, a: Any) -> Any:
     return mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
 
 
-def _with_sizes(gm: fx.GraphModule, fakes: list) -> tuple[fx.GraphModule, list[tuple[int, str, int]], list]:
-    """`gm` taking, after its inputs, each symbol of its tensor inputs' sizes and strides that no int
-    input gives, as an int; where each is read (input, "size"/"stride"/"offset", dimension); and
-    those symbols. torch.compile hands Inductor its graphs this way, and Inductor's FX graph cache
-    relies on it: it writes a compiled graph's guards in terms of its int inputs alone."""
+def _for_inductor(
+    gm: fx.GraphModule, mode: FakeTensorMode, fakes: list, lift: bool
+) -> tuple[fx.GraphModule, list[tuple[int, str, int]], list]:
+    """A copy of `gm` for Inductor to compile from `fakes`, with every node's value (`meta["val"]`)
+    computed anew in the compile's fake mode; with `lift`, taking after its inputs each symbol of its
+    tensor inputs' sizes and strides that no int input gives, as an int; where each is read (input,
+    "size"/"stride"/"offset", dimension); and those symbols.
+
+    The values a region's nodes carry from the program belong to the program's shape environment:
+    any pass of Inductor that read one and compared its size with a number would add that comparison
+    to the program's guards (and could fix a symbolic program to one length), so none is handed over.
+
+    The symbols are lifted because torch.compile hands Inductor its graphs that way, and
+    Inductor's FX graph cache relies on it: it writes a compiled graph's guards in terms of its int
+    inputs alone."""
     given = {f.node.expr for f in fakes if isinstance(f, torch.SymInt)}
     reads, sizes = [], []
     for k, f in enumerate(fakes):
-        if isinstance(f, torch.Tensor):
+        if lift and isinstance(f, torch.Tensor):
             for kind, values in (("size", f.shape), ("stride", f.stride()), ("offset", (f.storage_offset(),))):
                 for d, v in enumerate(values):
                     if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol and v.node.expr not in given:
@@ -215,17 +226,22 @@ def _with_sizes(gm: fx.GraphModule, fakes: list) -> tuple[fx.GraphModule, list[t
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n in placeholders:
-        env[n] = g.node_copy(n)
+        env[n] = g.placeholder(n.name)
     for j in range(len(sizes)):
         g.placeholder(f"size{j}")
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             env[n] = g.node_copy(n, env.__getitem__)
-    return fx.GraphModule(gm, g), reads, sizes
+            env[n].meta = {}
+    copy = fx.GraphModule(gm, g)
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(copy, mode).propagate_dont_convert_inputs(*fakes, *sizes)
+    return copy, reads, sizes
 
 
 def _reading_sizes(fn: Any, reads: list[tuple[int, str, int]]) -> Callable[..., Any]:
-    """`fn`, called with the region's inputs and then the sizes `reads` names (`_with_sizes`)."""
+    """`fn`, called with the region's inputs and then the sizes `reads` names (`_for_inductor`)."""
     if not reads:
         return fn
 
