@@ -5,12 +5,16 @@
 
 A GPT of 4 layers (width 64) trains on one rank on batches of 12 lengths from 16 to 128 (inputs and
 targets sliced from one token tensor), and a tiny Hugging Face Llama generates 20 tokens with its
-default cache. Printed: programs compiled, fbmt's compile seconds, and the wall time of the loop.
+default cache; the stream runs again with backend="inductor" (Inductor's caches in a fresh folder,
+so cold). Printed: programs compiled, fbmt's compile seconds, and the wall time of the loop; with
+Inductor also its region compiles and their seconds.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 import time
 
 import torch
@@ -21,13 +25,14 @@ from fbmt.models.gpt import GPT, GPTConfig
 from tests.models import hf
 
 
-def stream(dynamic: bool) -> tuple[int, float, float]:
+def stream(dynamic: bool, backend: str = "eager") -> tuple[int, float, float, object]:
     torch.manual_seed(0)
     m = fbmt.compile(
         GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=4, n_head=2, d_model=64)),
         world_size=1,
         cache_dir=False,
         dynamic=dynamic,
+        backend=backend,
     )
     lengths = [16, 24, 16, 40, 128, 57, 33, 96, 16, 71, 88, 20]
     t = time.perf_counter()
@@ -35,16 +40,16 @@ def stream(dynamic: bool) -> tuple[int, float, float]:
         tok = torch.randint(0, 64, (4, n + 1))
         x, y = tok[:, :-1], tok[:, 1:]
         F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
-    return len(m.programs), m.compile_seconds, time.perf_counter() - t
+    return len(m.programs), m.compile_seconds, time.perf_counter() - t, m.regions
 
 
-def gen(dynamic: bool) -> tuple[int, float, float]:
+def gen(dynamic: bool) -> tuple[int, float, float, object]:
     ref = hf.build("llama")
     m = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, dynamic=dynamic)
     prompt = torch.randint(3, hf.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
     m.generate(prompt, max_new_tokens=20, do_sample=False)
-    return len(m.programs), m.compile_seconds, time.perf_counter() - t
+    return len(m.programs), m.compile_seconds, time.perf_counter() - t, None
 
 
 def main() -> None:
@@ -53,8 +58,16 @@ def main() -> None:
         ("generate 20 tokens, tiny HF Llama", gen),
     ):
         for dynamic in (False, True):
-            p, c, w = f(dynamic)
+            p, c, w, _ = f(dynamic)
             print(f"{name} | dynamic={dynamic} | {p} programs | compile {c:.2f} s | wall {w:.2f} s", flush=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="lengths-inductor-")
+    for dynamic in (False, True):
+        p, c, w, r = stream(dynamic, "inductor")
+        print(
+            f"stream, backend=inductor | dynamic={dynamic} | {p} programs | compile {c:.2f} s | wall {w:.2f} s "
+            f"| Inductor: {r.misses} region compiles, {r.seconds:.1f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
