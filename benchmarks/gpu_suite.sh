@@ -2,7 +2,8 @@
 # The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
 #   bash benchmarks/gpu_suite.sh STAGE OUT_DIR
 # Stages:
-#   checks       tests/gpu/: the GPT and Llama equivalence on CUDA (every GPU), the copy kernels, the offload Adam
+#   checks       tests/gpu/: the GPT and Llama equivalence on CUDA (every GPU), the copy kernels, the offload Adam,
+#                one program for many lengths on CUDA (lengths_on_gpu.py)
 #   kernels      one GPU: what merging products saves (gemm_merge.py), fbmt's kernels against torch's
 #   1.36b-none   1.36B without recompute: fbmt (mincut, ZeRO-2), unmerged, FSDP2 + compile, interleaved
 #   1.36b-block  1.36B with block recompute: fbmt as CUDA graphs against FSDP2 + compile, interleaved
@@ -40,6 +41,8 @@ checks() {
   timeout 120 python3 tests/gpu/copies_on_gpu.py 2>&1 | tail -2
   timeout 120 python3 tests/gpu/offload_on_gpu.py 2>&1 | tail -2
   run hf_on_gpu 300 tests/gpu/hf_on_gpu.py
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tests/gpu/lengths_on_gpu.py > "$out/lengths_on_gpu.txt" 2>&1
+  grep -v "Warning\|warn" "$out/lengths_on_gpu.txt" | tail -14
 }
 b136="--config 1.36b --batch 8 --seq 2048 --loss-in-model"
 case $stage in

@@ -1,0 +1,96 @@
+"""One program for many sequence lengths on CUDA (NOTE: [Dynamic sizes]), against eager on the same GPU.
+
+    python tests/gpu/lengths_on_gpu.py
+
+A Llama of the reference models and a tiny random HF `LlamaForCausalLM`, in fp32 (SDPA's
+memory-efficient kernel) and bf16 (its flash kernel), eager backend and Inductor, each train on
+batches of five lengths on one GPU: every step's loss and gradients against eager's, and at most two programs (one
+for the first length, one symbolic for the rest). What fbmt warns is printed, so a trace that fixes
+the size says where. Exits non-zero on a mismatch or a program per length.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import fbmt  # noqa: E402
+from tests.models import hf  # noqa: E402
+from tests.models.reference import Llama  # noqa: E402
+
+LENGTHS = (200, 100, 150, 77, 133)
+
+
+class Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def stream(name: str, dtype: torch.dtype, backend: str, device: torch.device) -> tuple[float, int, list[str]]:
+    """The worst relative error of loss and gradients over the lengths, the programs compiled, and
+    fbmt's warnings."""
+    torch.manual_seed(0)
+    if name == "reference llama":
+        ref = Llama(vocab=256, d=128, heads=4, ff=256, n_layer=2, seq=max(LENGTHS)).to(device, dtype)
+    else:
+        ref = hf.build("llama").to(device, dtype)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, backend=backend, device=device)
+    said = Said()
+    logging.getLogger("fbmt").addHandler(said)
+    worst = 0.0
+    try:
+        for step, length in enumerate(LENGTHS):
+            g = torch.Generator().manual_seed(step)
+            tokens = torch.randint(3, hf.VOCAB, (2, length + 1), generator=g).to(device)
+            x, y = tokens[:, :-1], tokens[:, 1:]
+            if name == "reference llama":
+                want = F.cross_entropy(ref(x).flatten(0, 1).float(), y.flatten())
+                got = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            else:
+                want, got = ref(input_ids=x, labels=x).loss, model(input_ids=x, labels=x).loss
+            worst = max(worst, abs(got.item() - want.item()) / abs(want.item()))
+            got.backward()
+            want.backward()
+            grads = model.full_gradients()
+            for n, p in ref.named_parameters():
+                mine = grads[model.layout.aliases.get(n, n)].float()
+                worst = max(worst, ((mine - p.grad.float()).abs().max() / (p.grad.float().abs().max() + 1e-6)).item())
+                p.grad = None
+            for p in model.parameters():
+                p.grad = None
+    finally:
+        logging.getLogger("fbmt").removeHandler(said)
+    return worst, len(model.programs), said.messages
+
+
+def main() -> None:
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # cpu: a dry run
+    ok = True
+    for name in ("reference llama", "hf llama"):
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+            for backend in ("eager", "inductor"):
+                err, programs, said = stream(name, dtype, backend, device)
+                fine = err <= tol and programs <= 2
+                ok &= fine
+                what = f"{name} {str(dtype).split('.')[-1]} {backend}"
+                print(f"{what}: {programs} programs for {len(LENGTHS)} lengths, worst relative error {err:.1e}")
+                for message in said:
+                    print(f"    fbmt said: {message[:600]}")
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "the CPU"
+    print(f"lengths GPU check {'PASSED' if ok else 'FAILED'} on {gpu} with torch {torch.__version__}")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
