@@ -134,3 +134,18 @@ def test_a_region_of_symbolic_sizes_runs_only_the_layouts_its_guards_admit():
         compiled.append(cache.misses)
     assert compiled == [1, 1, 2, 3, 4, 4], compiled
     assert len(cache.symbolic["cos-reshape"]) == regions.MAX_SYMBOLIC
+
+
+def test_a_symbolic_region_of_int_inputs_first_met_at_size_one_stays_exact_there():
+    """A size of 1 is made a constant: that compile has no symbol at all, holds for 1 alone, and the
+    next size compiles one of symbolic sizes that serves the rest."""
+    import torch.fx as fx
+
+    def f(n):
+        return (torch.ops.aten.arange.default(n, dtype=torch.float32) * 2,)
+
+    cache = regions.RegionCache()
+    region = Region(fx.symbolic_trace(f), "arange", cache, dims=[(0,)])
+    for n in (1, 5, 9, 1):
+        torch.testing.assert_close(region(n)[0], torch.arange(n, dtype=torch.float32) * 2)
+    assert cache.misses == 2, cache

@@ -171,8 +171,8 @@ class Symbolic:
     @classmethod
     def of(cls, fn: Any, fakes: list, args: tuple) -> Symbolic:
         positions = [k for k, f in enumerate(fakes) if isinstance(f, (torch.Tensor, torch.SymInt))]
-        env = next(_env(fakes[k]) for k in positions if _env(fakes[k]) is not None)
-        code = env.produce_guards_expression([fakes[k] for k in positions], ignore_static=False)
+        env = next((_env(fakes[k]) for k in positions), None)  # none: every size was made a constant
+        code = env.produce_guards_expression([fakes[k] for k in positions], ignore_static=False) if env else None
         fixed = {k: a for k, a in enumerate(args) if k not in positions}
         kinds = {k: (a.dtype, a.device) for k, a in enumerate(args) if isinstance(a, torch.Tensor)}
         return cls(fn, code, positions, fixed, kinds, env)
