@@ -162,6 +162,15 @@ def test_with_inductor_regions_compile_once_for_every_length_and_equal_eager():
         compiled.append(model.regions.misses)
     assert len(model.programs) == 2
     assert compiled[1] > compiled[0] and compiled[1:] == [compiled[1]] * 5, compiled
+    # size arithmetic (`s0 * 4` for a view) stays inside a region: the symbolic program's regions are
+    # the static one's, not cut at every size it computes
+    from fbmt.compiler.runtime.regions import Region
+
+    counts = [
+        sum(isinstance(m, Region) for gm in (exe.forward, exe.backward) for m in gm.modules())
+        for exe in model.executables()
+    ]
+    assert counts[0] == counts[1], counts
 
 
 def test_generate_with_the_default_cache_compiles_a_prompt_program_and_one_for_every_next_token():

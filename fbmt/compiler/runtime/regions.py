@@ -3,8 +3,9 @@
 NOTE: [Regions]
 After partitioning, a forward or backward GraphModule is a sequence of pure aten compute with
 collective nodes (starts, waits) and effectful ops (random draws, buffer writes, recording) in
-between. `split_regions` cuts it at every node that is not pure aten compute and replaces each
-maximal run of pure nodes that does real work (not only views) by one call of a `Region` module. A
+between. `split_regions` cuts it at every node that is not pure aten compute (size arithmetic of a
+program of symbolic sizes, `s0 * 4`, counts as pure: a region may return such a size) and replaces
+each maximal run of pure nodes that does real work (not only views) by one call of a `Region` module. A
 region compiles itself on its first call, from its inputs' shapes, strides and dtypes, with
 `torch._inductor.compile_fx.compile_fx` (where torch's own FX graph and AOTAutograd caches find it
 again in a later run: `_cacheable`), and keeps the result in a cache shared by the whole model,
@@ -395,7 +396,14 @@ def cat_guard() -> Iterator[None]:
 def _pure(n: fx.Node, current: set[fx.Node]) -> bool:
     if n.target is operator.getitem:
         return n.args[0] in current  # unpacking a multi-output op of the same region
+    if _size_arithmetic(n):  # a program of symbolic sizes: no cut between an op and the size it reads
+        return True
     return ops.pure(n) and isinstance(n.target, torch._ops.OpOverload)
+
+
+def _size_arithmetic(n: fx.Node) -> bool:
+    """A size computed from sizes (`sym_size`, `s0 * 4`): pure, and no work of its own."""
+    return ops.pure(n) and isinstance(n.meta.get("val"), torch.SymInt)
 
 
 def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
@@ -420,7 +428,8 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             current, members = [], set()
     if current:
         runs.append(current)
-    runs = [r for r in runs if not all(map(ops.costs_nothing, r))]  # views alone cost nothing eagerly
+    # views and size arithmetic alone cost nothing eagerly
+    runs = [r for r in runs if not all(ops.costs_nothing(n) or _size_arithmetic(n) for n in r)]
 
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
