@@ -18,7 +18,7 @@ depth. In a program of symbolic sizes a region compiles once for all the sizes i
 Collectives stay where the schedule pass put them, so communication overlaps the compiled compute
 exactly as it overlapped the eager one. The one move made first: a multi-output op's unpacking
 (`getitem`) goes right after the op, so a collective a schedule issued between them does not cut the
-region there (a region returns flat tensors, not the op's tuple).
+region there (a region returns flat values, not the op's tuple).
 """
 
 from __future__ import annotations
