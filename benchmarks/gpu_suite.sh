@@ -2,8 +2,7 @@
 # The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
 #   bash benchmarks/gpu_suite.sh STAGE OUT_DIR
 # Stages:
-#   checks       tests/gpu/: the GPT and Llama equivalence on CUDA (every GPU), the copy kernels, the offload Adam,
-#                one program for many lengths on CUDA (lengths_on_gpu.py)
+#   checks       tests/gpu/: the GPT and Llama equivalence on CUDA (every GPU), the copy kernels, the offload Adam
 #   kernels      one GPU: what merging products saves (gemm_merge.py), fbmt's kernels against torch's
 #   1.36b-none   1.36B without recompute: fbmt (mincut, ZeRO-2), unmerged, FSDP2 + compile, interleaved
 #   1.36b-block  1.36B with block recompute: fbmt as CUDA graphs against FSDP2 + compile, interleaved
@@ -13,7 +12,8 @@
 #                FSDP2 + compile (called with use_cache=False, its best), interleaved
 #   first-step   start time: process start to the first finished step, cold and warm (the compile cache),
 #                the 1.36B (block recompute) and transformers' 0.89B, against FSDP2 + per-layer compile, one GPU
-#   lengths      a stream of batches of lengths 64-2048: fbmt (one program of symbolic sizes) against FSDP2 +
+#   lengths      tests/gpu/lengths_on_gpu.py (five lengths against eager, at most two programs, fbmt's warnings),
+#                then a stream of batches of lengths 64-2048: fbmt (one program of symbolic sizes) against FSDP2 +
 #                per-layer torch.compile(dynamic=True), the 1.36B with block recompute, one GPU, cold caches
 #   predict      the simulator against measurement after fbmt.calibrate(): the 1.36B (bf16, eager) on every
 #                GPU for five strategy/recompute settings (benchmarks/predict.py)
@@ -41,8 +41,6 @@ checks() {
   timeout 120 python3 tests/gpu/copies_on_gpu.py 2>&1 | tail -2
   timeout 120 python3 tests/gpu/offload_on_gpu.py 2>&1 | tail -2
   run hf_on_gpu 300 tests/gpu/hf_on_gpu.py
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tests/gpu/lengths_on_gpu.py > "$out/lengths_on_gpu.txt" 2>&1
-  grep -v "Warning\|warn" "$out/lengths_on_gpu.txt" | tail -14
 }
 b136="--config 1.36b --batch 8 --seq 2048 --loss-in-model"
 case $stage in
@@ -62,7 +60,9 @@ case $stage in
       --fbmt fbmt-inductor-mincut --out "$out/first_step_hf.json" > "$out/first_step_hf.txt" 2>&1
     tail -9 "$out/first_step_hf.txt" ;;
   lengths)
-    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/lengths.py --config 1.36b --remat block --steps 24 --timeout 170 \
+    CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tests/gpu/lengths_on_gpu.py > "$out/lengths_on_gpu.txt" 2>&1
+    grep -v "Warning\|warn" "$out/lengths_on_gpu.txt" | tail -14
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/lengths.py --config 1.36b --remat block --steps 24 --timeout 160 \
       --out "$out/lengths.json" > "$out/lengths.txt" 2>&1
     tail -8 "$out/lengths.txt" ;;
   predict)
