@@ -222,8 +222,66 @@ def test_a_forward_that_fixes_the_size_is_said_once_with_where_and_not_traced_sy
             x = torch.randn(2, length, 4)
             torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
     said = [r.getMessage() for r in caplog.records if "fixes the size that varies" in r.getMessage()]
-    assert len(said) == 1 and "input 0 dimension 1 made 12 at" in said[0] and "test_dynamic.py" in said[0], said
+    assert len(said) == 1 and "input 0 dimension 1 made 12 at" in said[0], said
+    assert "test_dynamic.py" in said[0] and "torch.tensor(T" in said[0], said  # the line of the model's code
     assert [p.sizes is not None for p in model.programs.values()] == [False, True, False, False]
+
+
+class Products(nn.Module):
+    """Every way a model multiplies: linear with and without a bias on 3-d and 2-d inputs, on a
+    non-contiguous view, `@` of 4-d by 4-d, 3-d by 2-d and 2-d by 3-d, and `torch.matmul` by a vector."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4) / 2)
+        self.v = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.b(self.a(x))  # (2, T, 4)
+        h = h + self.c(h.transpose(0, 1)).transpose(0, 1) + self.a(h[:, 0])[:, None]
+        q = h.view(2, -1, 2, 2).transpose(1, 2)  # (2, 2, T, 2)
+        h = h + (torch.softmax(q @ q.transpose(-1, -2), -1) @ q).transpose(1, 2).reshape(h.shape)
+        h = (h @ self.w) + (self.w[:2] @ h.transpose(1, 2)).sum(1)[..., None]
+        return h + torch.matmul(h, self.v)[..., None]
+
+
+def test_products_keep_sizes_symbolic_where_torch_matmul_kernel_would_fix_them(monkeypatch):
+    """torch 2.11's matmul kernel reads sizes as numbers (NOTE: [Matmul on symbolic sizes]); the
+    Python route it takes there is forced here, on any torch: one program for every length, equal
+    to eager in values and gradients."""
+    from fbmt.compiler import sizes
+
+    monkeypatch.setattr(sizes, "_matmul_fixes_sizes", lambda: True)
+    routed = []
+    real = sizes._linear
+    monkeypatch.setattr(sizes, "_linear", lambda *a, **k: routed.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    ref = Products()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for length in (8, 12, 16, 30, 12):
+        x = torch.randn(2, length, 4)
+        torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        _gradients_match_and_clear(model, ref, length)
+    assert [p.sizes is not None for p in model.programs.values()] == [False, True]
+    assert routed  # the symbolic trace went through fbmt's route
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(3, 5, 4), (5, 4), (2, 3, 5, 4), "non-contiguous"])
+def test_the_python_matmul_route_equals_torch_kernels(shape, bias):
+    from fbmt.compiler import sizes
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4).transpose(0, 1) if shape == "non-contiguous" else torch.randn(*shape)
+    w, b = torch.randn(6, 4), torch.randn(6) if bias else None
+    with sizes._SymbolicMatmul():
+        got = [nn.functional.linear(x, w, b), x @ w.t(), torch.matmul(x, w[0]), w @ x.transpose(-1, -2)]
+    torch.testing.assert_close(
+        got, [nn.functional.linear(x, w, b), x @ w.t(), torch.matmul(x, w[0]), w @ x.transpose(-1, -2)]
+    )
 
 
 SIZE_USES = {  # what a forward does with its length: each must equal eager at lengths never traced

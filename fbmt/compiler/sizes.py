@@ -25,19 +25,110 @@ and not kept in the compile cache yet.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import os
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_COMPILER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def symbolic_mode() -> FakeTensorMode:
-    """A fake mode whose tensors may have symbolic sizes."""
+    """A fake mode whose tensors may have symbolic sizes; its shape environment keeps, for each
+    symbol the trace fixes to one value, the line of the traced code that did it (`fixed_at`)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return FakeTensorMode(shape_env=ShapeEnv())
+    env = ShapeEnv()
+    env.fbmt_fixed_at = {}
+    set_replacement = getattr(env, "_set_replacement", None)
+    if set_replacement is not None:  # a private method: without it, `fixed` names the guard instead
+
+        def noting(symbol: Any, to: Any, why: str) -> Any:
+            if getattr(to, "is_number", False):
+                env.fbmt_fixed_at.setdefault(symbol, _traced_code_line())
+            return set_replacement(symbol, to, why)
+
+        env._set_replacement = noting
+    return FakeTensorMode(shape_env=env)
+
+
+def _traced_code_line() -> str:
+    """The innermost frame of the traced model's code (not torch's, not fbmt's compiler's)."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not frame.filename.startswith((_TORCH_DIR, _COMPILER_DIR)):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}" + (f": `{frame.line}`" if frame.line else "")
+    return ""
+
+
+# NOTE: [Matmul on symbolic sizes]
+# torch 2.11's `matmul` kernel (C++, run by `@`, `torch.matmul` and a `F.linear` without the fused
+# bias path) reads its inputs' sizes as plain integers, so on a symbolic trace every product fixes
+# the length to the one traced and the program holds for one shape (torch 2.13's kernel does not).
+# torch's own Python decomposition of matmul computes the same products (mm or bmm over views of
+# the inputs) with the sizes symbolic; where this torch's kernel fixes sizes (found by trying it once),
+# symbolic traces run matmul and linear through it. `linear` keeps the kernel's addmm for a bias.
+
+
+@functools.lru_cache(None)
+def _matmul_fixes_sizes() -> bool:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    x, w = fake_inputs(mode, [torch.empty(2, 3, 4), torch.empty(4, 5)], {0: (1,)})
+    try:
+        with mode:
+            torch.matmul(x, w)
+    except RuntimeError:  # "Cannot call numel() on tensor with symbolic sizes/strides"
+        return True
+    return bool(env.replacements)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from torch._decomp.decompositions import matmul
+
+    if bias is not None and x.dim() == 2:
+        return torch.addmm(bias, x, weight.t())
+    if bias is not None and x.dim() == 3 and x.is_contiguous():
+        out = torch.addmm(bias, x.view(-1, x.shape[-1]), weight.t())
+        return out.view(*x.shape[:-1], out.shape[-1])
+    out = matmul(x, weight.t())
+    return out if bias is None else out + bias
+
+
+class _SymbolicMatmul(TorchFunctionMode):
+    """matmul and linear through torch's Python decomposition (NOTE: [Matmul on symbolic sizes])."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from torch._decomp.decompositions import matmul
+
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and not kwargs:
+            return matmul(*args)
+        if func is torch.Tensor.__rmatmul__ and not kwargs:
+            return matmul(args[1], args[0])
+        if func is F.linear:
+            return _linear(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def matmul_keeping_sizes() -> Iterator[None]:
+    """Within: products keep symbolic sizes symbolic, on every torch fbmt supports."""
+    if not _matmul_fixes_sizes():
+        yield
+        return
+    with _SymbolicMatmul():
+        yield
 
 
 def fake_inputs(mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int, tuple[int, ...]]) -> list:
@@ -128,7 +219,7 @@ class SymbolicSizes:
             span = self.shape_env.var_to_range.get(sym)
             if span is None or span.lower != span.upper:
                 return None
-            where = next(
+            where = getattr(self.shape_env, "fbmt_fixed_at", {}).get(sym) or next(
                 (
                     str(g.sloc).strip("() ")
                     for g in self.shape_env.guards

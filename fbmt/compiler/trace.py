@@ -210,7 +210,8 @@ def trace(
             full[i] = copies[i] = objects.rebuild(leaves[i], xs[at : at + len(held)])
             at += len(held)
         a, kw = pytree.tree_unflatten(full, in_spec)
-        return functional_call(module, dict(zip(names, [*ps, *bs])), a, kw), copies
+        with sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext():
+            return functional_call(module, dict(zip(names, [*ps, *bs])), a, kw), copies
 
     # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
     # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
