@@ -269,6 +269,48 @@ def test_products_keep_sizes_symbolic_where_torch_matmul_kernel_would_fix_them(m
     assert routed  # the symbolic trace went through fbmt's route
 
 
+class Attention(nn.Module):
+    """Attention of 4 query heads over 2 key/value heads, causal or through a mask that depends on the
+    length (a bool one and an additive one)."""
+
+    def __init__(self, mask: str):
+        super().__init__()
+        self.q, self.kv, self.mask = nn.Linear(8, 8), nn.Linear(8, 8), mask
+
+    def forward(self, x):
+        b, T, _ = x.shape
+        q = self.q(x).view(b, T, 4, 2).transpose(1, 2)
+        k, v = self.kv(x).view(b, T, 2, 4).transpose(1, 2).chunk(2, -1)
+        keep = torch.ones(T, T, dtype=torch.bool).tril(1)
+        masks = {"causal": None, "bool": keep, "additive": torch.zeros(T, T).masked_fill(~keep, -1e4)}
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=masks[self.mask], is_causal=self.mask == "causal", enable_gqa=True, scale=-0.3
+        )
+        return out.transpose(1, 2).reshape(b, T, 8)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive"])
+def test_attention_on_sdpa_math_backend_keeps_sizes_symbolic_and_equals_eager(monkeypatch, mask):
+    """SDPA's math backend runs torch 2.11's matmul kernel inside C++: fbmt runs it as ops there
+    (NOTE: [Matmul on symbolic sizes]), forced here on any torch."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fbmt.compiler import sizes
+
+    monkeypatch.setattr(sizes, "_matmul_fixes_sizes", lambda: True)
+    torch.manual_seed(0)
+    ref = Attention(mask)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    with sdpa_kernel(SDPBackend.MATH):
+        for length in (8, 12, 16, 30, 12):
+            x = torch.randn(2, length, 8)
+            torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
+            model(x).square().sum().backward()
+            ref(x).square().sum().backward()
+            _gradients_match_and_clear(model, ref, length)
+    assert [p.sizes is not None for p in model.programs.values()] == [False, True]
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(3, 5, 4), (5, 4), (2, 3, 5, 4), "non-contiguous"])
 def test_the_python_matmul_route_equals_torch_kernels(shape, bias):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _COMPILER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -65,7 +65,7 @@ def symbolic_mode() -> FakeTensorMode:
 def _traced_code_line() -> str:
     """The innermost frame of the traced model's code (not torch's, not fbmt's compiler's)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.startswith((_TORCH_DIR, _COMPILER_DIR)):
+        if not os.path.abspath(frame.filename).startswith((_TORCH_DIR, _COMPILER_DIR)):
             return f"{frame.filename}:{frame.lineno} in {frame.name}" + (f": `{frame.line}`" if frame.line else "")
     return ""
 
@@ -77,6 +77,10 @@ def _traced_code_line() -> str:
 # torch's own Python decomposition of matmul computes the same products (mm or bmm over views of
 # the inputs) with the sizes symbolic; where this torch's kernel fixes sizes (found by trying it once),
 # symbolic traces run matmul and linear through it. `linear` keeps the kernel's addmm for a bias.
+# SDPA's math backend (what CUDA falls back to where no fused kernel takes the call: fp32 with grouped
+# key/value heads, say) runs that kernel inside C++, so where SDPA would choose it, the attention runs
+# as the same ops written here (scaled products, the causal or given mask, softmax that gives zeros
+# for a row with nothing to attend, as the kernel's does), with the same float32 accumulation.
 
 
 @functools.lru_cache(None)
@@ -106,8 +110,49 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return out if bias is None else out + bias
 
 
+def _math_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor | None:
+    """SDPA's math backend as ops, where SDPA would choose it; else None (its own kernel runs)."""
+    from torch._decomp.decompositions import matmul
+    from torch.nn.attention import SDPBackend
+
+    math_backend = int(SDPBackend.MATH.value)
+    choice = torch.ops.aten._fused_sdp_choice.default(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    if choice != math_backend or dropout_p > 0:  # dropout: the kernel's own random stream
+        return None
+    dtype = query.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # the kernel accumulates these in float32
+        query, key, value = query.float(), key.float(), value.float()
+    if enable_gqa:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+    root = abs(query.shape[-1] ** -0.5 if scale is None else scale) ** 0.5
+    scores = matmul(query * (-root if scale is not None and scale < 0 else root), (key * root).transpose(-2, -1))
+    if is_causal:
+        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = torch.ops.aten._safe_softmax.default(scores, -1)
+    return matmul(weights, value).to(dtype)
+
+
 class _SymbolicMatmul(TorchFunctionMode):
-    """matmul and linear through torch's Python decomposition (NOTE: [Matmul on symbolic sizes])."""
+    """matmul and linear through torch's Python decomposition, SDPA's math backend as ops (NOTE:
+    [Matmul on symbolic sizes])."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         from torch._decomp.decompositions import matmul
@@ -118,6 +163,10 @@ class _SymbolicMatmul(TorchFunctionMode):
             return matmul(args[1], args[0])
         if func is F.linear:
             return _linear(*args, **(kwargs or {}))
+        if func is F.scaled_dot_product_attention:
+            out = _math_attention(*args, **(kwargs or {}))
+            if out is not None:
+                return out
         return func(*args, **(kwargs or {}))
 
 

@@ -1,6 +1,6 @@
 """One program for many sequence lengths on CUDA (NOTE: [Dynamic sizes]), against eager on the same GPU.
 
-    python tests/gpu/lengths_on_gpu.py
+    python tests/gpu/lengths_on_gpu.py [reference|hf]   (both by default)
 
 A Llama of the reference models and a tiny random HF `LlamaForCausalLM`, in fp32 (SDPA's
 memory-efficient kernel) and bf16 (its flash kernel), eager backend and Inductor, each train on
@@ -77,7 +77,8 @@ def stream(name: str, dtype: torch.dtype, backend: str, device: torch.device) ->
 def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # cpu: a dry run
     ok = True
-    for name in ("reference llama", "hf llama"):
+    names = [n for n in ("reference llama", "hf llama") if n.startswith(tuple(sys.argv[1:]) or "")]
+    for name in names:
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
             for backend in ("eager", "inductor"):
                 err, programs, said = stream(name, dtype, backend, device)
