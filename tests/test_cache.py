@@ -292,6 +292,66 @@ def test_a_rank_that_loads_and_one_that_compiles_train_alike(tmp_path):
     assert [r["losses"] for r in results] == [r["losses"] for r in first]
 
 
+LENGTHS = [16, 24, 40, 128, 57]  # a program for 16, a symbolic one (traced at 24) for the rest
+
+
+def _train_lengths(rank: int, world: int, folder: str) -> dict:
+    torch.manual_seed(0)
+    model = fbmt.compile(GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=2, d_model=16, n_head=2)), cache_dir=folder)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step, length in enumerate(LENGTHS):
+        tokens = torch.randint(0, 64, (4, length + 1), generator=torch.Generator().manual_seed(step))
+        x, y = tokens[2 * rank : 2 * rank + 2, :-1], tokens[2 * rank : 2 * rank + 2, 1:]
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    (symbolic,) = [p for p in model.programs.values() if p.sizes is not None]
+    return {
+        "origins": [p.origin for p in model.programs.values()],
+        "texts": [format_graph(p) for p in model.programs.values()],
+        "assumes": str(symbolic.sizes),
+        "admits": [  # views as the training inputs are (stride: length + 1), and a contiguous one
+            symbolic.sizes.admits([x])
+            for x in [torch.zeros(2, n + 1)[:, :-1] for n in (1, 100, 300)] + [torch.zeros(2, 100)]
+        ],
+        "losses": losses,
+        "params": model.full_parameters(),
+    }
+
+
+def test_a_symbolic_program_is_kept_and_a_warm_run_loads_it_with_what_it_assumes(tmp_path):
+    """NOTE: [Symbolic programs on disk]: the warm run compiles nothing, its programs and what the
+    symbolic one assumes are the cold run's, it refuses the sizes the compiled one refused, and it
+    trains exactly as the cold run did, which trained as eager."""
+    cold = run_ranks(2, _train_lengths, str(tmp_path))
+    warm = run_ranks(2, _train_lengths, str(tmp_path))
+    assert all(o.startswith("compiled") for r in cold for o in r["origins"]), cold[0]["origins"]
+    assert all("saved to the compile cache" in o for o in cold[0]["origins"]), cold[0]["origins"]  # rank 0 writes
+    assert all(o.startswith("loaded") for r in warm for o in r["origins"]), warm[0]["origins"]
+    for c, w in zip(cold, warm):
+        assert w["texts"] == c["texts"] and w["assumes"] == c["assumes"] and w["admits"] == c["admits"]
+        assert w["losses"] == c["losses"]
+        for name, p in c["params"].items():
+            assert torch.equal(w["params"][name], p), name
+    assert [a is None for a in warm[0]["admits"]] == [False, True, True, False], warm[0]["admits"]
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=2, d_model=16, n_head=2))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, length in enumerate(LENGTHS):
+        tokens = torch.randint(0, 64, (4, length + 1), generator=torch.Generator().manual_seed(step))
+        loss = nn.functional.cross_entropy(ref(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        both = (warm[0]["losses"][step] + warm[1]["losses"][step]) / 2
+        assert abs(both - loss.item()) < 1e-4 * abs(loss.item()), (length, both, loss.item())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(warm[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_the_command_lists_sizes_and_clears(tmp_path):
     _trace(tmp_path)
     _trace(tmp_path, remat="none")

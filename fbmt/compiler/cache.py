@@ -42,7 +42,8 @@ with their `meta` facts and each value's shape, dtype and strides; nothing that 
 `inductor.bin` beside its SHA-256 (`inductor.sha256`: compiled code is loaded only where it holds).
 An entry whose checksum, format or contents do not hold is ignored with a warning and deleted;
 nothing unverified is loaded. A model whose key cannot be made (an attribute with no stable
-description, symbolic sizes) is compiled every time, and FBMT_LOG says why.
+description) is compiled every time, and FBMT_LOG says why. Programs of symbolic sizes are kept too
+(NOTE: [Symbolic programs on disk]).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ from fbmt.compiler.layout import Layout
 from fbmt.compiler.program import Program
 
 log = logging.getLogger("fbmt")
-FORMAT = 1  # the entry format: a change of what an entry holds or how bumps it
+FORMAT = 2  # the entry format: a change of what an entry holds or how bumps it
 _KEPT_META = ("val", "fbmt_")  # the node facts a Program's readers use (`meta`, and each value's shape)
 
 
@@ -443,8 +444,14 @@ class _Pickler(pickle.Pickler):
             return ("op", obj.namespace, obj._opname, obj._overloadname)
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return ("hop", obj.name())
-        if isinstance(obj, torch.SymInt | torch.SymFloat | torch.SymBool):
-            raise Uncacheable("the program has symbolic sizes")
+        if isinstance(obj, torch.SymInt):  # NOTE: [Symbolic programs on disk]
+            env = obj.node.shape_env
+            return ("sym", env.replace(obj.node.expr), obj.node.hint)
+        if isinstance(obj, torch.SymFloat | torch.SymBool):
+            raise Uncacheable(f"the program holds a symbolic {type(obj).__name__}")
+        if type(obj).__name__ == "ShapeEnv":
+            ranges = {s: (r.lower, r.upper) for s, r in obj.var_to_range.items()}
+            return ("shape_env", dict(obj.backed_var_to_val), ranges, [g.expr for g in obj.guards])
         if isinstance(obj, torch.Tensor) and (obj.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(obj)):
             return (
                 "fake",
@@ -467,9 +474,20 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, fake_mode: Any):
         super().__init__(io.BytesIO(data))
         self.fake_mode = fake_mode
+        self.shape_env = None
 
     def persistent_load(self, pid: Any) -> Any:
         kind, *rest = pid
+        if kind == "shape_env":  # first in the pickle: every symbolic size after it is one of its
+            if self.shape_env is None:
+                self.shape_env = _restored_shape_env(*rest)
+                self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=self.shape_env)
+            return self.shape_env
+        if kind == "sym":
+            expr, hint = rest
+            if self.shape_env is None:
+                raise pickle.UnpicklingError("a symbolic size before its shape environment")
+            return self.shape_env.create_symintnode(expr, hint=hint)
         if kind == "node":
             return _Ref(rest[0])
         if kind == "op":
@@ -487,6 +505,28 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
 
 
+# NOTE: [Symbolic programs on disk]
+# A program of symbolic sizes (NOTE: [Dynamic sizes]) is saved as a static one is, its symbolic sizes
+# as their sympy expressions (after the shape environment's replacements) with the size they were
+# traced at. Its shape environment goes first: the symbols' traced sizes and ranges, and the guards
+# the trace and passes left. Loading makes a new environment with those symbols, ranges and sizes
+# (no guard is added to it: `SymbolicSizes.guards` reads the saved ones beside any the loaded
+# program's own lowering adds), so a loaded program admits exactly the calls the compiled one did.
+# The key is the call's (the exact shapes it was traced at: the passes estimate at that size) and
+# the dimensions made symbolic.
+
+
+def _restored_shape_env(values: dict, ranges: dict, guards: list) -> Any:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = ShapeEnv()
+    env.backed_var_to_val.update(values)
+    env.var_to_range.update({s: ValueRanges(lower, upper) for s, (lower, upper) in ranges.items()})
+    env.fbmt_saved_guards = list(guards)
+    return env
+
+
 def dumps(program: Program) -> bytes:
     """The program as bytes: every field but its layout (the key holds it), the graph node by node."""
     nodes = []
@@ -499,8 +539,9 @@ def dumps(program: Program) -> bytes:
         f.name: getattr(program, f.name) for f in dataclasses.fields(program) if f.name not in ("graph", "layout")
     }
     stream = io.BytesIO()
+    env = program.sizes.shape_env if program.sizes is not None else None  # first (NOTE: [Symbolic programs on disk])
     try:
-        _Pickler(stream, protocol=pickle.HIGHEST_PROTOCOL).dump((nodes, fields))
+        _Pickler(stream, protocol=pickle.HIGHEST_PROTOCOL).dump((env, nodes, fields))
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise Uncacheable(f"a part of the program cannot be saved ({type(e).__name__}: {str(e)[:200]})") from None
     return zlib.compress(stream.getvalue(), 1)
@@ -510,7 +551,7 @@ def loads(data: bytes, layout: Layout) -> Program:
     """The program `dumps` saved, for a model of `layout`; its values are fakes of a new fake mode."""
     with warnings.catch_warnings():  # a pytree spec of an older torch's class names says so when unpickled
         warnings.simplefilter("ignore", FutureWarning)
-        nodes, fields = _Unpickler(zlib.decompress(data), FakeTensorMode(allow_non_fake_inputs=True)).load()
+        _, nodes, fields = _Unpickler(zlib.decompress(data), FakeTensorMode(allow_non_fake_inputs=True)).load()
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
 

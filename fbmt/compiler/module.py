@@ -349,8 +349,9 @@ class CompiledModule(nn.Module):
         if self.programs:
             self._say_why_new(key, args, kwargs)
         where = torch.device(device) if device is not None else self.device
-        # the key is made once, before tracing: a forward may change its modules' attributes as it runs
-        k, why_not = self._cache_key(key, where) if not dynamic else (None, "it has symbolic sizes")
+        # the key is made once, before tracing: a forward may change its modules' attributes as it runs; a
+        # symbolic program's: the call it was traced at and its symbolic dimensions (NOTE: [Symbolic programs on disk])
+        k, why_not = self._cache_key((*key, ("symbolic", sorted(dynamic.items()))) if dynamic else key, where)
         cached = self._from_cache(k)
         if cached is not None:
             program = cached

@@ -19,8 +19,8 @@ size and that dimensions traced as one symbol (input ids and labels of one lengt
 the program does not admit gets a program of its own, so a guard that fails costs a compile, never
 a wrong result; a forward that fails on symbolic sizes (a size used as a dict key) is warned about
 once and compiled per shape. With backend="inductor" the compute regions are compiled with the same
-sizes symbolic (NOTE: [Symbolic regions]). Not for CUDA graphs (a replay needs the captured shapes)
-and not kept in the compile cache yet.
+sizes symbolic (NOTE: [Symbolic regions]). Not for CUDA graphs (a replay needs the captured shapes).
+The compile cache keeps symbolic programs with what they assume (NOTE: [Symbolic programs on disk]).
 """
 
 from __future__ import annotations
@@ -222,8 +222,9 @@ class SymbolicSizes:
         return cls([tuple(x.shape) for x in inputs], symbols, env, strides)
 
     def guards(self) -> list[Any]:
-        """What the program assumes of its symbols, as sympy expressions."""
-        return [g.expr for g in self.shape_env.guards]
+        """What the program assumes of its symbols, as sympy expressions (a program loaded from the
+        compile cache: the saved ones too, NOTE: [Symbolic programs on disk])."""
+        return getattr(self.shape_env, "fbmt_saved_guards", []) + [g.expr for g in self.shape_env.guards]
 
     def admits(self, inputs: list[torch.Tensor]) -> str | None:
         """None if this program computes the call with these inputs; else why not."""
