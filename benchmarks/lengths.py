@@ -1,13 +1,14 @@
 """Batches of many lengths: fbmt against FSDP2 + per-layer `torch.compile(dynamic=True)`, one GPU.
 
-    python benchmarks/lengths.py --config 1.36b --remat block --steps 24 --out lengths.json
+    python benchmarks/lengths.py --config 1.36b --remat block --steps 24 --out lengths.json [--warm]
 
 Each method trains, in a process of its own (torchrun on one GPU), on the same stream of batches whose
 sequence length is drawn uniformly from [--min, --max] (seeded), from a cold start (empty compile
 caches). Printed per method: how many programs fbmt compiled, the whole stream's tokens/s (compiles
 included: what a short run sees) and the tokens/s of the steps after the third (steady state: a
 length that needs no new compile), and the losses of the first steps (the same model and data). A
-step is `gpu_train.train_step` on a batch of `--batch` sequences of that step's length.
+step is `gpu_train.train_step` on a batch of `--batch` sequences of that step's length. `--warm` runs
+each method a second time on the caches its first run left (a second run of the same job).
 """
 
 from __future__ import annotations
@@ -94,14 +95,16 @@ def main() -> None:
     ap.add_argument("--zero", type=int, default=3, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=None, help="seconds for each method's process")
+    ap.add_argument("--warm", action="store_true", help="each method again, on the caches its first run left")
     args = ap.parse_args()
     if args.method:
         worker(args)
         return
     rows = []
     root = tempfile.mkdtemp(prefix="lengths-")
-    for method in args.methods.split(","):
-        out = os.path.join(root, f"{method}.json")
+    runs = [(m, run) for m in args.methods.split(",") for run in (("", "_warm") if args.warm else ("",))]
+    for method, run in runs:
+        out = os.path.join(root, f"{method}{run}.json")
         env = {
             **os.environ,
             "FBMT_CACHE_DIR": os.path.join(root, method, "fbmt"),
@@ -110,8 +113,8 @@ def main() -> None:
         }
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
         command += [f"--master_port={29500 + random.randrange(1000)}", os.path.abspath(__file__)]
-        command += sys.argv[1:] + ["--method", method, "--out", out]
-        log = os.path.splitext(args.out or os.path.join(root, "lengths"))[0] + f"_{method}.log"
+        command += [a for a in sys.argv[1:] if a != "--warm"] + ["--method", method, "--out", out]
+        log = os.path.splitext(args.out or os.path.join(root, "lengths"))[0] + f"_{method}{run}.log"
         with open(log, "w") as f:  # the worker's progress, step by step, also when it is stopped
             proc = subprocess.Popen(command, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
             try:
@@ -126,10 +129,14 @@ def main() -> None:
         else:
             with open(out) as f:
                 rows.append(json.load(f))
+        rows[-1]["method"] = method + (", warm" if run else "")
         print(json.dumps(rows[-1])[:600], flush=True)
     print(f"\n{args.config}, remat {args.remat}, batch {args.batch}, {args.steps} lengths in [{args.min}, {args.max}]")
-    print("| method | programs | Inductor compiles | tokens/s, whole stream | tokens/s, after step 3 | first losses |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| method | programs | Inductor compiles | tokens/s, whole stream | tokens/s, after step 3 "
+        "| first two steps (s) | first losses |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['method']} | failed: {r['error'][-200:]!r} |")
@@ -138,7 +145,7 @@ def main() -> None:
         compiles = r.get("region_compiles") or "–"
         print(
             f"| {r['method']} | {r['programs'] or '–'} | {compiles} | {r['tok_s_all']:.0f} | {r['tok_s_steady']:.0f} "
-            f"| {losses} |"
+            f"| {r['step_s'][0]:.1f}, {r['step_s'][1]:.1f} | {losses} |"
         )
     if args.out:
         with open(args.out, "w") as f:
