@@ -87,6 +87,27 @@ def test_generate_with_a_static_cache_compiles_two_programs():
     assert len(model.programs) == 2
 
 
+def test_a_submodule_called_on_its_own_is_refused_where_it_is_called_and_named():
+    """Its parameters live in the compiled model's shards: a call outside the compiled model (what
+    encoder-decoder generate() makes) is refused at the call, naming the submodule, instead of
+    computing on meta placeholders and failing later with advice to move the inputs."""
+    llama = fbmt.compile(hf.build("llama"), world_size=1, cache_dir=False)
+    ids = hf.inputs("llama", 0)["input_ids"]
+    calls = {
+        "`model.embed_tokens` (Embedding)": lambda: llama.get_input_embeddings()(ids),
+        "`lm_head` (Linear)": lambda: llama.lm_head(torch.randn(2, 3, 32)),
+        "the LlamaForCausalLM fbmt.compile took over": lambda: llama.compiled_from(input_ids=ids),
+    }
+    for named, call in calls.items():
+        with pytest.raises(RuntimeError, match="called on its own") as e:
+            call()
+        assert named in str(e.value) and "Call the compiled model itself" in str(e.value)
+    t5 = fbmt.compile(hf.build("t5").eval(), world_size=1, cache_dir=False).eval()
+    with pytest.raises(RuntimeError, match=r"`encoder` \(T5Stack\) of a compiled T5ForConditionalGeneration"):
+        t5.generate(hf.inputs("t5", 0)["input_ids"], max_new_tokens=2, do_sample=False)
+    assert llama.generate(ids[:, :4], max_new_tokens=2, do_sample=False).shape[1] == 6  # its own calls run
+
+
 def test_the_cache_of_an_inference_call_holds_the_real_keys_and_values():
     ref = hf.build("llama").eval()
     model = fbmt.compile(copy.deepcopy(ref)).eval()

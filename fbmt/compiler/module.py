@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fbmt.compiler import cache, objects, owners, pipeline
+from fbmt.compiler import cache, objects, owners, pipeline, trace
 from fbmt.compiler.agreement import check_ranks_agree
 from fbmt.compiler.layout import Layout, copy_into_shard
 from fbmt.compiler.ops import record
@@ -95,6 +96,28 @@ def _without_shapes(key: tuple) -> tuple:
     return (spec, bare, *rest)
 
 
+# a module a compile took over -> (the compiled model's class, its path there), for `_called_alone`'s message
+_TAKEN_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _called_alone(module: nn.Module, args: tuple) -> None:
+    """A forward pre-hook on every module a compile took over: outside fbmt's trace, such a module has
+    only meta placeholders for parameters (their values live in the compiled model's shards), and a
+    call of it (`model.get_encoder()(...)`, `model.lm_head(h)`) would compute on meta tensors and fail
+    later, far from here, or send the caller the wrong way; so it is refused where it happens."""
+    if trace.tracing():
+        return
+    root, path = _TAKEN_PATHS.get(module, ("model", None))
+    what = f"`{path}` ({type(module).__name__}) of a compiled {root}" if path else f"the {root} fbmt.compile took over"
+    raise RuntimeError(
+        f"fbmt: {what} was called on its own. fbmt.compile moved its parameters into the compiled model's shards, "
+        "so outside the compiled model it has only meta placeholders to compute with (calls such as "
+        "model.get_encoder()(...), which encoder-decoder generate() makes, model.get_input_embeddings()(ids) or "
+        "model.lm_head(h) run that way). Call the compiled model itself; running one of its submodules alone is "
+        "not supported yet"
+    )
+
+
 class CompiledModule(nn.Module):
     """A module compiled by `fbmt.compile`; see that function for the options."""
 
@@ -135,6 +158,8 @@ class CompiledModule(nn.Module):
         self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
         self._placeholders = Placeholders(module, layout, shards)
         self.train(module.training)
+        for m in module.modules():  # a copy of this module (`__deepcopy__`) copies them
+            m.register_forward_pre_hook(_called_alone)
         self._adopt()
 
     def _adopt(self) -> None:
@@ -142,6 +167,8 @@ class CompiledModule(nn.Module):
         took over. A subclass adds what its integrations keep (the torch guards' shards)."""
         owners.own_shards(list(self.flat_params), self.layout.groups)
         owners.take(self._orig)
+        for path, m in self._orig.named_modules():
+            _TAKEN_PATHS[m] = (type(self._orig).__name__, path)
 
     def __deepcopy__(self, memo: dict) -> CompiledModule:
         """A copy (an EMA twin) computes with copies of the shards, and owns them as the original owns
