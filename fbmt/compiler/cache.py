@@ -73,6 +73,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from fbmt import flags, job
 from fbmt.compiler.layout import Layout
@@ -449,7 +450,7 @@ class _Pickler(pickle.Pickler):
             return ("sym", env.replace(obj.node.expr), obj.node.hint)
         if isinstance(obj, torch.SymFloat | torch.SymBool):
             raise Uncacheable(f"the program holds a symbolic {type(obj).__name__}")
-        if type(obj).__name__ == "ShapeEnv":
+        if isinstance(obj, ShapeEnv):
             ranges = {s: (r.lower, r.upper) for s, r in obj.var_to_range.items()}
             return ("shape_env", dict(obj.backed_var_to_val), ranges, [g.expr for g in obj.guards])
         if isinstance(obj, torch.Tensor) and (obj.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(obj)):
@@ -516,8 +517,7 @@ class _Unpickler(pickle.Unpickler):
 # the dimensions made symbolic.
 
 
-def _restored_shape_env(values: dict, ranges: dict, guards: list) -> Any:
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+def _restored_shape_env(values: dict, ranges: dict, guards: list) -> ShapeEnv:
     from torch.utils._sympy.value_ranges import ValueRanges
 
     env = ShapeEnv()

@@ -46,20 +46,27 @@ _COMPILER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def symbolic_mode() -> FakeTensorMode:
     """A fake mode whose tensors may have symbolic sizes; its shape environment keeps, for each
     symbol the trace fixes to one value, the line of the traced code that did it (`fixed_at`)."""
+    return FakeTensorMode(shape_env=_shape_env_noting_fixes()())
+
+
+@functools.cache
+def _shape_env_noting_fixes() -> type:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    env = ShapeEnv()
-    env.fbmt_fixed_at = {}
-    set_replacement = getattr(env, "_set_replacement", None)
-    if set_replacement is not None:  # a private method: without it, `fixed` names the guard instead
+    class NotingShapeEnv(ShapeEnv):
+        """A ShapeEnv that notes where a symbol is replaced by a number (for `SymbolicSizes.fixed`).
+        `_set_replacement` is private: on a torch without it, `fixed` names the guard instead."""
 
-        def noting(symbol: Any, to: Any, why: str) -> Any:
-            if getattr(to, "is_number", False):
-                env.fbmt_fixed_at.setdefault(symbol, _traced_code_line())
-            return set_replacement(symbol, to, why)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.fbmt_fixed_at: dict[Any, str] = {}
 
-        env._set_replacement = noting
-    return FakeTensorMode(shape_env=env)
+        def _set_replacement(self, a: Any, tgt: Any, *args: Any, **kwargs: Any) -> Any:  # torch's names
+            if getattr(tgt, "is_number", False):
+                self.fbmt_fixed_at.setdefault(a, _traced_code_line())
+            return super()._set_replacement(a, tgt, *args, **kwargs)
+
+    return NotingShapeEnv
 
 
 def _traced_code_line() -> str:
@@ -98,9 +105,10 @@ def _matmul_fixes_sizes() -> bool:
     return bool(env.replacements)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     from torch._decomp.decompositions import matmul
 
+    x = input  # F.linear's own names, for a call by keyword
     if bias is not None and x.dim() == 2:
         return torch.addmm(bias, x, weight.t())
     if bias is not None and x.dim() == 3 and x.is_contiguous():
