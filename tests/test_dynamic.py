@@ -257,16 +257,20 @@ def test_products_keep_sizes_symbolic_where_torch_matmul_kernel_would_fix_them(m
     real = sizes._linear
     monkeypatch.setattr(sizes, "_linear", lambda *a, **k: routed.append(1) or real(*a, **k))
     torch.manual_seed(0)
-    ref = Products()
+    assert _symbolic_programs_at_lengths_equal_eager(Products(), width=4) == [False, True]
+    assert routed  # the symbolic trace went through fbmt's route
+
+
+def _symbolic_programs_at_lengths_equal_eager(ref: nn.Module, width: int) -> list[bool]:
+    """Values and gradients of `ref` compiled equal eager's at five lengths; which programs are symbolic."""
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
     for length in (8, 12, 16, 30, 12):
-        x = torch.randn(2, length, 4)
+        x = torch.randn(2, length, width)
         torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
         model(x).square().sum().backward()
         ref(x).square().sum().backward()
         _gradients_match_and_clear(model, ref, length)
-    assert [p.sizes is not None for p in model.programs.values()] == [False, True]
-    assert routed  # the symbolic trace went through fbmt's route
+    return [p.sizes is not None for p in model.programs.values()]
 
 
 class Attention(nn.Module):
@@ -299,16 +303,8 @@ def test_attention_on_sdpa_math_backend_keeps_sizes_symbolic_and_equals_eager(mo
 
     monkeypatch.setattr(sizes, "_matmul_fixes_sizes", lambda: True)
     torch.manual_seed(0)
-    ref = Attention(mask)
-    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
     with sdpa_kernel(SDPBackend.MATH):
-        for length in (8, 12, 16, 30, 12):
-            x = torch.randn(2, length, 8)
-            torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
-            model(x).square().sum().backward()
-            ref(x).square().sum().backward()
-            _gradients_match_and_clear(model, ref, length)
-    assert [p.sizes is not None for p in model.programs.values()] == [False, True]
+        assert _symbolic_programs_at_lengths_equal_eager(Attention(mask), width=8) == [False, True]
 
 
 @pytest.mark.parametrize("bias", [True, False])
