@@ -22,6 +22,9 @@ if [ "${1:-}" = "--test" ]; then
   # Hugging Face models as users run them (tests/test_transformers.py, examples/hf_trainer.py); pinned, since
   # their modeling code changes between releases. A machine with its own (a GPU image) keeps it.
   "$PY" -c "import transformers, accelerate" 2>/dev/null || pip_install transformers==5.24.0 accelerate==1.15.0
+  # LoRA adapters as users add them (tests/test_adapters.py); its own requirements are transformers' and
+  # accelerate's, so without them pip cannot move either
+  "$PY" -c "import peft" 2>/dev/null || pip_install --no-deps peft==0.21.2
   # fbmt.viz and the notebooks, which the tests execute headlessly in a Jupyter kernel
   "$PY" -c "import matplotlib, pydot, nbclient, nbformat, ipykernel" 2>/dev/null ||
     pip_install matplotlib pydot nbclient nbformat ipykernel
