@@ -14,6 +14,7 @@ and DDP's, the torch guards), and BMTrain's layer a subclass whose parameters ar
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -144,6 +145,7 @@ class CompiledModule(nn.Module):
         self.program: Program | None = None
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
         self._warned_shapes = False  # the warning that programs pile up for new input shapes, given once
+        self._gradient_sync, self._warned_sync = True, False  # DDP's no_sync (`set_requires_gradient_sync`)
         self._input_shapes: dict[Any, list[tuple[int, ...]]] = {}  # a program's key -> its inputs' shapes
         self._admitted: dict[Any, Any] = {}  # a call's key -> the key of the symbolic program that runs it
         self._fixed_sizes: set[Any] = set()  # call families whose forward failed on symbolic sizes
@@ -539,6 +541,42 @@ class CompiledModule(nn.Module):
     def capture_seconds(self) -> float:
         """Seconds spent capturing CUDA graphs (cuda_graph=True), 0 before the capture."""
         return self._graphed[1].capture_seconds if self._graphed is not None else 0.0
+
+    # ---- accumulation loops written for DDP and FSDP ----
+    @contextlib.contextmanager
+    def no_sync(self) -> Any:
+        """DDP's `no_sync()`: backward passes within only accumulate gradients (accelerate's
+        `accumulate()` and loops written for DDP call it). See `set_requires_gradient_sync`."""
+        was = self._gradient_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(was)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: whether backward passes reduce gradients over ranks. Accepted, so that accumulation
+        loops written for DDP and FSDP run, but fbmt still reduce-scatters every micro-batch's
+        gradients into the shards, where they accumulate: the sum is the one a single reduction of
+        the accumulated gradients gives (up to rounding), and the communication is not saved yet.
+        Said once, as a warning."""
+        if not requires_gradient_sync and not self._warned_sync:
+            self._warned_sync = True
+            log.warning(
+                "fbmt: gradient sync turned off (no_sync() or set_requires_gradient_sync(False)): accepted, but fbmt "
+                "still reduces each micro-batch's gradients as it goes; they accumulate in the shards to the same "
+                "sum, so results are those of DDP or FSDP, and only the communication is not saved yet"
+            )
+        self._gradient_sync = bool(requires_gradient_sync)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's and FSDP1's attribute for `no_sync` (see `set_requires_gradient_sync`)."""
+        return self._gradient_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.set_requires_gradient_sync(value)
 
     # ---- module protocol ----
     def to(self, *args: Any, **kwargs: Any) -> CompiledModule:
