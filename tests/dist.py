@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -74,3 +75,14 @@ def run_ranks(
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+class Said(logging.Handler):
+    """fbmt's warnings, kept (caplog cannot see a spawned rank's): add to logging.getLogger("fbmt")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

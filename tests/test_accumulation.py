@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import fbmt
 from fbmt.models.gpt import GPT, GPTConfig
-from tests.dist import run_ranks
+from tests.dist import Said, run_ranks
 
 STEPS, MICRO = 2, 3
 
@@ -32,7 +32,7 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulate(rank: int, world: int, style: str) -> dict:
-    logging.getLogger("fbmt").addHandler(said := _Said())
+    logging.getLogger("fbmt").addHandler(said := Said())
     model = fbmt.compile(_gpt(), cache_dir=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
@@ -53,15 +53,6 @@ def _accumulate(rank: int, world: int, style: str) -> dict:
         opt.step()
         opt.zero_grad()
     return {"params": model.full_parameters(), "said": said.messages}
-
-
-class _Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 @pytest.mark.parametrize("style", ["no_sync", "set_requires_gradient_sync", "require_backward_grad_sync"])

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,9 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_COMPILER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def symbolic_mode() -> FakeTensorMode:
@@ -70,11 +66,10 @@ def _shape_env_noting_fixes() -> type:
 
 
 def _traced_code_line() -> str:
-    """The innermost frame of the traced model's code (not torch's, not fbmt's compiler's)."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if not os.path.abspath(frame.filename).startswith((_TORCH_DIR, _COMPILER_DIR)):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}" + (f": `{frame.line}`" if frame.line else "")
-    return ""
+    """The line of the traced model's code running now (`trace.user_line`)."""
+    from fbmt.compiler.trace import user_line  # trace imports this module
+
+    return user_line(traceback.extract_stack())
 
 
 # NOTE: [Matmul on symbolic sizes]

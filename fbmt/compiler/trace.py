@@ -513,18 +513,24 @@ def _prints(tagger: _ModuleTagger) -> Any:
     return record.prints_traced(lambda: f"'{tagger.current or '<root>'}'")
 
 
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["fbmt"]))
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["fbmt"]))
 
 
 def _user_frame(exc: BaseException) -> str:
-    """`file:line: source` of the innermost frame in the user's code, or '' if there is none."""
+    """`file:line: source` of the innermost frame of the exception in the user's code, or ''."""
+    return user_line(traceback.extract_tb(exc.__traceback__))
+
+
+def user_line(frames: list[traceback.FrameSummary]) -> str:
+    """`file:line: source` of the innermost of `frames` in the user's code (not torch's, fbmt's or
+    the standard library's; an installed package's, such as transformers', counts), or ''."""
     found = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        f = frame.filename
+    for frame in frames:
+        f = os.path.abspath(frame.filename)
         if f.startswith(_LIBRARY_DIRS) or "/lib/python" in f and "site-packages" not in f:
             continue
         line = (frame.line or linecache.getline(f, frame.lineno)).strip()
-        found = f"{f}:{frame.lineno}: {line}"
+        found = f"{frame.filename}:{frame.lineno}: {line}"
     return found
 
 

@@ -22,19 +22,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import fbmt  # noqa: E402
+from tests.dist import Said  # noqa: E402
 from tests.models import hf  # noqa: E402
 from tests.models.reference import Llama  # noqa: E402
 
 LENGTHS = (200, 100, 150, 77, 133)
-
-
-class Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def stream(name: str, dtype: torch.dtype, backend: str, device: torch.device) -> tuple[float, int, list[str]]:
