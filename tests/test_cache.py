@@ -352,6 +352,20 @@ def test_a_symbolic_program_is_kept_and_a_warm_run_loads_it_with_what_it_assumes
         torch.testing.assert_close(warm[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_loaded_program_whose_trace_fixed_the_size_still_says_where(tmp_path, caplog):
+    from tests.test_dynamic import UsesSize
+
+    for run in ("cold", "warm"):
+        model = fbmt.compile(UsesSize("tensor of the size"), world_size=1, cache_dir=tmp_path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fbmt"):
+            for length in (8, 12, 16):
+                model(torch.randn(2, length, 4))
+        assert all(p.origin.startswith("compiled" if run == "cold" else "loaded") for p in model.programs.values())
+        said = [r.getMessage() for r in caplog.records if "fixes the size that varies" in r.getMessage()]
+        assert len(said) == 1 and "test_dynamic.py" in said[0] and "torch.tensor(T" in said[0], (run, said)
+
+
 def test_the_command_lists_sizes_and_clears(tmp_path):
     _trace(tmp_path)
     _trace(tmp_path, remat="none")

@@ -452,7 +452,8 @@ class _Pickler(pickle.Pickler):
             raise Uncacheable(f"the program holds a symbolic {type(obj).__name__}")
         if isinstance(obj, ShapeEnv):
             ranges = {s: (r.lower, r.upper) for s, r in obj.var_to_range.items()}
-            return ("shape_env", dict(obj.backed_var_to_val), ranges, [g.expr for g in obj.guards])
+            guards, fixed_at = [g.expr for g in obj.guards], getattr(obj, "fbmt_fixed_at", {})
+            return ("shape_env", dict(obj.backed_var_to_val), ranges, guards, fixed_at)
         if isinstance(obj, torch.Tensor) and (obj.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(obj)):
             return (
                 "fake",
@@ -509,21 +510,23 @@ class _Unpickler(pickle.Unpickler):
 # NOTE: [Symbolic programs on disk]
 # A program of symbolic sizes (NOTE: [Dynamic sizes]) is saved as a static one is, its symbolic sizes
 # as their sympy expressions (after the shape environment's replacements) with the size they were
-# traced at. Its shape environment goes first: the symbols' traced sizes and ranges, and the guards
-# the trace and passes left. Loading makes a new environment with those symbols, ranges and sizes
-# (no guard is added to it: `SymbolicSizes.guards` reads the saved ones beside any the loaded
-# program's own lowering adds), so a loaded program admits exactly the calls the compiled one did.
+# traced at. Its shape environment goes first: the symbols' traced sizes and ranges, the guards
+# the trace and passes left, and where the trace fixed a size (`SymbolicSizes.fixed`). Loading makes
+# a new environment with those symbols, ranges and sizes (no guard is added to it:
+# `SymbolicSizes.guards` reads the saved ones beside any the loaded program's own lowering adds), so
+# a loaded program admits exactly the calls the compiled one did.
 # The key is the call's (the exact shapes it was traced at: the passes estimate at that size) and
 # the dimensions made symbolic.
 
 
-def _restored_shape_env(values: dict, ranges: dict, guards: list) -> ShapeEnv:
+def _restored_shape_env(values: dict, ranges: dict, guards: list, fixed_at: dict) -> ShapeEnv:
     from torch.utils._sympy.value_ranges import ValueRanges
 
     env = ShapeEnv()
     env.backed_var_to_val.update(values)
     env.var_to_range.update({s: ValueRanges(lower, upper) for s, (lower, upper) in ranges.items()})
     env.fbmt_saved_guards = list(guards)
+    env.fbmt_fixed_at = dict(fixed_at)  # where a trace fixed a size, for the warning a loaded program gives too
     return env
 
 
