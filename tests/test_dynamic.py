@@ -307,6 +307,18 @@ def test_attention_on_sdpa_math_backend_keeps_sizes_symbolic_and_equals_eager(mo
         assert _symbolic_programs_at_lengths_equal_eager(Attention(mask), width=8) == [False, True]
 
 
+def test_the_math_attention_route_refuses_what_sdpa_refuses():
+    """A mask and is_causal together: SDPA raises, so the route must not compute an answer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fbmt.compiler import sizes
+
+    q, keep = torch.randn(2, 2, 5, 4), torch.ones(5, 5, dtype=torch.bool)
+    with sdpa_kernel(SDPBackend.MATH), sizes._SymbolicMatmul():
+        with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal"):
+            nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep, is_causal=True)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(3, 5, 4), (5, 4), (2, 3, 5, 4), "non-contiguous"])
 def test_the_python_matmul_route_equals_torch_kernels(shape, bias):

@@ -133,6 +133,8 @@ def _math_attention(
     )
     if choice != math_backend or dropout_p > 0:  # dropout: the kernel's own random stream
         return None
+    if attn_mask is not None and is_causal:  # the kernel refuses both; so must this
+        return None
     dtype = query.dtype
     if dtype in (torch.float16, torch.bfloat16):  # the kernel accumulates these in float32
         query, key, value = query.float(), key.float(), value.float()
