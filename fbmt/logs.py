@@ -10,11 +10,16 @@ the usual propagation instead.
 
 from __future__ import annotations
 
+import linecache
 import logging
+import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import torch
 
 from fbmt import flags
 
@@ -67,3 +72,20 @@ def stage(what: str, level: int = logging.INFO, *, begin: bool = True) -> Iterat
     yield said
     extra = f": {said['done']}" if said.get("done") else ""
     log.log(level, "%s: %.2fs%s", what, time.perf_counter() - started, extra)
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, __file__))
+
+
+def user_line(frames: list[traceback.FrameSummary]) -> str:
+    """`file:line: source` of the innermost of `frames` in the user's code (not torch's, fbmt's or
+    the standard library's; an installed package's, such as transformers', counts), or '': where a
+    message points the user."""
+    found = ""
+    for frame in frames:
+        f = os.path.abspath(frame.filename)
+        if f.startswith(_LIBRARY_DIRS) or "/lib/python" in f and "site-packages" not in f:
+            continue
+        line = (frame.line or linecache.getline(f, frame.lineno)).strip()
+        found = f"{frame.filename}:{frame.lineno}: {line}"
+    return found

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from fbmt.logs import user_line
+
 
 def symbolic_mode() -> FakeTensorMode:
     """A fake mode whose tensors may have symbolic sizes; its shape environment keeps, for each
@@ -66,9 +68,7 @@ def _shape_env_noting_fixes() -> type:
 
 
 def _traced_code_line() -> str:
-    """The line of the traced model's code running now (`trace.user_line`)."""
-    from fbmt.compiler.trace import user_line  # trace imports this module
-
+    """The line of the traced model's code running now."""
     return user_line(traceback.extract_stack())
 
 

@@ -16,9 +16,6 @@ tags through the second.
 from __future__ import annotations
 
 import contextlib
-import linecache
-import os
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -39,6 +36,7 @@ from fbmt.compiler import meta, objects, sizes
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.ops import record
 from fbmt.compiler.program import BWD, FWD, Program, Results, Role
+from fbmt.logs import user_line
 
 aten = torch.ops.aten
 
@@ -513,25 +511,9 @@ def _prints(tagger: _ModuleTagger) -> Any:
     return record.prints_traced(lambda: f"'{tagger.current or '<root>'}'")
 
 
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["fbmt"]))
-
-
 def _user_frame(exc: BaseException) -> str:
     """`file:line: source` of the innermost frame of the exception in the user's code, or ''."""
     return user_line(traceback.extract_tb(exc.__traceback__))
-
-
-def user_line(frames: list[traceback.FrameSummary]) -> str:
-    """`file:line: source` of the innermost of `frames` in the user's code (not torch's, fbmt's or
-    the standard library's; an installed package's, such as transformers', counts), or ''."""
-    found = ""
-    for frame in frames:
-        f = os.path.abspath(frame.filename)
-        if f.startswith(_LIBRARY_DIRS) or "/lib/python" in f and "site-packages" not in f:
-            continue
-        line = (frame.line or linecache.getline(f, frame.lineno)).strip()
-        found = f"{frame.filename}:{frame.lineno}: {line}"
-    return found
 
 
 _HINTS = {
