@@ -17,24 +17,6 @@ from tests.models import hf
 
 _IDS = dict(pad_token_id=1, bos_token_id=2, eos_token_id=2)
 EXTRA = {
-    "whisper": (
-        transformers.WhisperForConditionalGeneration,
-        lambda: transformers.WhisperConfig(
-            vocab_size=hf.VOCAB,
-            num_mel_bins=8,
-            encoder_layers=2,
-            decoder_layers=2,
-            d_model=32,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_source_positions=16,
-            max_target_positions=32,
-            decoder_start_token_id=2,
-            **_IDS,
-        ),
-    ),
     "clip-text": (
         transformers.CLIPTextModel,
         lambda: transformers.CLIPTextConfig(

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import transformers
 
 import fbmt
 from fbmt.compiler.objects import DroppedCache
@@ -87,25 +88,93 @@ def test_generate_with_a_static_cache_compiles_two_programs():
     assert len(model.programs) == 2
 
 
-def test_a_submodule_called_on_its_own_is_refused_where_it_is_called_and_named():
-    """Its parameters live in the compiled model's shards: a call outside the compiled model (what
-    encoder-decoder generate() makes) is refused at the call, naming the submodule, instead of
-    computing on meta placeholders and failing later with advice to move the inputs."""
-    llama = fbmt.compile(hf.build("llama"), world_size=1, cache_dir=False)
+def _generates_from_an_encoder(rank: int, world: int, name: str) -> None:
+    ref = hf.build(name).eval()
+    model = fbmt.compile(copy.deepcopy(ref)).eval()
+    inputs = {k: v[:2] for k, v in hf.inputs(name, 0).items() if k != "labels"}
+    how = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    want, got = ref.generate(**inputs, **how), model.generate(**inputs, **how)
+    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+    for a, b in zip(want.scores, got.scores):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    encoder = {"t5": "encoder", "whisper": "model.encoder"}[name]
+    assert [p.entry for p in model.programs.values()].count(encoder) == 1  # generate's model.get_encoder()(...)
+
+
+@pytest.mark.parametrize("name", ["t5", "whisper"])
+def test_encoder_decoder_generate_runs_the_encoder_as_a_program_and_gives_the_eager_tokens(name):
+    """generate() calls `model.get_encoder()(...)` before the decoder steps (Whisper's from a method that
+    calls super(), which needs the compiled model to be an instance of the model's class)."""
+    run_ranks(2, _generates_from_an_encoder, name)
+
+
+def _submodules_run_over_the_shards(rank: int, world: int) -> None:
+    ref = hf.build("llama")
+    model = fbmt.compile(copy.deepcopy(ref))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for step in range(2):  # what prompt tuning and multimodal models do: build inputs_embeds, then call the model
+        kwargs = hf.inputs("llama", step)
+        for m, opt, part in ((ref, opts[0], lambda v: v), (model, opts[1], fbmt.local_part)):
+            embeds = m.get_input_embeddings()(part(kwargs["input_ids"])) * 1.5
+            m(inputs_embeds=embeds, labels=part(kwargs["labels"])).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    h, ids = torch.randn(2, 3, 32), hf.inputs("llama", 5)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model.lm_head(h), ref.lm_head(h))
+        torch.testing.assert_close(model.compiled_from(input_ids=ids).logits, ref(input_ids=ids).logits)
+    head = next(p for p in model.programs.values() if p.entry == "lm_head")
+    assert "1 all-gathers" in str(head) and "`lm_head`" in str(head)  # only the group lm_head reads
+    twin = copy.deepcopy(model)  # an EMA twin's submodules run over the twin's shards
+    before = len(model.programs)
+    with torch.no_grad():
+        twin.flat_params[-1].zero_()
+        assert twin.compiled_from.get_submodule("lm_head")(h).abs().max() == 0 < model.lm_head(h).abs().max()
+    assert len(model.programs) == before
+
+
+def test_a_submodule_called_on_its_own_runs_as_a_program_over_the_shards():
+    """`model.get_input_embeddings()(ids)` with gradients trains as eager (two programs, one backward);
+    `model.lm_head(h)` and the taken-over model computed as eager; each runs over its own model's shards."""
+    run_ranks(2, _submodules_run_over_the_shards)
+
+
+def test_a_submodule_whose_instance_has_its_own_forward_is_refused_where_it_is_called():
+    ref = hf.build("llama")
+    head = ref.lm_head
+    head.forward = lambda h: nn.Linear.forward(head, h)  # a library's hook does this
+    model = fbmt.compile(ref, world_size=1, cache_dir=False)
+    with pytest.raises(
+        RuntimeError, match=r"`lm_head` \(Linear\) of a compiled LlamaForCausalLM was called on its own"
+    ):
+        model.lm_head(torch.randn(2, 3, 32))
     ids = hf.inputs("llama", 0)["input_ids"]
-    calls = {
-        "`model.embed_tokens` (Embedding)": lambda: llama.get_input_embeddings()(ids),
-        "`lm_head` (Linear)": lambda: llama.lm_head(torch.randn(2, 3, 32)),
-        "the LlamaForCausalLM fbmt.compile took over": lambda: llama.compiled_from(input_ids=ids),
-    }
-    for named, call in calls.items():
-        with pytest.raises(RuntimeError, match="called on its own") as e:
-            call()
-        assert named in str(e.value) and "Call the compiled model itself" in str(e.value)
-    t5 = fbmt.compile(hf.build("t5").eval(), world_size=1, cache_dir=False).eval()
-    with pytest.raises(RuntimeError, match=r"`encoder` \(T5Stack\) of a compiled T5ForConditionalGeneration"):
-        t5.generate(hf.inputs("t5", 0)["input_ids"], max_new_tokens=2, do_sample=False)
-    assert llama.generate(ids[:, :4], max_new_tokens=2, do_sample=False).shape[1] == 6  # its own calls run
+    assert model(input_ids=ids).logits.shape == (*ids.shape, hf.VOCAB)  # the model's own call traces it
+
+
+def test_the_compiled_class_derives_from_the_models_class_and_finds_every_name_as_before():
+    """NOTE: [The wrapped class as a base]: deriving from the model's class lets its super() calls run,
+    and must change no lookup: a name the compiler's class has is the compiler's (nn.Module's `cuda`, not
+    PreTrainedModel's), any other the model's, bound to the compiled model."""
+    from fbmt.api import _Compiled
+
+    model = fbmt.compile(hf.build("whisper"), world_size=1, cache_dir=False)
+    cls, wrapped = type(model), type(model.compiled_from)
+    assert isinstance(model, wrapped) and isinstance(model, transformers.GenerationMixin)
+    overridden = 0
+    for name in dir(wrapped):
+        if name.startswith("__") or name == "forward":  # forward: the compiled one, with the model's signature
+            continue
+        own = inspect.getattr_static(_Compiled, name, None)
+        if own is not None:
+            overridden += inspect.getattr_static(wrapped, name) is not own
+            assert inspect.getattr_static(cls, name) is own, name
+    assert overridden > 5  # PreTrainedModel overrides some of nn.Module's (`cuda`, `float`, `to`, ...)
+    assert model.prepare_inputs_for_generation.__func__ is wrapped.prepare_inputs_for_generation
+    assert model.config is model.compiled_from.config and model.main_input_name == "input_features"
 
 
 def test_the_cache_of_an_inference_call_holds_the_real_keys_and_values():

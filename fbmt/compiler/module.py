@@ -18,6 +18,7 @@ import contextlib
 import copy
 import logging
 import time
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -72,7 +73,7 @@ def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict) -> str:
         else:
             said.append(f"{where} {str(b)[:80]}, where it was {str(a)[:80]}")
     labels = ("", "", "submodules' train()/eval() modes", "grad mode", "which parameters require grad")
-    labels += ("recording (fbmt.inspect)", "autocast", "the device traced for")
+    labels += ("recording (fbmt.inspect)", "autocast", "entry (the submodule called)", "the device traced for")
     said += [f"another {labels[i]}" for i in range(2, min(len(old), len(new))) if old[i] != new[i]]
     return "; ".join(said) or "another call signature"
 
@@ -97,26 +98,61 @@ def _without_shapes(key: tuple) -> tuple:
     return (spec, bare, *rest)
 
 
-# a module a compile took over -> (the compiled model's class, its path there), for `_called_alone`'s message
+# a module a compile took over -> (the compiled model, its class name, the module's path there): where a call
+# of the module alone goes (`_routed_forward`), and what `_called_alone`'s message names
 _TAKEN_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# NOTE: [Submodules through the program]
+# A module a compile took over has only meta placeholders for parameters; their values live in the
+# compiled model's shards. Code outside the model's forward still calls its submodules: encoder-decoder
+# generate() runs `model.get_encoder()(...)` before the decoder steps, multimodal and prompt-tuning code
+# builds `inputs_embeds` with `model.get_input_embeddings()(ids)`, evaluation code calls `model.lm_head(h)`.
+# Each such module's `forward` is therefore routed (an instance attribute, `_routed_forward`): while fbmt
+# traces, it is the class's forward; outside, the call runs as a program of the compiled model whose
+# entry is that submodule (`CompiledModule.call_submodule`), traced over the whole model's parameters, so
+# the passes gather the groups it reads from the same shards and reduce its gradients into them. Calls
+# with gradients train: autograd joins that program's backward to the next program's, as it joins two
+# calls of the model. A module that already had a `forward` of its own on the instance (a library's
+# hook) keeps it, and a call of it alone is refused, named, by `_called_alone`.
+def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module a compile took over (NOTE: [Submodules through the program])."""
+    if trace.tracing():
+        return type(self).forward(self, *args, **kwargs)
+    compiled, _, path = _TAKEN_PATHS[self]
+    model = compiled()
+    if model is None:
+        raise RuntimeError(
+            f"fbmt: `{path}` ({type(self).__name__}) was taken over by a compiled model that no longer exists; its "
+            "parameters went with that model's shards"
+        )
+    return model(*args, **kwargs) if path == "" else model.call_submodule(path, args, kwargs)
+
+
 def _called_alone(module: nn.Module, args: tuple) -> None:
-    """A forward pre-hook on every module a compile took over: outside fbmt's trace, such a module has
-    only meta placeholders for parameters (their values live in the compiled model's shards), and a
-    call of it (`model.get_encoder()(...)`, `model.lm_head(h)`) would compute on meta tensors and fail
-    later, far from here, or send the caller the wrong way; so it is refused where it happens."""
+    """A forward pre-hook on every module a compile took over whose forward cannot be routed (it had an
+    instance `forward` of its own): outside fbmt's trace it has only meta placeholders for parameters,
+    and a call of it would compute on meta tensors and fail later, far from here, or send the caller the
+    wrong way; so it is refused where it happens."""
     if trace.tracing():
         return
-    root, path = _TAKEN_PATHS.get(module, ("model", None))
+    _, root, path = _TAKEN_PATHS.get(module, (None, "model", None))
     what = f"`{path}` ({type(module).__name__}) of a compiled {root}" if path else f"the {root} fbmt.compile took over"
     raise RuntimeError(
-        f"fbmt: {what} was called on its own. fbmt.compile moved its parameters into the compiled model's shards, "
-        "so outside the compiled model it has only meta placeholders to compute with (calls such as "
-        "model.get_encoder()(...), which encoder-decoder generate() makes, model.get_input_embeddings()(ids) or "
-        "model.lm_head(h) run that way). Call the compiled model itself; running one of its submodules alone is "
-        "not supported yet"
+        f"fbmt: {what} was called on its own, and its forward is one of its own (an attribute of the instance, "
+        "as a library's hook sets), which fbmt cannot run as a program of the compiled model. fbmt.compile moved "
+        "its parameters into the compiled model's shards, so alone it has only meta placeholders to compute with. "
+        "Call the compiled model itself, or remove the instance's forward before fbmt.compile"
     )
+
+
+def _route(module: nn.Module) -> None:
+    """Send calls of `module` outside fbmt's trace to the compiled model (NOTE: [Submodules through the
+    program]); a module whose instance already has a forward is refused instead (`_called_alone`)."""
+    if "forward" in module.__dict__:
+        module.register_forward_pre_hook(_called_alone)
+    else:
+        module.forward = types.MethodType(_routed_forward, module)  # a copy (`__deepcopy__`) binds its own
 
 
 class CompiledModule(nn.Module):
@@ -134,7 +170,7 @@ class CompiledModule(nn.Module):
         rank: int,
         search: pipeline.Search | None = None,
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # by name: a compiled Hugging Face model's class derives from the model's too
         self.__dict__["_orig"] = module  # not a submodule: its parameters are meta placeholders
         self.flat_params = nn.ParameterList(shards)
         self.layout, self.options, self.device, self.rank = layout, options, device, rank
@@ -160,8 +196,8 @@ class CompiledModule(nn.Module):
         self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
         self._placeholders = Placeholders(module, layout, shards)
         self.train(module.training)
-        for m in module.modules():  # a copy of this module (`__deepcopy__`) copies them
-            m.register_forward_pre_hook(_called_alone)
+        for m in module.modules():  # a copy of this module (`__deepcopy__`) copies the routes
+            _route(m)
         self._adopt()
 
     def _adopt(self) -> None:
@@ -170,7 +206,7 @@ class CompiledModule(nn.Module):
         owners.own_shards(list(self.flat_params), self.layout.groups)
         owners.take(self._orig)
         for path, m in self._orig.named_modules():
-            _TAKEN_PATHS[m] = (type(self._orig).__name__, path)
+            _TAKEN_PATHS[m] = (weakref.ref(self), type(self._orig).__name__, path)
 
     def __deepcopy__(self, memo: dict) -> CompiledModule:
         """A copy (an EMA twin) computes with copies of the shards, and owns them as the original owns
@@ -192,6 +228,16 @@ class CompiledModule(nn.Module):
 
     # ---- calling ----
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("", args, kwargs)
+
+    def call_submodule(self, path: str, args: tuple, kwargs: dict) -> Any:
+        """`self.compiled_from.get_submodule(path)(*args, **kwargs)`, as a program of this model over its
+        shards (NOTE: [Submodules through the program]); what a call of that submodule does."""
+        self._orig.get_submodule(path)  # a path that names no submodule raises here, naming it
+        return self._call(path, args, kwargs)
+
+    def _call(self, entry: str, args: tuple, kwargs: dict) -> Any:
+        """Run the program of this call of the model ("") or of its submodule at path `entry`."""
         dtype = self.options.param_dtype
         if dtype is not None:  # mixed precision: floating inputs in the compute dtype, as FSDP2 does
             args, kwargs = pytree.tree_map_only(
@@ -207,12 +253,12 @@ class CompiledModule(nn.Module):
                 )
         trainable = self.trainable()
         needs_grad = torch.is_grad_enabled() and (any(trainable) or any(x.requires_grad for x in inputs))
-        key = self._key(args, kwargs, needs_grad, trainable)
+        key = self._key(args, kwargs, needs_grad, trainable, entry)
         self._keep_artifacts()
         key = self._admitted.get(key, key)  # a size a symbolic program ran before (NOTE: [Dynamic sizes])
         exe = self._executables.get(key)
         if exe is None:
-            exe, key = self._symbolic_or_new(key, inputs, args, kwargs, needs_grad, trainable)
+            exe, key = self._symbolic_or_new(key, inputs, args, kwargs, needs_grad, trainable, entry)
         program = self.programs[key]
         check_ranks_agree(exe.signature, program)
         if exe.updated_buffers and needs_grad and self.options.broadcast_buffers and self.layout.world_size > 1:
@@ -273,7 +319,9 @@ class CompiledModule(nn.Module):
         """Every program built so far, as it runs (its forward and backward GraphModules)."""
         return list(self._executables.values())
 
-    def _key(self, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...]) -> tuple:
+    def _key(self, args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple[bool, ...], entry: str = "") -> tuple:
+        """What decides the program of a call: its arguments' structure and tensors' metadata, modes,
+        grad mode, trainable groups, recording, autocast, and the submodule called ("" the model)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         sig = tuple(
             (tuple(x.shape), x.dtype, x.device, x.requires_grad)
@@ -297,11 +345,19 @@ class CompiledModule(nn.Module):
             trainable,
             record.active(),
             autocast,
+            entry,
         )
 
     # ---- programs for many input sizes (NOTE: [Dynamic sizes]) ----
     def _symbolic_or_new(
-        self, key: tuple, inputs: list[torch.Tensor], args: tuple, kwargs: dict, needs_grad: bool, trainable: tuple
+        self,
+        key: tuple,
+        inputs: list[torch.Tensor],
+        args: tuple,
+        kwargs: dict,
+        needs_grad: bool,
+        trainable: tuple,
+        entry: str,
     ) -> tuple[Executable, tuple]:
         """The Executable for a call no program has the key of, and the key it is kept under: a
         symbolic program that admits the call's sizes, else a new program (symbolic in the
@@ -320,7 +376,7 @@ class CompiledModule(nn.Module):
         if dims:
             log.info("one program for many input sizes: symbolic in %s (NOTE: [Dynamic sizes])", _dims_text(dims))
             try:
-                exe = self._build(key, args, kwargs, needs_grad, trainable, dynamic=dims)
+                exe = self._build(key, args, kwargs, needs_grad, trainable, dynamic=dims, entry=entry)
             except Exception as e:  # a forward that needs its sizes as numbers (a size as a dict key, say)
                 self._fixed_sizes.add(family)
                 log.warning(
@@ -341,7 +397,7 @@ class CompiledModule(nn.Module):
                     fixed,
                 )
         if exe is None:
-            exe = self._build(key, args, kwargs, needs_grad, trainable)
+            exe = self._build(key, args, kwargs, needs_grad, trainable, entry=entry)
         self._input_shapes[key] = [tuple(x.shape) for x in inputs]
         return exe, key
 
@@ -373,6 +429,7 @@ class CompiledModule(nn.Module):
         trainable: tuple[bool, ...],
         device: torch.device | str | None = None,
         dynamic: dict[int, tuple[int, ...]] | None = None,
+        entry: str = "",
     ) -> Executable:
         started = time.perf_counter()
         if self.programs:
@@ -396,6 +453,7 @@ class CompiledModule(nn.Module):
                 device=where,
                 search=self.search,
                 dynamic=dynamic,
+                entry=entry,
             )
             program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
             if k is not None:
@@ -584,7 +642,7 @@ class CompiledModule(nn.Module):
         _, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None:
             self._keep_dtype(dtype, "to")
-        return super().to(*args, **kwargs)
+        return nn.Module.to(self, *args, **kwargs)
 
     def half(self) -> CompiledModule:
         self._keep_dtype(torch.float16, "half")
@@ -615,7 +673,7 @@ class CompiledModule(nn.Module):
             )
 
     def train(self, mode: bool = True) -> CompiledModule:
-        super().train(mode)
+        nn.Module.train(self, mode)
         self._orig.train(mode)
         return self
 

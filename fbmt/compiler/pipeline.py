@@ -118,12 +118,15 @@ def compile_program(
     device: torch.device,
     search: Search | None = None,
     dynamic: dict[int, tuple[int, ...]] | None = None,
+    entry: str = "",
 ) -> Program:
     """Trace one call and run the passes: what the compile cache keeps (NOTE: [Compile cache]).
-    `dynamic`: the input dimensions to trace as symbols (NOTE: [Dynamic sizes])."""
+    `dynamic`: the input dimensions to trace as symbols (NOTE: [Dynamic sizes]); `entry`: the path of
+    the submodule called, "" for the module (NOTE: [Submodules through the program])."""
     # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
     what = "forward and backward" if needs_grad else "forward"
-    with logs.stage(f"tracing {type(module).__name__}'s {what} ({len(layout.blocks)} blocks)") as said:
+    called = type(module).__name__ + (f".{entry}" if entry else "")
+    with logs.stage(f"tracing {called}'s {what} ({len(layout.blocks)} blocks)") as said:
         program = trace(
             module,
             layout,
@@ -134,6 +137,7 @@ def compile_program(
             needs_grad=needs_grad,
             trainable=trainable,
             dynamic=dynamic,
+            entry=entry,
         )
         said["done"] = f"{len(program.graph.nodes)} nodes"
     # 2. the passes: blocks, recompute, merged products, ZeRO sharding, overlap, checks

@@ -137,6 +137,8 @@ class Program:
     origin: str = ""
     # a program for many input sizes: which dimensions are symbolic, what it assumes (NOTE: [Dynamic sizes])
     sizes: Any = None
+    # the submodule a call of it alone runs, "" for the model (NOTE: [Submodules through the program])
+    entry: str = ""
 
     # ---- structure helpers passes share -------------------------------------------------
     def placeholders(self) -> list[fx.Node]:
@@ -221,6 +223,8 @@ class Program:
             f"{len(self.layout.blocks)} blocks, {len(self.layout.groups)} flat groups, "
             f"{'forward+backward' if self.needs_grad else 'forward only'}"
         ]
+        if self.entry:
+            head.append(f"# a call of submodule `{self.entry}` on its own, over the model's shards")
         if self.origin:
             head.append(f"# {self.origin}")
         if self.sizes is not None:

@@ -170,11 +170,14 @@ def trace(
     needs_grad: bool,
     trainable: tuple[bool, ...] | None = None,
     dynamic: dict[int, tuple[int, ...]] | None = None,
+    entry: str = "",
 ) -> Program:
     """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring).
 
     `trainable[k]` says whether group k's parameters get gradients (default: `group.requires_grad`).
     `dynamic[i]`: the dimensions of input tensor i traced as symbols (NOTE: [Dynamic sizes]).
+    `entry`: call the submodule at this path instead, over the same parameters (NOTE: [Submodules
+    through the program]); its nodes keep their paths in `module`.
     """
     started = time.perf_counter()
     _grouped_mm_of_any_dtype()
@@ -208,8 +211,12 @@ def trace(
             full[i] = copies[i] = objects.rebuild(leaves[i], xs[at : at + len(held)])
             at += len(held)
         a, kw = pytree.tree_unflatten(full, in_spec)
+        tensors = dict(zip(names, [*ps, *bs]))
         with sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext():
-            return functional_call(module, dict(zip(names, [*ps, *bs])), a, kw), copies
+            if entry:
+                tensors = {f"root.{k}": v for k, v in tensors.items()}
+                return functional_call(_Entry(module, entry), tensors, a, kw), copies
+            return functional_call(module, tensors, a, kw), copies
 
     # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
     # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
@@ -287,6 +294,7 @@ def trace(
         needs_grad=needs_grad,
         constants=constants,
         sizes=symbolic,
+        entry=entry,
     )
     _canonicalize(program)
     stats = TraceStats(tuple(constants), tuple(results.plan.notes))
@@ -465,6 +473,18 @@ class _TagCarrier(fx.Interpreter):
                 meta.tag_missing(k, module=path)
                 k = k.next
         return result
+
+
+class _Entry(nn.Module):
+    """What `functional_call` runs for a call of a submodule: the module's parameters under `root.`, so
+    that tied names resolve as in the module (NOTE: [Submodules through the program])."""
+
+    def __init__(self, root: nn.Module, path: str):
+        super().__init__()
+        self.root, self.path = root, path
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.root.get_submodule(self.path)(*args, **kwargs)
 
 
 class _ModuleTagger:

@@ -46,12 +46,58 @@ _classes: dict[tuple[type, type], type] = {}
 
 
 def compiled_class(base: type, wrapped: type) -> type:
-    """The subclass of `base` (a `Forwarding` class) for a compiled `wrapped` model: one per pair."""
+    """The subclass of `base` (a `Forwarding` class) for a compiled `wrapped` model: one per pair. It
+    derives from `wrapped` too, and finds every attribute as `base` does (NOTE: [The wrapped class as a base])."""
     if (base, wrapped) not in _classes:
         name = f"CompiledModule[{wrapped.__qualname__}]"
         namespace = {"wrapped_class": wrapped, "__qualname__": name, "forward": _presenting_signature(wrapped)}
-        _classes[base, wrapped] = _Wrapping("CompiledModule", (base,), namespace)
+        for c in wrapped.__mro__:
+            if c in nn.Module.__mro__:
+                continue
+            for attr in vars(c):
+                if attr.startswith("__") or attr in namespace:
+                    continue
+                own = inspect.getattr_static(base, attr, _MISSING)
+                namespace[attr] = _Original(attr) if own is _MISSING else own
+        _classes[base, wrapped] = _metaclass(type(wrapped))("CompiledModule", (base, wrapped), namespace)
     return _classes[base, wrapped]
+
+
+def _metaclass(of: type) -> type:
+    """`_Wrapping`, joined with the wrapped class's own metaclass (the zoo's models are `abc.ABC`s)."""
+    if issubclass(_Wrapping, of):
+        return _Wrapping
+    if of not in _metaclasses:
+        _metaclasses[of] = type(f"_Wrapping[{of.__qualname__}]", (_Wrapping, of), {})
+    return _metaclasses[of]
+
+
+_metaclasses: dict[type, type] = {}
+
+
+# NOTE: [The wrapped class as a base]
+# Hugging Face's methods call `super().prepare_inputs_for_generation(...)` (Whisper, most multimodal
+# models) and `super().generate(...)` (WhisperGenerationMixin); Python's zero-argument super() requires
+# `self` to be an instance of the class that defines the method. So a compiled model's class derives
+# from the wrapped class too, after `base`, and `isinstance(model, LlamaForCausalLM)` holds, as it does
+# for a model wrapped by accelerate or peft. Deriving must not change which attribute a name finds: each
+# attribute the wrapped classes define (outside nn.Module) is pinned on the compiled class, as `base`'s
+# own where `base` has one (nn.Module's `to`, `cuda`, not PreTrainedModel's overrides), otherwise as
+# `_Original`, which finds it as `Forwarding.__getattr__` does (NOTE: [The wrapped model's methods]).
+# super() inside a method still resolves along the wrapped class's MRO, to the next class's method.
+_MISSING = object()
+
+
+class _Original:
+    """A class attribute that finds `name` as `Forwarding.__getattr__` does (NOTE: [The wrapped class as a base])."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, cls: type) -> Any:
+        if obj is None:
+            return getattr(cls.wrapped_class, self.name)
+        return obj._from_original(self.name)  # no __set__: an instance's own value wins, as before
 
 
 # Methods of a Hugging Face model that change its parameters or how its forward runs: on the compiled
@@ -91,11 +137,16 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return super().__getattr__(name)
+            return nn.Module.__getattr__(self, name)  # by name: the wrapped class follows in the MRO
         except AttributeError:
-            orig = self.__dict__.get("_orig")
-            if orig is None:
+            if self.__dict__.get("_orig") is None:
                 raise
+        return self._from_original(name)
+
+    def _from_original(self, name: str) -> Any:
+        """Attribute `name` of the wrapped model: its class's methods and properties bound to this one
+        (NOTE: [The wrapped model's methods]), a method that restructures refused, anything else the original's."""
+        orig = self._orig
         if name in BEFORE_COMPILE and hasattr(orig, name):
             return _refused(type(orig).__name__, name)
         found = inspect.getattr_static(type(orig), name, None)

@@ -37,6 +37,24 @@ def _configs() -> dict[str, Callable[[], transformers.PretrainedConfig]]:
             dropout_rate=0.0,
             decoder_start_token_id=0,
         ),
+        "whisper": lambda: t.WhisperConfig(
+            num_mel_bins=8,
+            encoder_layers=2,
+            decoder_layers=2,
+            d_model=32,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_source_positions=16,  # input features of 2 x 16 frames
+            max_target_positions=32,
+            pad_token_id=1,
+            bos_token_id=2,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            suppress_tokens=[],
+            begin_suppress_tokens=[],
+        ),
         "mixtral": lambda: t.MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2),
         "qwen2-moe": lambda: t.Qwen2MoeConfig(
             **DECODER,
@@ -77,6 +95,7 @@ def build(name: str, seed: int = 0, **kwargs: Any) -> transformers.PreTrainedMod
         "bert-mlm": transformers.AutoModelForMaskedLM,
         "bert-cls": transformers.AutoModelForSequenceClassification,
         "t5": transformers.AutoModelForSeq2SeqLM,
+        "whisper": transformers.AutoModelForSpeechSeq2Seq,
     }.get(name, transformers.AutoModelForCausalLM)
     torch.manual_seed(seed)
     return auto.from_config(c, **kwargs)
@@ -96,4 +115,7 @@ def inputs(name: str, step: int, batch: int = 4, seq: int = 8) -> dict[str, torc
         return {"input_ids": ids, "labels": torch.randint(3, VOCAB, (batch, seq), generator=g)}
     if name == "t5":
         return {"input_ids": ids, "labels": torch.randint(3, VOCAB, (batch, seq // 2), generator=g)}
+    if name == "whisper":  # log-mel features: num_mel_bins x 2 * max_source_positions
+        features = torch.randn(batch, 8, 32, generator=g)
+        return {"input_features": features, "labels": torch.randint(3, VOCAB, (batch, seq // 2), generator=g)}
     return {"input_ids": ids, "labels": ids}
