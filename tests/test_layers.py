@@ -51,6 +51,7 @@ GROUPS = [  # (module prefix, group); the longest matching prefix decides; a mod
     ("fbmt.compiler.owners", "compiler.ir"),
     ("fbmt.compiler.sizes", "compiler.ir"),
     ("fbmt.compiler.trace", "compiler.trace"),
+    ("fbmt.compiler.masks", "compiler.trace"),
     ("fbmt.compiler.passes", "compiler.passes"),
     ("fbmt.compiler.runtime", "compiler.runtime"),
     ("fbmt.integrations", "integrations"),

@@ -32,7 +32,7 @@ from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fbmt.compiler import meta, objects, sizes
+from fbmt.compiler import masks, meta, objects, sizes
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.ops import record
 from fbmt.compiler.program import BWD, FWD, Program, Results, Role
@@ -201,6 +201,8 @@ def trace(
     names = [p[0] for p in params] + list(buffers)
     param_rg = [needs_grad and p[3] for p in params]
 
+    decided: dict[fx.Node, str] = {}  # attention masks seen (NOTE: [Causal masks]); symbolic sizes keep them all
+
     def call(ps: list, bs: list, xs: list) -> tuple[Any, dict[int, Any]]:
         """The forward on these tensors, and the copies of the argument objects it was given."""
         full = list(leaves)
@@ -212,7 +214,7 @@ def trace(
             at += len(held)
         a, kw = pytree.tree_unflatten(full, in_spec)
         tensors = dict(zip(names, [*ps, *bs]))
-        with sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext():
+        with sizes.matmul_keeping_sizes() if dynamic else masks.CausalMasks(decided):
             if entry:
                 tensors = {f"root.{k}": v for k, v in tensors.items()}
                 return functional_call(_Entry(module, entry), tensors, a, kw), copies
@@ -297,7 +299,7 @@ def trace(
         entry=entry,
     )
     _canonicalize(program)
-    stats = TraceStats(tuple(constants), tuple(results.plan.notes))
+    stats = TraceStats(tuple(constants), (*results.plan.notes, *masks.CausalMasks.said(decided)))
     if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself
         program.record("trace", time.perf_counter() - started, stats)
     return program
@@ -308,7 +310,7 @@ class TraceStats:
     """What tracing did that a reader of the program should know (NOTE: [Pass stats])."""
 
     constants: tuple[str, ...]  # tensor constants the forward made, lifted as inputs of kind "constant"
-    notes: tuple[str, ...]  # what tracing left out (a cache a training call dropped)
+    notes: tuple[str, ...]  # what tracing left out (a cache a training call dropped), the attention masks it dropped
 
     def __str__(self) -> str:
         lifted = [f"lifted {len(self.constants)} tensor constants as inputs: {', '.join(self.constants)}"]

@@ -1,0 +1,153 @@
+"""Attention masks that depend on sizes alone (NOTE: [Causal masks] in fbmt/compiler/masks.py): a mask
+that is exactly causal becomes `is_causal=True`, one that attends everywhere is dropped, and every other
+(a padding mask from the inputs, a sliding window, a bidirectional one) is kept; results equal eager's
+either way, and the program's summary says what became of each mask."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+
+import fbmt
+from tests.dist import run_ranks
+from tests.models import hf
+
+
+class _Attention(nn.Module):
+    """One attention over a mask built from sizes (or, `"input"`, from the input's values)."""
+
+    def __init__(self, mask: str):
+        super().__init__()
+        self.mask = mask
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, kv_extra: int = 0) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        k, v = torch.cat([k[:, :, :kv_extra], k], 2), torch.cat([v[:, :, :kv_extra], v], 2)
+        s = k.shape[2]
+        i, j = torch.arange(n, device=x.device)[:, None], torch.arange(s, device=x.device)[None, :]
+        masks = {
+            "bool": lambda: j <= i,  # top-left causal: what is_causal means
+            "float-inf": lambda: torch.zeros(n, s).masked_fill(j > i, float("-inf")),
+            "float-min": lambda: torch.zeros(b, 1, n, s).masked_fill(j > i, torch.finfo(torch.float32).min),
+            "all": lambda: torch.ones(b, 1, n, s, dtype=torch.bool),
+            "window": lambda: (j <= i) & (i - j < 3),
+            "bottom-right": lambda: j <= i + (s - n),  # causal as a cache extends it: not is_causal's
+            "input": lambda: (j <= i) & (x[:, None, :, :1] > -100),  # true everywhere, but read from x
+            "scaled": lambda: torch.zeros(n, s).masked_fill(j > i, -5.0),  # a bias, not a mask
+        }
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[self.mask]())
+
+
+_EXPECT = {
+    "bool": "is causal",
+    "float-inf": "is causal",
+    "float-min": "is causal",
+    "all": "attends everywhere",
+    "window": "kept (not causal",
+    "bottom-right": "kept (not causal",
+    "input": "kept (it depends on an input",
+    "scaled": "kept (additive values",
+}
+
+
+@pytest.mark.parametrize("mask", list(_EXPECT))
+def test_a_mask_is_rewritten_only_where_it_is_provably_causal_or_attends_everywhere(mask):
+    torch.manual_seed(0)
+    ref = _Attention(mask)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for kv_extra in (0, 2):  # a square attention, and one with more keys than queries
+        x = torch.randn(2, 7, 16, requires_grad=True)
+        want = ref(x, kv_extra)
+        got = model(x, kv_extra)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        g = torch.randn_like(want)
+        torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
+        summary = str(model.program).splitlines()
+        said = next(line for line in summary if line.startswith("# pass trace"))
+        square_causal = mask == "bottom-right" and kv_extra == 0  # bottom-right and top-left agree there
+        expect = "is causal" if square_causal else _EXPECT[mask]
+        assert expect in said, said
+        attention = [n for n in model.program.graph.nodes if "scaled_dot_product" in str(n.target)]
+        first = attention[0]  # the forward's: a tensor beside query, key and value is the mask
+        has_mask = any(isinstance(a, torch.fx.Node) for a in [*first.args[3:], *first.kwargs.values()])
+        assert has_mask == ("kept" in expect), (mask, first.args, first.kwargs)
+
+
+def _built(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _mistral_window() -> transformers.PreTrainedModel:
+    config = hf.config("mistral")
+    config.sliding_window = 4  # narrower than the 8 tokens
+    return _built(config)
+
+
+_MODELS = {
+    "llama": lambda: hf.build("llama"),
+    "qwen2": lambda: hf.build("qwen2"),
+    "mistral-window": _mistral_window,
+    # global and sliding-window layers alternate: one mask of each
+    "gemma3": lambda: _built(
+        transformers.Gemma3TextConfig(
+            **hf.DECODER,
+            head_dim=8,
+            sliding_window=4,
+            vocab_size=hf.VOCAB,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    ),
+}
+
+
+def _trains_with_use_cache_off(rank: int, world: int, name: str, padded: bool) -> None:
+    ref = _MODELS[name]()
+    model = fbmt.compile(copy.deepcopy(ref))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for step in range(2):
+        kwargs = dict(hf.inputs("llama", step), use_cache=False)  # input_ids and labels, as every decoder takes
+        if padded:
+            mask = torch.ones_like(kwargs["input_ids"])
+            mask[0, :3] = 0  # left padding, as batched generation and some collators make it
+            kwargs["attention_mask"] = mask
+        want = ref(**kwargs).loss  # the whole batch
+        got = model(**{k: fbmt.local_part(v) if torch.is_tensor(v) else v for k, v in kwargs.items()}).loss
+        want.backward()
+        got.backward()
+        mean = got.detach().clone()
+        torch.distributed.all_reduce(mean)  # every rank's part holds as many tokens: the mean of means
+        torch.testing.assert_close(mean / world, want.detach(), rtol=1e-5, atol=1e-6)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    state = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    said = next(line for line in str(model.program).splitlines() if line.startswith("# pass trace"))
+    if padded:
+        assert "is causal" not in said and "kept (it depends on an input" in said, said
+    elif name == "mistral-window":
+        assert "is causal" not in said and "kept (not causal" in said, said
+    elif name == "gemma3":
+        assert "is causal" in said and "kept (not causal" in said, said
+    else:
+        assert "is causal" in said, said
+
+
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_hugging_face_decoders_with_use_cache_off_train_as_eager_on_the_causal_kernel(name):
+    """transformers builds the causal mask as a tensor when use_cache=False; it becomes is_causal=True
+    where it is causal, and a sliding window narrower than the sequence keeps its mask."""
+    run_ranks(2, _trains_with_use_cache_off, name, False)
+
+
+def test_a_padding_mask_keeps_its_mask():
+    run_ranks(2, _trains_with_use_cache_off, "llama", True)
