@@ -107,8 +107,10 @@ def build_fbmt(
     adam: str = "torch",
     disable: tuple[str, ...] = (),
     package: str = "fbmt",
+    call: dict[str, Any] | None = None,
 ) -> tuple[nn.Module, Any]:
-    """`package`: "fbmt", or "fbmt_base", an earlier commit's fbmt renamed (`--base`), to time against."""
+    """`package`: "fbmt", or "fbmt_base", an earlier commit's fbmt renamed (`--base`), to time against.
+    `call`: keyword arguments every --hf call adds (use_cache=False, as the peer is called)."""
     fbmt = importlib.import_module(package)
 
     with torch.device("meta"):
@@ -136,6 +138,8 @@ def build_fbmt(
         init_fn=init,
         device=device,
     )
+    if call:
+        model.__dict__["peer_call"] = call
     if adam == "fbmt":  # fbmt's fused numba Adam(W): the same update as torch's AdamW, one kernel per shard
         return model, fbmt.optim.AdamOptimizer(model.parameters(), lr=args.lr, weight_decay=0.1)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
@@ -185,6 +189,14 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
     "fbmt-inductor-selective-zero2": {"backend": "inductor", "remat": "selective", "zero": 2},
     "fbmt-inductor-mincut": {"backend": "inductor", "remat": "mincut"},
     "fbmt-inductor-mincut-zero2": {"backend": "inductor", "remat": "mincut", "zero": 2},
+    # --hf called with use_cache=False: transformers builds the causal mask as a tensor (NOTE: [Causal masks])
+    "fbmt-inductor-mincut-nocache": {"backend": "inductor", "remat": "mincut", "call": {"use_cache": False}},
+    "fbmt-inductor-mincut-zero2-nocache": {
+        "backend": "inductor",
+        "remat": "mincut",
+        "zero": 2,
+        "call": {"use_cache": False},
+    },
     # without the merged products (NOTE: [Merged products])
     "fbmt-inductor-nomerge": {"backend": "inductor", "disable": ("merge",)},
     "fbmt-inductor-mincut-zero2-nomerge": {"backend": "inductor", "remat": "mincut", "zero": 2, "disable": ("merge",)},
@@ -246,7 +258,8 @@ def is_fbmt(method: str) -> bool:
     return method.startswith(("fbmt", "base-fbmt"))
 
 
-PASSES_SHOWN = ("remat", "merge", "shard", "schedule")  # what these passes decided about the model's ends
+# what these passes decided about the model's ends; "trace": the attention masks it proved causal, where it says
+PASSES_SHOWN = ("trace", "remat", "merge", "shard", "schedule")
 
 
 def train_step(
@@ -640,7 +653,9 @@ def interleaved(
             out["capture_s"] = r["model"].capture_seconds
             r["model"].release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL
             out["regions"] = repr(r["model"].regions)
-            out["passes"] = {name: r["model"].program.summary(name).split("; ")[-1] for name in PASSES_SHOWN}
+            program = r["model"].program
+            ran = {h.name for h in program.history}
+            out["passes"] = {name: program.summary(name).split("; ")[-1] for name in PASSES_SHOWN if name in ran}
         results.append(out)
     return results
 
