@@ -78,6 +78,8 @@ def test_a_mask_is_rewritten_only_where_it_is_provably_causal_or_attends_everywh
         first = attention[0]  # the forward's: a tensor beside query, key and value is the mask
         has_mask = any(isinstance(a, torch.fx.Node) for a in [*first.args[3:], *first.kwargs.values()])
         assert has_mask == ("kept" in expect), (mask, first.args, first.kwargs)
+        named = said.split("attention mask ")[1].split(" ")[0]  # the mask's node, erased once nothing reads it
+        assert (named in {n.name for n in model.program.graph.nodes}) == ("kept" in expect), named
 
 
 def _built(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:

@@ -11,7 +11,7 @@ tangent: only constants and ops on them, the sizes being numbers in a program of
 subgraph is run on real CPU tensors. Where the value is exactly the causal mask SDPA's `is_causal`
 means (key j attended from query i iff j <= i, on every batch and head), the call is made with
 `is_causal=True` and no mask; where it attends everywhere, with no mask; otherwise it is kept. The
-mask's ops are then dead and leave the graph. So the rewrite is a proof for the shapes traced: a
+mask's ops are then dead and are erased (`drop_dead`). So the rewrite is a proof for the shapes traced: a
 padding mask (from `attention_mask`, an input), a sliding window narrower than the sequence, or any
 other pattern keeps its mask, and the results are eager's either way.
 
@@ -79,6 +79,20 @@ class CausalMasks(TorchFunctionMode):
         if node not in self.decided:
             self.decided[node] = _decide(node, mode.tracer.root, q_len, kv_len)
         return self.decided[node]
+
+
+def drop_dead(decided: dict[fx.Node, str]) -> None:
+    """Erase from the traced graph the masks its SDPA calls no longer read, and the ops only they read
+    (make_fx records every op, used or not)."""
+    todo, erased = [n for n, kind in decided.items() if kind in ("causal", "all")], set()
+    while todo:
+        n = todo.pop()
+        if n in erased or n.users or n.op not in ("call_function", "get_attr"):
+            continue
+        inputs = n.all_input_nodes
+        n.graph.erase_node(n)
+        erased.add(n)
+        todo.extend(inputs)
 
 
 def _decide(node: fx.Node, root: Any, q_len: Any, kv_len: Any) -> str:

@@ -266,6 +266,7 @@ def trace(
     with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
         table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
         first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
+    masks.drop_dead(decided)
     gm = first
     if _mutates(first.graph):  # NOTE: [Functional already]
         with _translate_errors(module):
