@@ -39,6 +39,7 @@ from fbmt.compiler.plan import Plan
 from fbmt.compiler.program import Note, PassRecord, Program, Role
 from fbmt.compiler.runtime.autograd import Routes
 from fbmt.compiler.runtime.partition import Executable, take
+from fbmt.compiler.runtime.unsynced import unreduced
 from fbmt.compiler.trace import TraceError, register_trace_hint, tracing
 
 __all__ = [
@@ -77,4 +78,5 @@ __all__ = [
     "register_trace_hint",
     "take",
     "tracing",
+    "unreduced",
 ]

@@ -41,6 +41,7 @@ from fbmt.compiler.runtime.graphs import Graphed
 from fbmt.compiler.runtime.params import Placeholders, broadcast_buffers, gather_group
 from fbmt.compiler.runtime.partition import Executable
 from fbmt.compiler.runtime.regions import RegionCache
+from fbmt.compiler.runtime.unsynced import Unsynced
 
 log = logging.getLogger("fbmt")
 _SHAPES_WARNING = 4  # programs that differ in input shapes alone before the warning to pad
@@ -181,7 +182,8 @@ class CompiledModule(nn.Module):
         self.program: Program | None = None
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
         self._warned_shapes = False  # the warning that programs pile up for new input shapes, given once
-        self._gradient_sync, self._warned_sync = True, False  # DDP's no_sync (`set_requires_gradient_sync`)
+        self._sync = Unsynced(self._group_leaves)  # DDP's no_sync (NOTE: [Accumulation without sync])
+        self._warned_sync = False
         self._input_shapes: dict[Any, list[tuple[int, ...]]] = {}  # a program's key -> its inputs' shapes
         self._admitted: dict[Any, Any] = {}  # a call's key -> the key of the symbolic program that runs it
         self._fixed_sizes: set[Any] = set()  # call families whose forward failed on symbolic sizes
@@ -271,7 +273,8 @@ class CompiledModule(nn.Module):
             # recording ops report from the host, which a replayed graph does not run
             graphed = self.options.cuda_graph and not exe.records
             runner = self._graphs(key, exe) if graphed else exe
-            outs = RunProgram.apply(exe, runner, self._routes(), *feed, *self._view_arguments())
+            sync = None if graphed else self._sync  # graphs replay their reductions (NOTE: [Accumulation without sync])
+            outs = RunProgram.apply(exe, runner, self._routes(), sync, *feed, *self._view_arguments())
         flat = program.results.assemble(dict(zip(exe.output_keys, outs)), leaves)
         return pytree.tree_unflatten(flat, program.out_spec)
 
@@ -600,12 +603,13 @@ class CompiledModule(nn.Module):
         """Seconds spent capturing CUDA graphs (cuda_graph=True), 0 before the capture."""
         return self._graphed[1].capture_seconds if self._graphed is not None else 0.0
 
-    # ---- accumulation loops written for DDP and FSDP ----
+    # ---- accumulation loops written for DDP and FSDP (NOTE: [Accumulation without sync]) ----
     @contextlib.contextmanager
     def no_sync(self) -> Any:
-        """DDP's `no_sync()`: backward passes within only accumulate gradients (accelerate's
-        `accumulate()` and loops written for DDP call it). See `set_requires_gradient_sync`."""
-        was = self._gradient_sync
+        """DDP's `no_sync()`: backward passes within accumulate gradients on this rank; the first backward
+        after it reduces them with its own, once (accelerate's `accumulate()` and loops written for DDP
+        call it). See `set_requires_gradient_sync`."""
+        was = self.require_backward_grad_sync
         self.set_requires_gradient_sync(False)
         try:
             yield
@@ -613,28 +617,38 @@ class CompiledModule(nn.Module):
             self.set_requires_gradient_sync(was)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """FSDP2's: whether backward passes reduce gradients over ranks. Accepted, so that accumulation
-        loops written for DDP and FSDP run, but fbmt still reduce-scatters every micro-batch's
-        gradients into the shards, where they accumulate: the sum is the one a single reduction of
-        the accumulated gradients gives (up to rounding), and the communication is not saved yet.
-        Said once, as a warning."""
-        if not requires_gradient_sync and not self._warned_sync:
+        """FSDP2's: whether backward passes reduce gradients over ranks. Off, each backward adds each flat
+        group's gradient into a buffer of this rank's own (a full gradient per group, as DDP keeps); the
+        next backward with sync on reduces the sum once, in the reduction its program already runs, so
+        each group is reduced once per optimizer step. With `cuda_graph=True` the graphs replay their
+        reductions, so every micro-batch still reduces (the same sums; said once, as a warning)."""
+        if not requires_gradient_sync and self.options.cuda_graph and not self._warned_sync:
             self._warned_sync = True
             log.warning(
-                "fbmt: gradient sync turned off (no_sync() or set_requires_gradient_sync(False)): accepted, but fbmt "
-                "still reduces each micro-batch's gradients as it goes; they accumulate in the shards to the same "
-                "sum, so results are those of DDP or FSDP, and only the communication is not saved yet"
+                "fbmt: gradient sync turned off (no_sync() or set_requires_gradient_sync(False)) on a model compiled "
+                "with cuda_graph=True: its graphs replay the reductions they captured, so each micro-batch's gradients "
+                "are still reduced as they go; they accumulate in the shards to the same sums"
             )
-        self._gradient_sync = bool(requires_gradient_sync)
+        self._sync.deferring = not requires_gradient_sync
 
     @property
     def require_backward_grad_sync(self) -> bool:
         """DDP's and FSDP1's attribute for `no_sync` (see `set_requires_gradient_sync`)."""
-        return self._gradient_sync
+        return not self._sync.deferring
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         self.set_requires_gradient_sync(value)
+
+    @property
+    def gradient_reductions(self) -> int:
+        """How many flat groups' gradients this rank's backward passes have reduced over ranks so far
+        (a group's reduction counts once; accumulation without sync runs none until its last backward)."""
+        return self._sync.reductions
+
+    def _group_leaves(self, group: int) -> list[torch.Tensor]:
+        """The tensors that receive flat group `group`'s gradient: its shard, and its views in view mode."""
+        return [self.flat_params[group], *self.slot_views(group)]
 
     # ---- module protocol ----
     def to(self, *args: Any, **kwargs: Any) -> CompiledModule:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fbmt.compiler import group_of, moved_name
+from fbmt.compiler import group_of, moved_name, unreduced
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters checked
 _hook: Any = None  # the optimizer step pre-hook's handle, once installed
@@ -62,6 +62,12 @@ class NoDataParallel:
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """An optimizer that holds a parameter compile took over fails at its first step (it would update
     a tensor nothing reads any more, and the model would silently not train)."""
+    why = unreduced([p for g in optimizer.param_groups for p in g["params"]])
+    if why is not None:  # NOTE: [Accumulation without sync]
+        raise RuntimeError(
+            f"fbmt: {type(optimizer).__name__}.step() would read gradients that were never reduced over ranks: {why}. "
+            "Run the last micro-batch's backward with sync on (outside no_sync()), as DDP and FSDP require, then step"
+        )
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if _checked.get(optimizer) == count:  # checked, and no parameter added since
         return

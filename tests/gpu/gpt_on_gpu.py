@@ -104,6 +104,35 @@ def graph_rules(model, rank: int, world: int, device) -> float:
     return failed
 
 
+def sync_rules(model, rank: int, world: int, device) -> float:
+    """Accumulation without sync (NOTE: [Accumulation without sync]) on CUDA streams: two micro-batches, the
+    first under no_sync(), give the gradients of two synced backward calls, with one reduction per group."""
+    batches = [tuple(t[rank : rank + 1] for t in data(step, world, device)) for step in (12, 13)]
+
+    def backward(x, y):
+        F.cross_entropy(model(x).view(-1, 256), y.reshape(-1)).backward()
+
+    def grads():
+        return torch.cat([g.reshape(-1) for g in model.full_gradients().values()])
+
+    model.zero_grad()
+    for b in batches:
+        backward(*b)
+    synced = grads()
+    model.zero_grad()
+    before = model.gradient_reductions
+    with model.no_sync():
+        backward(*batches[0])
+    backward(*batches[1])
+    once = model.gradient_reductions - before == len(model.layout.groups)
+    ok = once and torch.allclose(grads(), synced, rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+    if rank == 0:
+        said = "yes" if ok else "NO (FAILED)"
+        print(f"    no_sync: accumulates as synced backward calls, one reduction per group: {said}", flush=True)
+    return 0.0 if ok else 1.0
+
+
 def check(build, combos: list[tuple], rank: int, world: int, device: torch.device) -> float:
     """`build()`'s model compiled with each combination against eager PyTorch: the worst relative error."""
     torch.manual_seed(0)
@@ -140,6 +169,8 @@ def check(build, combos: list[tuple], rank: int, world: int, device: torch.devic
         if graph:
             worst = max(worst, graph_rules(model, rank, world, device))
             model.release_graphs()  # NCCL's communicators wait for graphs that captured them
+        elif backend == "inductor" or schedule == "bucket":
+            worst = max(worst, sync_rules(model, rank, world, device))
     return worst
 
 

@@ -11,6 +11,7 @@ import torch
 
 from fbmt.compiler.runtime.graphs import Graphed
 from fbmt.compiler.runtime.partition import Executable
+from fbmt.compiler.runtime.unsynced import Unsynced, active
 
 Routes = dict[int, list[tuple[int, int, int]]]  # group -> (view index, lo, hi in the shard) of each view
 
@@ -20,15 +21,22 @@ class RunProgram(torch.autograd.Function):
     Executable itself, or its CUDA graphs (`Graphed`).
 
     `args` are the forward graph's inputs, then (view mode) the per-parameter views: `routes` says
-    which slice of each shard gradient is the gradient of which view argument.
+    which slice of each shard gradient is the gradient of which view argument. `gradient_sync`: the
+    model's sync switch, which its backward's reductions read (NOTE: [Accumulation without sync]).
     """
 
     @staticmethod
     def forward(
-        ctx: Any, exe: Executable, runner: Executable | Graphed, routes: Routes | None, *args: torch.Tensor
+        ctx: Any,
+        exe: Executable,
+        runner: Executable | Graphed,
+        routes: Routes | None,
+        gradient_sync: Unsynced | None,
+        *args: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         outs, saved = runner.run_forward(*args[: len(exe.fwd_inputs)])
         ctx.exe, ctx.runner, ctx.routes, ctx.saved, ctx.n_args = exe, runner, routes, saved, len(args)
+        ctx.gradient_sync = gradient_sync
         diff = set(exe.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
         return tuple(outs)
@@ -43,7 +51,8 @@ class RunProgram(torch.autograd.Function):
             )
         tangents = [grads[i].contiguous() for i in exe.diff_outputs]
         saved, ctx.saved = ctx.saved, None  # the graph empties the list: each value dies at its last use
-        results = ctx.runner.run_backward(saved, *tangents)
+        with active(ctx.gradient_sync):  # NOTE: [Accumulation without sync]
+            results = ctx.runner.run_backward(saved, *tangents)
         out: list[torch.Tensor | None] = [None] * ctx.n_args
         for arg, result in exe.grad_slots:
             grad, role = results[result], exe.fwd_inputs[arg]
@@ -53,4 +62,4 @@ class RunProgram(torch.autograd.Function):
                         out[len(exe.fwd_inputs) + view] = grad[lo:hi]
             else:
                 out[arg] = grad
-        return (None, None, None, *out)
+        return (None, None, None, None, *out)

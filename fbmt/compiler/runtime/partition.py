@@ -34,6 +34,7 @@ from fbmt.compiler import meta, ops
 from fbmt.compiler.collectives import torch_impl
 from fbmt.compiler.ops import record
 from fbmt.compiler.program import BWD, FWD, Program, Role
+from fbmt.compiler.runtime import unsynced
 
 aten = torch.ops.aten
 
@@ -196,8 +197,12 @@ def _fuse_buckets(g: fx.Graph) -> None:
         if len(members) < 2:
             continue
         args = [tuple(comm.gather_args(m)) if comm.is_gather(m) else tuple(m.args) for m in members]
+        bucketed = comm.kind_of(members[0]).bucketed
+        groups = [meta.group(m) for m in members]
+        if comm.is_reduction(members[0]) and None not in groups:  # NOTE: [Accumulation without sync]
+            bucketed = unsynced.DeferrableBucket(bucketed, groups)
         with g.inserting_before(members[0]):
-            fused = g.call_function(comm.kind_of(members[0]).bucketed, (args,))
+            fused = g.call_function(bucketed, (args,))
         fused.meta = {k: v for k, v in members[0].meta.items() if k != "val"}
         for i, m in enumerate(members):
             m.target, m.args, m.kwargs = operator.getitem, (fused, i), {}
@@ -205,7 +210,8 @@ def _fuse_buckets(g: fx.Graph) -> None:
 
 def _lower(g: fx.Graph) -> None:
     """Drop dead pure nodes and the `release` markers; collective nodes call their implementations
-    (NOTE: [Lowering the IR]), and the ops of NOTE: [Ops that need grad mode] run with autograd on."""
+    (NOTE: [Lowering the IR]), a reducing start through its group's sync switch (NOTE: [Accumulation without
+    sync]), and the ops of NOTE: [Ops that need grad mode] run with autograd on."""
     for n in reversed(list(g.nodes)):
         if n.op == "call_function" and (comm.is_release(n) or not n.users and not ops.effectful(n.target)):
             g.erase_node(n)
@@ -213,7 +219,8 @@ def _lower(g: fx.Graph) -> None:
     for n in g.nodes:
         kind = comm.kind_of(n) if n.op == "call_function" else None
         if kind is not None:
-            n.target = kind.implementation
+            reducing = comm.is_reduction(n) and meta.group(n) is not None
+            n.target = unsynced.Deferrable(kind.implementation, meta.group(n)) if reducing else kind.implementation
         elif comm.is_wait(n):
             n.target = torch_impl.wait
         elif n.op == "call_function" and n.target in _NEEDS_GRAD_MODE:
