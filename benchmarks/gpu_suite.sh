@@ -5,6 +5,8 @@
 #   checks       tests/gpu/: the GPT and Llama equivalence on CUDA (every GPU), the copy kernels, the offload Adam
 #   kernels      one GPU: what merging products saves (gemm_merge.py), fbmt's kernels against torch's
 #   1.36b-none   1.36B without recompute: fbmt (mincut, ZeRO-2), unmerged, FSDP2 + compile, interleaved
+#   lora         transformers' LlamaForCausalLM of 0.89B fine-tuned through a peft LoRA adapter (rank 16, every
+#                projection) against the full fine-tune, fbmt (mincut), interleaved: tokens/s and peak memory
 #   1.36b-block  1.36B with block recompute: fbmt as CUDA graphs against FSDP2 + compile, interleaved
 #   6.7b         6.7B with block recompute against FSDP2 + compile, interleaved
 #   13b          13B with block recompute against FSDP2 + compile, one after the other (two do not fit)
@@ -74,6 +76,9 @@ case $stage in
       --steps 20 --interleave \
       --methods fbmt-inductor-mincut,fbmt-inductor-mincut-nocache,fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-nocache,fsdp2-compile \
       --out "$out/hf_0.89b.json" ;;
+  lora)
+    run lora_0.89b 400 benchmarks/gpu_train.py --config 0.89b --hf --batch 4 --seq 2048 --remat mincut --warmup 3 \
+      --steps 15 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-lora --out "$out/lora_0.89b.json" ;;
   1.36b-block)
     run 1.36_block 150 benchmarks/gpu_train.py $b136 --remat block --warmup 3 --steps 20 --interleave \
       --methods fbmt-inductor-graph,fsdp2-compile --out "$out/1.36_block.json" ;;

@@ -108,13 +108,21 @@ def build_fbmt(
     disable: tuple[str, ...] = (),
     package: str = "fbmt",
     call: dict[str, Any] | None = None,
+    lora: int = 0,
 ) -> tuple[nn.Module, Any]:
     """`package`: "fbmt", or "fbmt_base", an earlier commit's fbmt renamed (`--base`), to time against.
-    `call`: keyword arguments every --hf call adds (use_cache=False, as the peer is called)."""
+    `call`: keyword arguments every --hf call adds (use_cache=False, as the peer is called). `lora`: with
+    --hf, a `peft` LoRA adapter of this rank on every projection, the base model frozen."""
     fbmt = importlib.import_module(package)
 
     with torch.device("meta"):
         model = build_model(cfg, args)
+        if lora:
+            import peft
+
+            projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            adapter = peft.LoraConfig(r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=projections)
+            model = peft.get_peft_model(model, adapter)
     paths = {id(m): name for name, m in model.named_modules()}
 
     def init(m: nn.Module) -> None:
@@ -191,6 +199,8 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
     "fbmt-inductor-mincut-zero2": {"backend": "inductor", "remat": "mincut", "zero": 2},
     # --hf called with use_cache=False: transformers builds the causal mask as a tensor (NOTE: [Causal masks])
     "fbmt-inductor-mincut-nocache": {"backend": "inductor", "remat": "mincut", "call": {"use_cache": False}},
+    # --hf fine-tuned through a LoRA adapter of rank 16 (peft), against the full fine-tune above
+    "fbmt-inductor-mincut-lora": {"backend": "inductor", "remat": "mincut", "lora": 16},
     "fbmt-inductor-mincut-zero2-nocache": {
         "backend": "inductor",
         "remat": "mincut",
