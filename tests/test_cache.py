@@ -295,12 +295,13 @@ def test_a_rank_that_loads_and_one_that_compiles_train_alike(tmp_path):
 LENGTHS = [16, 24, 40, 128, 57]  # a program for 16, a symbolic one (traced at 24) for the rest
 
 
-def _train_lengths(rank: int, world: int, folder: str) -> dict:
+def _train_lengths(rank: int, world: int, folder: str | list[str], lengths: list[int] = LENGTHS) -> dict:
     torch.manual_seed(0)
+    folder = folder[rank] if isinstance(folder, list) else folder
     model = fbmt.compile(GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=2, d_model=16, n_head=2)), cache_dir=folder)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for step, length in enumerate(LENGTHS):
+    for step, length in enumerate(lengths):
         tokens = torch.randint(0, 64, (4, length + 1), generator=torch.Generator().manual_seed(step))
         x, y = tokens[2 * rank : 2 * rank + 2, :-1], tokens[2 * rank : 2 * rank + 2, 1:]
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -445,3 +446,19 @@ def test_a_changed_global_value_of_the_users_code_misses(tmp_path, monkeypatch):
     assert run(2.0).startswith("compiled")
     assert run(2.0).startswith("loaded")
     assert run(3.0).startswith("compiled")
+
+
+def test_a_warm_run_that_starts_at_another_length_runs_the_familys_symbolic_program(tmp_path):
+    """NOTE: [A family's program on disk]: the cold run's symbolic program is found by the warm run's first
+    call, whatever its length, so the warm run compiles nothing and runs one program; where one rank's disk
+    lacks it (another machine), the ranks agree to compile, and train alike."""
+    run_ranks(2, _train_lengths, str(tmp_path))  # cold: a program for 16, a symbolic one for the rest
+    other = [40, 16, 24, 128, 57]
+    warm = run_ranks(2, _train_lengths, str(tmp_path), other)
+    for r in warm:
+        assert len(r["origins"]) == 1 and r["origins"][0].startswith("loaded"), r["origins"]
+    alone = run_ranks(2, _train_lengths, [str(tmp_path), str(tmp_path / "empty")], other)
+    for r in alone:
+        assert r["origins"][0].startswith("compiled"), r["origins"]  # rank 0 too: its peer has no entry
+    for w, a in zip(warm, alone):
+        torch.testing.assert_close(torch.tensor(w["losses"]), torch.tensor(a["losses"]), rtol=1e-5, atol=1e-6)

@@ -640,6 +640,11 @@ def save(root: Path, key: Key, program: Program, seconds: float) -> Path:
     return final
 
 
+def exists(root: Path, key: Key) -> bool:
+    """Whether an entry is saved under `key` (not whether it loads)."""
+    return (root / "programs" / key.digest / "about.json").exists()
+
+
 def load(root: Path, key: Key, layout: Layout) -> tuple[Program, Entry] | None:
     """The program saved under `key`, verified; None where there is none. A broken entry is
     deleted with a warning and counts as none."""

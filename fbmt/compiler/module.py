@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fbmt import job
 from fbmt.compiler import cache, objects, owners, pipeline, trace
 from fbmt.compiler.agreement import check_ranks_agree
 from fbmt.compiler.layout import Layout, copy_into_shard
@@ -374,6 +375,10 @@ class CompiledModule(nn.Module):
                 self._admitted[key] = known
                 return self._executables[known], known
             log.info("a program of symbolic sizes does not take this call: %s", why_not)
+        if self._may_vary() and not any(_without_shapes(k) == family for k in self.programs):
+            exe = self._family_from_cache(key, family, inputs)
+            if exe is not None:
+                return exe, key
         dims = self._varying(family, inputs)
         exe = None
         if dims:
@@ -404,10 +409,47 @@ class CompiledModule(nn.Module):
         self._input_shapes[key] = [tuple(x.shape) for x in inputs]
         return exe, key
 
+    def _may_vary(self) -> bool:
+        """Whether programs of symbolic sizes are made (`dynamic=True`; CUDA graphs replay fixed shapes)."""
+        return self.options.dynamic and not self.options.cuda_graph
+
+    def _family_from_cache(self, key: tuple, family: tuple, inputs: list[torch.Tensor]) -> Executable | None:
+        """At the first call of a family (calls alike but for shapes), the symbolic program a cold run saved
+        for it, where it admits this call and every rank has it; else None (NOTE: [A family's program on disk]).
+
+        NOTE: [A family's program on disk]
+        A symbolic program is saved under the call it was traced at, which a warm run starting at another
+        length never makes: it would compile a program for its first length, then find the symbolic one.
+        So the symbolic program is saved under its family too (the call's key without its shapes), and the
+        first call of a family looks there. Every rank makes that first call at the same point (ranks run the
+        same programs), so the ranks agree there, in one host collective, on what to run: this call's own
+        program where every rank's cache holds it (as a cold run did), else the family's where every rank
+        holds it and it admits the call, else what each would do alone (load or compile this call's). A
+        rank whose disk lacks the family's entry never runs another program than its peers."""
+        k, _ = self._cache_key((*family, ("symbolic family",)), self.device)
+        if k is None:
+            return None
+        own, _ = self._cache_key(key, self.device)
+        has_own = own is not None and cache.exists(self.cache_dir, own)
+        found = cache.load(self.cache_dir, k, self.layout) if cache.exists(self.cache_dir, k) else None
+        fits = found is not None and found[0].sizes is not None and found[0].sizes.admits(inputs) is None
+        mine = 2 * fits + has_own
+        every = job.agree(mine, "the compile cache's choice of program") if self.layout.world_size > 1 else [mine]
+        if all(v & 1 for v in every) or not all(v & 2 for v in every):
+            return None
+        started = time.perf_counter()
+        program = self._loaded(k, *found)
+        exe = pipeline.lower(program, self.plan, self.regions)
+        self.compile_seconds += time.perf_counter() - started
+        self.programs[key], self._executables[key], self.program = program, exe, program
+        self._input_shapes[key] = [tuple(x.shape) for x in inputs]
+        log.info("compile cache: the family's program of symbolic sizes takes this call (%s)", program.sizes)
+        return exe
+
     def _varying(self, family: tuple, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
         """The dimensions in which this call's inputs differ from a program of the same key but for
         shapes (None: no such program, or `dynamic=False`, or CUDA graphs, which replay fixed shapes)."""
-        if not self.options.dynamic or self.options.cuda_graph or family in self._fixed_sizes:
+        if not self._may_vary() or family in self._fixed_sizes:
             return None
         shapes = [tuple(x.shape) for x in inputs]
         for known, old in self._input_shapes.items():
@@ -461,6 +503,10 @@ class CompiledModule(nn.Module):
             program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
             if k is not None:
                 why_not = self._to_cache(k, program, time.perf_counter() - started)
+            if k is not None and dynamic and not why_not:  # NOTE: [A family's program on disk]
+                family, _ = self._cache_key((*_without_shapes(key), ("symbolic family",)), where)
+                if family is not None:
+                    self._to_cache(family, program, time.perf_counter() - started)
             if why_not:
                 program.origin += f"; not kept in the compile cache: {why_not}"
         exe = pipeline.lower(program, self.plan, self.regions)
@@ -495,7 +541,10 @@ class CompiledModule(nn.Module):
             if k is not None:
                 log.info("compile cache: miss (%s): %s", k.digest[:8], cache.why_missed(self.cache_dir, k))
             return None
-        program, entry = found
+        return self._loaded(k, *found)
+
+    def _loaded(self, k: cache.Key, program: Program, entry: cache.Entry) -> Program:
+        """A program loaded from the cache, said as such, with Inductor's artifacts of its entry."""
         program.origin = (
             f"loaded from the compile cache ({entry.path}; compiled in {entry.about.get('compile_seconds')}s "
             f"on {entry.about.get('saved')})"
