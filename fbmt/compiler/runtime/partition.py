@@ -38,6 +38,13 @@ from fbmt.compiler.runtime import unsynced
 
 aten = torch.ops.aten
 
+try:  # a GraphModule that writes its Python code at its first call: backend="inductor" replaces these
+    # graphs by their regions (`split_regions` reads the graph only), so their code would be written for
+    # nothing, on the way to the first step
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:  # torch moved it: the same module, its code written at once
+    _GraphModule = fx.GraphModule
+
 
 @dataclass
 class Executable:
@@ -117,7 +124,7 @@ def partition(program: Program) -> Executable:
             benv[n] = bg.node_copy(n, benv.__getitem__)
         bg.output(tuple(benv[v] if isinstance(v, fx.Node) else v for _, v in grad_out))
         _lower(bg)
-        backward = fx.GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
+        backward = _GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
 
     diff_keys = [roles[t].key for t in tangents]
     result_of = {r: i for i, (r, _) in enumerate(grad_out)}
@@ -129,7 +136,7 @@ def partition(program: Program) -> Executable:
     ]
     output_keys = [r.key for r, _ in user_out]
     return Executable(
-        forward=fx.GraphModule(torch.nn.Module(), fg, class_name="FbmtForward"),
+        forward=_GraphModule(torch.nn.Module(), fg, class_name="FbmtForward"),
         backward=backward,
         fwd_inputs=fwd_inputs,
         n_outputs=len(user_out),
