@@ -272,6 +272,12 @@ def is_fbmt(method: str) -> bool:
 PASSES_SHOWN = ("trace", "remat", "merge", "shard", "schedule")
 
 
+def passes_shown(program: Any) -> dict[str, str]:
+    """The last clause of each PASSES_SHOWN line of the program's summary (a quiet trace has no line)."""
+    ran = {r.name for r in program.history}
+    return {name: program.summary(name).split("; ")[-1] for name in PASSES_SHOWN if name in ran}
+
+
 def train_step(
     model: nn.Module,
     opt: Any,
@@ -553,7 +559,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         result["regions"] = repr(model.regions)
         result["origin"] = model.program.origin  # compiled, or loaded from the compile cache (and why not kept)
         # what the passes decided about the model's ends: the last block saved or not, the group kept
-        result["passes"] = {name: model.program.summary(name).split("; ")[-1] for name in PASSES_SHOWN}
+        result["passes"] = passes_shown(model.program)
         model.release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL
     del model, opt, loss
     gc.collect()
@@ -663,9 +669,7 @@ def interleaved(
             out["capture_s"] = r["model"].capture_seconds
             r["model"].release_graphs()  # before destroy_process_group, which waits for graphs that captured NCCL
             out["regions"] = repr(r["model"].regions)
-            program = r["model"].program
-            ran = {h.name for h in program.history}
-            out["passes"] = {name: program.summary(name).split("; ")[-1] for name in PASSES_SHOWN if name in ran}
+            out["passes"] = passes_shown(r["model"].program)
         results.append(out)
     return results
 
