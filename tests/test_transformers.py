@@ -99,6 +99,9 @@ def _generates_from_an_encoder(rank: int, world: int, name: str) -> None:
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     encoder = {"t5": "encoder", "whisper": "model.encoder"}[name]
     assert [p.entry for p in model.programs.values()].count(encoder) == 1  # generate's model.get_encoder()(...)
+    # generate() keeps the keyword arguments the encoder's forward names: it reads the class's signature
+    taken = model.get_encoder()
+    assert inspect.signature(taken.forward) == inspect.signature(type(taken).forward.__get__(taken))
 
 
 @pytest.mark.parametrize("name", ["t5", "whisper"])

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import time
-import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -101,7 +101,7 @@ def _without_shapes(key: tuple) -> tuple:
 
 
 # a module a compile took over -> (the compiled model, its class name, the module's path there): where a call
-# of the module alone goes (`_routed_forward`), and what `_called_alone`'s message names
+# of the module alone goes (`_Routed`), and what `_called_alone`'s message names
 _TAKEN_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -110,25 +110,38 @@ _TAKEN_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # compiled model's shards. Code outside the model's forward still calls its submodules: encoder-decoder
 # generate() runs `model.get_encoder()(...)` before the decoder steps, multimodal and prompt-tuning code
 # builds `inputs_embeds` with `model.get_input_embeddings()(ids)`, evaluation code calls `model.lm_head(h)`.
-# Each such module's `forward` is therefore routed (an instance attribute, `_routed_forward`): while fbmt
+# Each such module's `forward` is therefore routed (an instance attribute, a `_Routed`): while fbmt
 # traces, it is the class's forward; outside, the call runs as a program of the compiled model whose
 # entry is that submodule (`CompiledModule.call_submodule`), traced over the whole model's parameters, so
 # the passes gather the groups it reads from the same shards and reduce its gradients into them. Calls
 # with gradients train: autograd joins that program's backward to the next program's, as it joins two
 # calls of the model. A module that already had a `forward` of its own on the instance (a library's
 # hook) keeps it, and a call of it alone is refused, named, by `_called_alone`.
-def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The forward of a module a compile took over (NOTE: [Submodules through the program])."""
-    if trace.tracing():
-        return type(self).forward(self, *args, **kwargs)
-    compiled, _, path = _TAKEN_PATHS[self]
-    model = compiled()
-    if model is None:
-        raise RuntimeError(
-            f"fbmt: `{path}` ({type(self).__name__}) was taken over by a compiled model that no longer exists; its "
-            "parameters went with that model's shards"
-        )
-    return model(*args, **kwargs) if path == "" else model.call_submodule(path, args, kwargs)
+class _Routed:
+    """The `forward` of a module a compile took over (NOTE: [Submodules through the program]): the class's
+    while fbmt traces, a program of the compiled model outside. It presents the class's signature, which
+    libraries read (generate() keeps the keyword arguments the encoder's forward names). A copy of the
+    module (`copy.deepcopy`) gets a copy of it, bound to the copy."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if trace.tracing():
+            return type(module).forward(module, *args, **kwargs)
+        compiled, _, path = _TAKEN_PATHS[module]
+        model = compiled()
+        if model is None:
+            raise RuntimeError(
+                f"fbmt: `{path}` ({type(module).__name__}) was taken over by a compiled model that no longer exists; "
+                "its parameters went with that model's shards"
+            )
+        return model(*args, **kwargs) if path == "" else model.call_submodule(path, args, kwargs)
 
 
 def _called_alone(module: nn.Module, args: tuple) -> None:
@@ -154,7 +167,7 @@ def _route(module: nn.Module) -> None:
     if "forward" in module.__dict__:
         module.register_forward_pre_hook(_called_alone)
     else:
-        module.forward = types.MethodType(_routed_forward, module)  # a copy (`__deepcopy__`) binds its own
+        module.forward = _Routed(module)
 
 
 class CompiledModule(nn.Module):
