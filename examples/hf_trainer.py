@@ -59,6 +59,7 @@ def train(model: torch.nn.Module, args: argparse.Namespace, out: str) -> tuple[l
     training = transformers.TrainingArguments(
         output_dir=out,
         per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accumulate,  # accelerate runs all but the last under model.no_sync()
         max_steps=args.steps,
         learning_rate=args.lr,
         lr_scheduler_type="linear",
@@ -72,7 +73,9 @@ def train(model: torch.nn.Module, args: argparse.Namespace, out: str) -> tuple[l
         disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
     )
-    data = Counting(args.batch * args.steps * int(os.environ.get("WORLD_SIZE", "1")), args.seq, args.vocab)
+    data = Counting(
+        args.batch * args.accumulate * args.steps * int(os.environ.get("WORLD_SIZE", "1")), args.seq, args.vocab
+    )
     trainer = transformers.Trainer(model=model, args=training, train_dataset=data)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
@@ -83,7 +86,8 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     p.add_argument("--dim", type=int, default=64, help="model width")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
@@ -101,6 +105,8 @@ def main() -> None:
     params = model.full_parameters()  # a collective: every rank
     if fbmt.rank() == 0:
         print(f"fbmt: {args.steps} steps on {fbmt.world_size()} rank(s), loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        per_step = model.gradient_reductions / args.steps  # what accumulation without sync saves
+        print(f"gradient reductions per optimizer step: {per_step:g} ({len(model.layout.groups)} flat groups)")
     if not args.check:
         return
     with tempfile.TemporaryDirectory() as out:

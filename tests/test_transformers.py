@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -255,14 +256,23 @@ def test_forward_presents_the_models_signature():
 
 
 def test_the_trainer_example_matches_eager_ddp():
-    """examples/hf_trainer.py: transformers.Trainer on 2 ranks; --check trains eager DDP and compares."""
+    """examples/hf_trainer.py: transformers.Trainer on 2 ranks, 2 micro-batches per step; --check trains
+    eager DDP and compares. accelerate runs the first micro-batch under no_sync(): one gradient reduction
+    per flat group per optimizer step."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/hf_trainer.py"]
     run = subprocess.run(
-        [*cmd, "--steps", "6", "--check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [*cmd, "--steps", "6", "--accumulate", "2", "--check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "check: max loss difference" in run.stdout, run.stdout[-2000:]
+    said = re.search(r"gradient reductions per optimizer step: ([\d.]+) \((\d+) flat groups\)", run.stdout)
+    assert said and float(said.group(1)) == int(said.group(2)), run.stdout[-2000:]
 
 
 def test_accelerate_mixed_precision_is_refused_with_what_to_do():
