@@ -153,3 +153,29 @@ def test_hugging_face_decoders_with_use_cache_off_train_as_eager_on_the_causal_k
 
 def test_a_padding_mask_keeps_its_mask():
     run_ranks(2, _trains_with_use_cache_off, "llama", True)
+
+
+def test_a_symbolic_program_proves_its_causal_mask_again_at_every_size_it_admits():
+    """A sliding window of 16 is causal at the traced length 10, and not at 24: the program of symbolic
+    sizes rewrote the mask for 10 and 12, refuses 24 (naming the mask), and a program that keeps the mask
+    takes 24; every loss and gradient is eager's."""
+    config = hf.config("mistral")
+    config.sliding_window = 16
+    ref = _built(config)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for length in (8, 10, 12, 24, 14):
+        ids = torch.randint(3, hf.VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        want = ref(input_ids=ids, labels=ids, use_cache=False).loss
+        got = model(input_ids=ids, labels=ids, use_cache=False).loss
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        want.backward()
+        got.backward()
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    programs = list(model.programs.values())
+    assert [p.sizes is not None for p in programs] == [False, True, True]  # 8; 10 and 12 (and 14); 24
+    causal, kept = programs[1], programs[2]
+    assert "is causal" in causal.summary("trace") and "kept (not causal" in kept.summary("trace")
+    at_24 = [torch.zeros(2, 24, dtype=torch.long)] * 2
+    assert "attention mask" in causal.sizes.admits(at_24) and causal.sizes.admits([at_24[0][:, :14]] * 2) is None

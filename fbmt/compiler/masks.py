@@ -15,13 +15,18 @@ mask's ops are then dead and are erased (`drop_dead`). So the rewrite is a proof
 padding mask (from `attention_mask`, an input), a sliding window narrower than the sequence, or any
 other pattern keeps its mask, and the results are eager's either way.
 
-A program of symbolic sizes keeps every mask: its sizes are symbols, and a mask equal to the causal one
-at the traced length (a sliding window wider than it) need not be at another.
-Each decision is listed in the program's summary (the `trace` pass line).
+In a program of symbolic sizes the mask reads the inputs' sizes (`sym_size`), and a mask equal to the
+causal one at the traced length (a sliding window wider than it) need not be at another. So the proof
+is made at the traced sizes, and the mask's subgraph is kept as a `MaskCheck` (a graph of its own whose
+inputs are those sizes) in the program's `SymbolicSizes`: a size the program would admit is admitted
+only where the check gives the same answer again (a host computation of one mask per new size), and
+another size gets a program of its own that keeps the mask. The checks travel with the program into
+the compile cache. Each decision is listed in the program's summary (the `trace` pass line).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,9 +41,10 @@ class CausalMasks(TorchFunctionMode):
     """Within (while make_fx traces): SDPA calls given a mask that is provably causal, or attends
     everywhere, run without it (NOTE: [Causal masks]). `said(decided)` lists each mask's decision."""
 
-    def __init__(self, decided: dict[fx.Node, str]) -> None:
+    def __init__(self, decided: dict[fx.Node, str], checks: list[MaskCheck] | None = None) -> None:
         super().__init__()
         self.decided = decided  # the mask's node -> "causal", "all" or why it is kept; shared by a trace's calls
+        self.checks = checks  # a symbolic trace's: each rewritten mask, to prove again at every size it admits
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -77,7 +83,13 @@ class CausalMasks(TorchFunctionMode):
             return None
         node = slot.proxy.node
         if node not in self.decided:
-            self.decided[node] = _decide(node, mode.tracer.root, q_len, kv_len)
+            symbolic = not (isinstance(q_len, int) and isinstance(kv_len, int))
+            if symbolic and self.checks is None:
+                self.decided[node] = "symbolic sizes"
+            else:
+                self.decided[node], check = _decide(node, mode.tracer.root, q_len, kv_len)
+                if symbolic and check is not None:
+                    self.checks.append(check)
         return self.decided[node]
 
 
@@ -95,20 +107,21 @@ def drop_dead(decided: dict[fx.Node, str]) -> None:
         todo.extend(inputs)
 
 
-def _decide(node: fx.Node, root: Any, q_len: Any, kv_len: Any) -> str:
-    """ "causal", "all", or why the mask is kept."""
-    if not (isinstance(q_len, int) and isinstance(kv_len, int)):
-        return "symbolic sizes"
-    needed, todo = set(), [node]
+def _decide(node: fx.Node, root: Any, q_len: Any, kv_len: Any) -> tuple[str, MaskCheck | None]:
+    """ "causal", "all", or why the mask is kept; for a mask rewritten at symbolic sizes, its check."""
+    needed, sizes, todo = set(), [], [node]
     while todo:
         n = todo.pop()
         if n in needed:
             continue
         needed.add(n)
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.SymInt) and _reads_a_size(n):
+            sizes.append(n)  # a size of an input: a number of the program's, the mask's input here
+            continue
         if n.op == "placeholder":
-            return "it depends on an input of the program"
+            return "it depends on an input of the program", None
         if n.op not in ("call_function", "get_attr"):
-            return f"it depends on a {n.op} node"
+            return f"it depends on a {n.op} node", None
         todo.extend(n.all_input_nodes)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
@@ -116,26 +129,92 @@ def _decide(node: fx.Node, root: Any, q_len: Any, kv_len: Any) -> str:
     # real tensors, outside the trace: nothing here is recorded
     with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
         try:
-            value = _evaluate(node, needed, root)
+            check = MaskCheck.of(node, needed, sorted(sizes, key=_order(node.graph)), root, q_len, kv_len)
+            kind = check.kind_at(check.traced_values())
         except Exception as e:  # an op that will not run on the host as traced: keep the mask, as eager has it
-            return f"evaluating it failed: {type(e).__name__}"
-        return _classify(value, q_len, kv_len)
+            return f"evaluating it failed: {type(e).__name__}", None
+    return kind, (check if kind in ("causal", "all") and check.sizes else None)
 
 
-def _evaluate(node: fx.Node, needed: set[fx.Node], root: Any) -> torch.Tensor:
-    """The value of `node`, computing the nodes of `needed` (its ancestors) on real CPU tensors."""
-    env: dict[fx.Node, Any] = {}
-    for n in node.graph.nodes:  # in graph order: every input before its user
-        if n not in needed:
-            continue
-        if n.op == "get_attr":
-            env[n] = getattr(root, n.target).to("cpu")
-            continue
-        args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
-        if "device" in kwargs:
-            kwargs = {**kwargs, "device": torch.device("cpu")}
-        env[n] = n.target(*args, **kwargs)
-    return env[node]
+def _reads_a_size(n: fx.Node) -> bool:
+    """A size of a program input (`sym_size`), not arithmetic on sizes, which the check recomputes."""
+    return n.target is torch.ops.aten.sym_size.int
+
+
+def _order(graph: fx.Graph) -> Any:
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__
+
+
+@dataclass
+class MaskCheck:
+    """An attention mask that depends on sizes alone, as a graph of its own: its inputs are the sizes it
+    reads (`sizes`: each one's expression in the program's symbols), its output the mask. A program of
+    symbolic sizes keeps one for each mask it rewrote, and admits a size only where the mask is still
+    what it was rewritten for there (NOTE: [Causal masks])."""
+
+    graph: fx.GraphModule
+    sizes: list[Any]  # the expression of each input of `graph`, in the program's symbols
+    q_len: Any  # the attention's query and key lengths, expressions or numbers
+    kv_len: Any
+    kind: str  # "causal" or "all", what the trace made of it
+    name: str  # the mask's node in the trace, as the program's summary names it
+    hints: dict[Any, int]  # each symbol's value where the trace ran
+
+    @classmethod
+    def of(
+        cls, node: fx.Node, needed: set[fx.Node], sizes: list[fx.Node], root: Any, q_len: Any, kv_len: Any
+    ) -> MaskCheck:
+        g, env, owner = fx.Graph(), {}, torch.nn.Module()
+        for n in sizes:
+            env[n] = g.placeholder(f"size{len(env)}")
+        for n in node.graph.nodes:  # in graph order: every input before its user
+            if n not in needed or n in env:
+                continue
+            if n.op == "get_attr":
+                owner.register_buffer(n.target, getattr(root, n.target).detach().to("cpu").clone())
+                env[n] = g.get_attr(n.target)
+                continue
+            kwargs = {**n.kwargs, "device": torch.device("cpu")} if "device" in n.kwargs else n.kwargs
+            env[n] = g.call_function(n.target, fx.map_arg(n.args, env.__getitem__), fx.map_arg(kwargs, env.__getitem__))
+        g.output(env[node])
+        exprs = [_expr(n.meta["val"]) for n in sizes]
+        hints = {}
+        for x in [*(n.meta["val"] for n in sizes), q_len, kv_len]:
+            if isinstance(x, torch.SymInt):
+                env_ = x.node.shape_env
+                known = getattr(env_, "backed_var_to_val", None) or env_.var_to_val
+                hints.update({sym: int(known[sym]) for sym in x.node.expr.free_symbols})
+        return cls(fx.GraphModule(owner, g), exprs, _expr(q_len), _expr(kv_len), "", node.name, hints)
+
+    def traced_values(self) -> dict[Any, int]:
+        """The sizes the trace ran at (each symbol's hint)."""
+        return dict(self.hints)
+
+    def kind_at(self, values: dict[Any, int]) -> str:
+        """What the mask is at these values of the program's symbols: "causal", "all", or why neither."""
+        ints = [_value(e, values) for e in self.sizes]
+        with torch.no_grad():
+            mask = self.graph(*ints)
+        kind = _classify(mask, _value(self.q_len, values), _value(self.kv_len, values))
+        if not self.kind:  # made at the traced sizes: this is what the trace rewrites it for
+            self.kind = kind
+        return kind
+
+    def holds(self, values: dict[Any, int]) -> bool:
+        try:
+            return self.kind_at(values) == self.kind
+        except Exception:  # a size the mask's ops refuse: not proved, so not admitted
+            return False
+
+
+def _expr(x: Any) -> Any:
+    """A size as a sympy expression of the program's symbols, or a number."""
+    return x.node.expr if isinstance(x, torch.SymInt) else x
+
+
+def _value(e: Any, values: dict[Any, int]) -> int:
+    return e if isinstance(e, int) else int(e.xreplace(values))
 
 
 def _classify(value: Any, q_len: int, kv_len: int) -> str:

@@ -207,6 +207,9 @@ class SymbolicSizes:
     # (input, dimension) -> the symbol of its stride, for a view whose strides vary with the sizes
     # (`tokens[:, :-1]`); the guards may name them (a view is not contiguous: `Ne(s1, s0)`)
     strides: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    # attention masks the trace made SDPA's is_causal (or dropped) at the traced sizes: a size is admitted only
+    # where each is still that (fbmt.compiler.masks.MaskCheck; NOTE: [Causal masks])
+    masks: list[Any] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, fakes: list[torch.Tensor], inputs: list[torch.Tensor]) -> SymbolicSizes | None:
@@ -260,6 +263,9 @@ class SymbolicSizes:
                 return f"the program assumes {expr}, which these sizes cannot decide"
             if not holds:
                 return f"the program assumes {expr}"
+        for check in getattr(self, "masks", ()):  # a program saved before masks were checked has none
+            if not check.holds(values):
+                return f"its attention mask {check.name} is {check.kind} at the traced sizes, and not at these"
         return None
 
     def fixed(self) -> str | None:

@@ -201,7 +201,8 @@ def trace(
     names = [p[0] for p in params] + list(buffers)
     param_rg = [needs_grad and p[3] for p in params]
 
-    decided: dict[fx.Node, str] = {}  # attention masks seen (NOTE: [Causal masks]); symbolic sizes keep them all
+    decided: dict[fx.Node, str] = {}  # attention masks seen (NOTE: [Causal masks])
+    checks: list[masks.MaskCheck] | None = [] if dynamic else None  # a symbolic program's, proved at each size
 
     def call(ps: list, bs: list, xs: list) -> tuple[Any, dict[int, Any]]:
         """The forward on these tensors, and the copies of the argument objects it was given."""
@@ -214,7 +215,7 @@ def trace(
             at += len(held)
         a, kw = pytree.tree_unflatten(full, in_spec)
         tensors = dict(zip(names, [*ps, *bs]))
-        with sizes.matmul_keeping_sizes() if dynamic else masks.CausalMasks(decided):
+        with sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext(), masks.CausalMasks(decided, checks):
             if entry:
                 tensors = {f"root.{k}": v for k, v in tensors.items()}
                 return functional_call(_Entry(module, entry), tensors, a, kw), copies
@@ -299,6 +300,8 @@ def trace(
         sizes=symbolic,
         entry=entry,
     )
+    if symbolic is not None and checks:
+        symbolic.masks = checks  # admitted sizes are proved again (NOTE: [Causal masks])
     _canonicalize(program)
     stats = TraceStats(tuple(constants), (*results.plan.notes, *masks.CausalMasks.said(decided)))
     if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself
