@@ -57,12 +57,8 @@ def run(model, steps: int, rank: int, world: int, device, guard: int, batch: int
     return torch.stack(losses)
 
 
-def graph_rules(model, rank: int, world: int, device) -> float:
-    """What the graphs promise (NOTE: [CUDA graphs]): the gradients are the pool's memory; gradients
-    accumulated over two backward calls, or zeroed in place, are copied out of the pool before the next
-    replay, so they add up as eagerly; two forwards before a backward are refused. 0, or 1 on a failure."""
-    failed = 0.0
-    batches = [tuple(t[rank : rank + 1] for t in data(step, world, device)) for step in (10, 11)]
+def _steps(model):
+    """A backward of one batch, and every gradient gathered as one flat tensor."""
 
     def backward(x, y):
         F.cross_entropy(model(x).view(-1, 256), y.reshape(-1)).backward()
@@ -70,6 +66,16 @@ def graph_rules(model, rank: int, world: int, device) -> float:
     def grads():
         return torch.cat([g.reshape(-1) for g in model.full_gradients().values()])
 
+    return backward, grads
+
+
+def graph_rules(model, rank: int, world: int, device) -> float:
+    """What the graphs promise (NOTE: [CUDA graphs]): the gradients are the pool's memory; gradients
+    accumulated over two backward calls, or zeroed in place, are copied out of the pool before the next
+    replay, so they add up as eagerly; two forwards before a backward are refused. 0, or 1 on a failure."""
+    failed = 0.0
+    batches = [tuple(t[rank : rank + 1] for t in data(step, world, device)) for step in (10, 11)]
+    backward, grads = _steps(model)
     model.zero_grad()
     backward(*batches[0])
     stolen = model.flat_params[0].grad.untyped_storage().data_ptr() in model.graphs._grad_storage
@@ -108,13 +114,7 @@ def sync_rules(model, rank: int, world: int, device) -> float:
     """Accumulation without sync (NOTE: [Accumulation without sync]) on CUDA streams: two micro-batches, the
     first under no_sync(), give the gradients of two synced backward calls, with one reduction per group."""
     batches = [tuple(t[rank : rank + 1] for t in data(step, world, device)) for step in (12, 13)]
-
-    def backward(x, y):
-        F.cross_entropy(model(x).view(-1, 256), y.reshape(-1)).backward()
-
-    def grads():
-        return torch.cat([g.reshape(-1) for g in model.full_gradients().values()])
-
+    backward, grads = _steps(model)
     model.zero_grad()
     for b in batches:
         backward(*b)
