@@ -176,6 +176,8 @@ def lowered(target: Any) -> str | None:
 
     if target is torch_impl.wait:
         return "wait"
+    # a reduction runs through its group's sync switch (NOTE: [Accumulation without sync]), which holds it
+    target = getattr(target, "implementation", target)
     if any(target is k.implementation or target is k.bucketed for k in _TABLE):
         return "start"
     return None
