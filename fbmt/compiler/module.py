@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fbmt import job
 from fbmt.compiler import cache, objects, owners, pipeline, trace
 from fbmt.compiler.agreement import check_ranks_agree
 from fbmt.compiler.layout import Layout, copy_into_shard
@@ -427,28 +426,26 @@ class CompiledModule(nn.Module):
         return self.options.dynamic and not self.options.cuda_graph
 
     def _family_from_cache(self, key: tuple, family: tuple, inputs: list[torch.Tensor]) -> Executable | None:
-        """At the first call of a family (calls alike but for shapes), the symbolic program a cold run saved
-        for it, where it admits this call and every rank has it; else None (NOTE: [A family's program on disk]).
+        """At the first call of a family (calls alike but for shapes), the symbolic program a run saved for
+        it, where this call's own program is not in the cache and that one admits the call; else None
+        (NOTE: [A family's program on disk]).
 
         NOTE: [A family's program on disk]
         A symbolic program is saved under the call it was traced at, which a warm run starting at another
         length never makes: it would compile a program for its first length, then find the symbolic one.
         So the symbolic program is saved under its family too (the call's key without its shapes), and the
-        first call of a family looks there. Every rank makes that first call at the same point (ranks run the
-        same programs), so the ranks agree there, in one host collective, on what to run: this call's own
-        program where every rank's cache holds it (as a cold run did), else the family's where every rank
-        holds it and it admits the call, else what each would do alone (load or compile this call's). A
-        rank whose disk lacks the family's entry never runs another program than its peers."""
+        first call of a family whose own program the cache lacks runs it where it admits the call. Each
+        rank decides alone, as `_from_cache` does, and for the same reason: a collective here would pair
+        with the per-call agreement of a rank that is not at a new call. A rank whose disk lacks the entry
+        compiles this call's program instead; the two programs compute the same call with the same
+        collectives, which is what the per-call agreement compares (`check_ranks_agree`), and it stops
+        every rank where they differ."""
         k, _ = self._cache_key((*family, ("symbolic family",)), self.device)
-        if k is None:
-            return None
         own, _ = self._cache_key(key, self.device)
-        has_own = own is not None and cache.exists(self.cache_dir, own)
-        found = cache.load(self.cache_dir, k, self.layout) if cache.exists(self.cache_dir, k) else None
-        fits = found is not None and found[0].sizes is not None and found[0].sizes.admits(inputs) is None
-        mine = 2 * fits + has_own
-        every = job.agree(mine, "the compile cache's choice of program") if self.layout.world_size > 1 else [mine]
-        if all(v & 1 for v in every) or not all(v & 2 for v in every):
+        if k is None or own is None or cache.exists(self.cache_dir, own) or not cache.exists(self.cache_dir, k):
+            return None
+        found = cache.load(self.cache_dir, k, self.layout)
+        if found is None or found[0].sizes is None or found[0].sizes.admits(inputs) is not None:
             return None
         started = time.perf_counter()
         program = self._loaded(k, *found)
