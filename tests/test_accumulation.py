@@ -96,3 +96,32 @@ def _misuse(rank: int, world: int) -> None:
 
 def test_a_step_on_unreduced_gradients_is_refused_and_zero_grad_drops_them():
     run_ranks(2, _misuse)
+
+
+def _zeroed_or_changed_while_held(rank: int, world: int) -> None:
+    model = fbmt.compile(_gpt(), cache_dir=False)
+    x, y = _micro_batch(0, rank)
+    x2, y2 = _micro_batch(1, rank)
+    with model.no_sync():
+        _loss(model, x, y).backward()
+    for p in model.parameters():  # zero_grad(set_to_none=False), as BMTrain's OptimManager zeroes
+        p.grad.zero_()
+    _loss(model, x2, y2).backward()  # DDP: the zeroed micro-batch is gone
+    fresh = fbmt.compile(_gpt(), cache_dir=False)
+    _loss(fresh, x2, y2).backward()
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    model.zero_grad()
+    with model.no_sync():
+        _loss(model, x, y).backward()
+        _loss(model, x2, y2).backward()
+    for p in model.parameters():
+        p.grad.add_(1.0)  # a change the held part cannot follow
+    with pytest.raises(RuntimeError, match="changed in place"):
+        _loss(model, x2, y2).backward()
+
+
+def test_gradients_zeroed_in_place_while_held_drop_them_and_other_changes_are_refused():
+    """zero_grad(set_to_none=False) between micro-batches drops what no_sync held, as DDP's zero_grad drops
+    the accumulated gradients; any other in-place change of a held group's gradients is refused."""
+    run_ranks(2, _zeroed_or_changed_while_held)

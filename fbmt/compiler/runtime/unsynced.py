@@ -16,9 +16,11 @@ Reduction is linear, so the shard's gradient is the one reducing every micro-bat
 memory is DDP's: a full gradient per group while accumulating. CUDA graphs replay the collectives
 they captured, so with `cuda_graph=True` every micro-batch still reduces (said once, as a warning).
 A held buffer follows the gradients it stands for: an optimizer step that would read a shard while its
-group holds one is refused (the loop never ran a synced backward), and a group whose gradients were set
-to None (`zero_grad()`) since drops its buffer at the next backward, as DDP's `zero_grad` drops
-what `no_sync` accumulated.
+group holds one is refused (the loop never ran a synced backward). Each leaf's gradient is noted after
+autograd accumulates into it (a post-accumulate hook); at the next backward, a group whose gradients
+were since set to None or zeroed in place (`zero_grad()`, either way) drops its buffer, as DDP's
+`zero_grad` drops what `no_sync` accumulated, and one changed in place otherwise (scaled, clipped) is
+refused: the held part cannot follow that change.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Unsynced:
         self.deferring = False
         self.held: dict[int, torch.Tensor] = {}  # group -> this rank's sum of its unreduced gradients
         self.reductions = 0  # reductions run for groups, counted per group (a bucket counts its members)
+        self.seen: dict[int, tuple[Any, int]] = {}  # id(leaf) -> its grad (weakly) and the grad's version
+        self.hooked: set[int] = set()  # groups whose leaves note their gradients into `seen`
         _live.add(self)
 
     def __deepcopy__(self, memo: dict) -> Unsynced:
@@ -55,18 +59,43 @@ class Unsynced:
         twin.leaves = copy.deepcopy(self.leaves, memo)  # a bound method: bound to the twin
         twin.deferring, twin.reductions = self.deferring, self.reductions
         twin.held = {g: t.clone() for g, t in self.held.items()}
+        twin.seen, twin.hooked = {}, set()  # its leaves are new tensors: hooked at its first deferred backward
         _live.add(twin)
         return twin
 
     def start_backward(self) -> None:
-        """Drop what a group holds once its gradients were set to None (zero_grad) after it was held."""
-        for group in [g for g in self.held if all(t.grad is None for t in self.leaves(g))]:
-            del self.held[group]
+        """Before a backward: drop what a group holds where its gradients were zeroed since (set to None or
+        zeroed in place), refuse where they were changed otherwise."""
+        for group in list(self.held):
+            changed = []
+            for t in self.leaves(group):
+                noted = self.seen.get(id(t))
+                if noted is not None and (t.grad is None or t.grad is not noted[0]() or t.grad._version != noted[1]):
+                    changed.append(t)
+            if not changed:
+                continue
+            if all(t.grad is None or not bool(t.grad.any()) for t in changed):
+                del self.held[group]
+                continue
+            raise RuntimeError(
+                f"fbmt: flat group {group}'s gradients were changed in place (scaled or clipped) while gradient sync "
+                "was off and part of them was held on this rank, unreduced; that part cannot follow the change. "
+                "Change gradients after the backward with sync on (outside no_sync()), as with DDP's clip_grad_norm_"
+            )
+
+    def _note(self, leaf: torch.Tensor) -> None:
+        if leaf.grad is not None:
+            self.seen[id(leaf)] = (weakref.ref(leaf.grad), leaf.grad._version)
 
     def add(self, group: int, pieces: list[torch.Tensor], padded_numel: int, dtype: torch.dtype) -> torch.Tensor:
         held = self.held.get(group)
         if held is None:
             held = self.held[group] = torch.zeros(padded_numel, dtype=dtype, device=pieces[0].device)
+        if group not in self.hooked:  # autograd accumulates into the leaves after this backward: note it then
+            self.hooked.add(group)
+            for t in self.leaves(group):
+                if t.requires_grad:
+                    t.register_post_accumulate_grad_hook(self._note)
         offset = 0
         for p in pieces:
             held[offset : offset + p.numel()].add_(p.reshape(-1))
