@@ -2,7 +2,10 @@
 # The GPU measurements behind BENCHMARKS.md, in stages that each fit one 10-minute device call:
 #   bash benchmarks/gpu_suite.sh STAGE OUT_DIR
 # Stages:
-#   checks       tests/gpu/: the GPT and Llama equivalence on CUDA (every GPU), the copy kernels, the offload Adam
+#   checks       tests/gpu/: the GPT and Llama equivalence on CUDA (every GPU), the copy kernels, the offload Adam,
+#                a model compiled with offload=True against the same without
+#   offload      one GPU: Llama of width 4096 at two sizes (benchmarks/offload.py --sweep), fbmt and FSDP2, each with
+#                and without offload (CPUOffloadPolicy): memory per layer; SIZES="L1,L2" and BACKEND override
 #   kernels      one GPU: what merging products saves (gemm_merge.py), fbmt's kernels against torch's
 #   1.36b-none   1.36B without recompute: fbmt (mincut, ZeRO-2), unmerged, FSDP2 + compile, interleaved
 #   lora         transformers' LlamaForCausalLM of 0.89B fine-tuned through a peft LoRA adapter (rank 16, every
@@ -42,11 +45,15 @@ checks() {
   run gpt_on_gpu 300 tests/gpu/gpt_on_gpu.py
   timeout 120 python3 tests/gpu/copies_on_gpu.py 2>&1 | tail -2
   timeout 120 python3 tests/gpu/offload_on_gpu.py 2>&1 | tail -2
+  run offload_model_on_gpu 240 tests/gpu/offload_model_on_gpu.py
   run hf_on_gpu 300 tests/gpu/hf_on_gpu.py
 }
 b136="--config 1.36b --batch 8 --seq 2048 --loss-in-model"
 case $stage in
   checks) checks ;;
+  offload)
+    CUDA_VISIBLE_DEVICES=0 timeout 590 python3 benchmarks/offload.py --sweep "${SIZES:-2,4}" \
+      --backend "${BACKEND:-eager}" --out "$out/offload" 2>&1 | grep "^==" ;;
   kernels)
     CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/gemm_merge.py --out "$out/gemm_merge.json"
     CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/gpu_kernels.py --numel 680000000 > "$out/gpu_kernels.txt" 2>&1

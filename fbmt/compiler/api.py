@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from fbmt import job
@@ -75,7 +76,10 @@ def compile_module(
     layout = plan_layout(model, world, o.block_paths, param_dtype=o.param_dtype)
     if world > 1 and world == job.world_size():  # NOTE: [Ranks' weights]
         agree_on_weights(model, layout, o.weights)
-    shards = build_shards(model, layout, rank, device, o.init_fn or init_fn)
+    # NOTE: [Offload] in passes/shard.py: the shards (so their gradients and the optimizer's state) in
+    # pinned host memory, which the device's copies read and write without staging
+    home = torch.device("cpu") if o.offload else device
+    shards = build_shards(model, layout, rank, device, o.init_fn or init_fn, home=home)
     return module_class(
         model, layout, shards, options=o, plan=plan, device=device, rank=rank, search=search, **class_args
     )

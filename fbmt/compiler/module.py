@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fbmt import job
 from fbmt.compiler import cache, objects, owners, pipeline, trace
 from fbmt.compiler.agreement import check_ranks_agree
 from fbmt.compiler.layout import Layout, copy_into_shard
@@ -712,10 +713,23 @@ class CompiledModule(nn.Module):
     # ---- module protocol ----
     def to(self, *args: Any, **kwargs: Any) -> CompiledModule:
         """Move the shards to a device; a dtype other than the shards' is refused (`_keep_dtype`)."""
-        _, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None:
             self._keep_dtype(dtype, "to")
+        if self.options.offload and device is not None and job.compute_device(device) != self.device:
+            raise ValueError(
+                f"fbmt: model.to({str(device)!r}) on a model compiled with offload=True for {self.device}: its "
+                "shards stay in host memory and its programs compute on that device; compile it with "
+                f"device={str(device)!r} to compute there"
+            )
         return nn.Module.to(self, *args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CompiledModule:
+        """What `to`, `cuda` and `cpu` do to the shards: nothing with offload=True, whose shards stay in
+        host memory (NOTE: [Offload] in passes/shard.py); `to` refuses another device."""
+        if self.options.offload:
+            return self
+        return nn.Module._apply(self, fn, recurse)
 
     def half(self) -> CompiledModule:
         self._keep_dtype(torch.float16, "half")
@@ -756,14 +770,14 @@ class CompiledModule(nn.Module):
 
     def gather(self, group: int) -> torch.Tensor:
         """The whole flat buffer of flat group `group` (a collective: call it on every rank)."""
-        return gather_group(self.flat_params[group].detach(), self.layout.groups[group])
+        return gather_group(self.flat_params[group].detach(), self.layout.groups[group], self.device)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, gathered whole, by canonical name (a collective: call it on every rank)."""
         out = {}
         with torch.no_grad():
             for group, shard in zip(self.layout.groups, self.flat_params):
-                flat = gather_group(shard, group)
+                flat = gather_group(shard, group, self.device)
                 for s in group.slots:
                     out[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape).clone()
         return out
@@ -772,7 +786,7 @@ class CompiledModule(nn.Module):
         """Every parameter's gradient, gathered whole (a collective: call it on every rank)."""
         out: dict[str, torch.Tensor | None] = {}
         for group, shard in zip(self.layout.groups, self.flat_params):
-            flat = gather_group(shard.grad, group) if shard.grad is not None else None
+            flat = gather_group(shard.grad, group, self.device) if shard.grad is not None else None
             for s in group.slots:
                 out[s.name] = None if flat is None else flat[s.offset : s.offset + s.numel].view(s.shape).clone()
         return out

@@ -68,6 +68,13 @@ class CompileOptions:
     backend: str = "eager"
     """"eager": run the aten graphs op by op; "inductor": compile each compute region between
     collectives with Inductor, once per distinct region (identical blocks share it)."""
+    offload: bool = False
+    """Keep the shards, their gradients and so the optimizer's state in host memory (pinned), as
+    FSDP2's CPUOffloadPolicy and ZeRO-Offload do (NOTE: [Offload]): each gather copies its group's
+    shard to the device first, each reduction copies the shard's gradient back; the schedule overlaps
+    the copies as it overlaps the collectives. Step the optimizer on the host:
+    `fbmt.optim.AdamOffloadOptimizer(model.parameters())` updates the shards in place with fbmt's C++
+    Adam. Not with cuda_graph; gradients always travel in the reduce dtype (no narrow wire)."""
     cuda_graph: bool = False
     """Replay each training step's forward and backward as CUDA graphs after two warm-up calls (CUDA
     only; NOTE: [CUDA graphs]). Needs fixed input shapes and each backward before the next forward."""
@@ -177,6 +184,11 @@ class CompileOptions:
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"fbmt.compile({name}={dtype!r}): expected a floating-point torch.dtype")
+        if self.offload and self.cuda_graph:
+            raise ValueError(
+                "fbmt.compile(offload=True, cuda_graph=True): a CUDA graph replays device memory it captured, and "
+                "offloaded shards live in host memory; choose one of them"
+            )
         if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
             raise ValueError(f"fbmt.compile(world_size={self.world_size!r}): expected a positive number of ranks")
 

@@ -62,6 +62,7 @@ PIPELINE: tuple[tuple[str, Callable[..., Any], Callable[[Plan], dict[str, Any]]]
             grad_reduce=plan.grad_reduce,
             reduce_dtype=plan.reduce_dtype,
             narrow_wire=plan.narrow_wire,
+            offload=plan.offload,
         ),
     ),
     (  # overlap: where each collective is issued and waited

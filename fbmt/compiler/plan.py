@@ -44,6 +44,7 @@ class Plan:
     grad_reduce: str
     reduce_dtype: torch.dtype | None
     narrow_wire: bool  # resolved: the option, else whether every rank is on one node
+    offload: bool  # the shards live in host memory (NOTE: [Offload])
     strategy: str | Schedule
     strategy_options: dict[str, Any]  # its keyword arguments, checked against its signature
     depth_free: bool  # the strategy takes a depth that neither `prefetch=` nor its options set
@@ -92,7 +93,8 @@ class Plan:
             remat_per_block=remat_per_block,
             grad_reduce=o.grad_reduce,
             reduce_dtype=o.reduce_dtype,
-            narrow_wire=narrow,
+            narrow_wire=narrow and not o.offload,
+            offload=o.offload,
             strategy=strategy,
             strategy_options=options_,
             depth_free=depth_free,

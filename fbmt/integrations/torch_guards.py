@@ -150,6 +150,8 @@ def _total_norm(torch_norm: Callable) -> Callable:
         norm_type = float(norm_type)
         local = torch_norm(tensors, norm_type, False, foreach)
         total = local.float() if norm_type == float("inf") else local.float() ** norm_type
+        if dist.get_backend() == "nccl" and not total.is_cuda:  # shards in host memory (offload=True)
+            total = total.cuda()
         dist.all_reduce(total, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)
         if norm_type != float("inf"):
             total = total ** (1.0 / norm_type)
@@ -159,6 +161,6 @@ def _total_norm(torch_norm: Callable) -> Callable:
                 "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`"
             )
-        return total.to(local.dtype)
+        return total.to(local.device, local.dtype)
 
     return total_norm

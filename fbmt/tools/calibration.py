@@ -234,6 +234,18 @@ def _copy_bandwidth(device: torch.device) -> float:
     return _everywhere_mean(8.0 * n / _local(lambda: dst.copy_(src), device))
 
 
+def _host_bandwidth(device: torch.device) -> float:
+    """Bytes/s of pinned host-to-device and device-to-host copies (their mean): offload's link. A CPU
+    rank's host is its device: its copy bandwidth."""
+    if device.type != "cuda":
+        return _copy_bandwidth(device)
+    n = 256 * 2**20 // 4
+    host, dev = torch.randn(n).pin_memory(), torch.empty(n, device=device)
+    up = _local(lambda: dev.copy_(host, non_blocking=True), device)
+    down = _local(lambda: host.copy_(dev, non_blocking=True), device)
+    return _everywhere_mean(8.0 * n / (up + down))
+
+
 def _node_cost(device: torch.device, op: object = aten.add.Tensor) -> float:
     """Seconds per node of an eager program: a generated GraphModule of tiny adds (or views)."""
     g = fx.Graph()
@@ -262,7 +274,9 @@ def _links(device: torch.device, quick: bool) -> list[tuple[str, float, float]]:
     if quick:
         sizes = sizes[1::2]
     out = []
-    for kind in [k.name for k in comm.kinds()]:  # every kind of the collectives' table
+    # every kind of the collectives' table; a host kind's copy is priced by `host_bandwidth` and its
+    # transfer by the plain kind's link, so it is not measured again
+    for kind in [k.name for k in comm.kinds() if not k.host]:
         xs, ts = [], []
         for total in sizes:
             run = _collective(kind, total, device)
@@ -429,6 +443,7 @@ def _measure(quick: bool, log: Callable) -> Machine:
     log(f"fbmt.calibrate: products on {world} rank(s) of {_describe(device)} ...", flush=True)
     rates = _matmul_rates(device, quick)
     copy = _copy_bandwidth(device)
+    across = _host_bandwidth(device)
     node = _node_cost(device)
     view = 0.0 if device.type == "cuda" else _node_cost(device, aten.view.default)  # a GPU's host runs ahead
     cpu = device.type != "cuda"
@@ -458,6 +473,7 @@ def _measure(quick: bool, log: Callable) -> Machine:
         comm_slowdown=slowdown,
         comm_stretch=stretch,
         comm_lanes=2 if backend == "gloo" else 1,
+        host_bandwidth=across,
         view_cost=view,
         comm_buffer=buffer,
         attention_rates=tuple(attention),

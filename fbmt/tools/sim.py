@@ -97,6 +97,9 @@ class Machine:
     # reductions on a CPU): (op name, elements of the first operand per second); such an op takes
     # the longer of that and its roofline time
     elementwise_rates: tuple[tuple[str, float], ...] = ()
+    # bytes/s of a copy between pinned host memory and the device (PCIe): what offload's copies take
+    # (NOTE: [Offload] in fbmt/compiler/passes/shard.py); a CPU rank's host is its device
+    host_bandwidth: float = 50e9
 
     def link(self, kind: str) -> tuple[float, float]:
         """(latency, bus bandwidth) of a collective kind ("all_gather", "reduce_scatter", ...)."""
@@ -173,7 +176,12 @@ def _interpolated(table: tuple[tuple[str, float, float], ...], work: float, dtyp
 # The rates measured on the H200 host of BENCHMARKS.md (matrix products, copy bandwidth, NVLink bus
 # bandwidth of an all-gather or reduce-scatter between 2 GPUs).
 H200 = Machine(
-    "H200 (NVLink)", matmul_flops=700e12, memory_bandwidth=4.19e12, bus_bandwidth=360e9, fp32_matmul_flops=50e12
+    "H200 (NVLink)",
+    matmul_flops=700e12,
+    memory_bandwidth=4.19e12,
+    bus_bandwidth=360e9,
+    fp32_matmul_flops=50e12,
+    host_bandwidth=50e9,  # PCIe 5.0 x16, pinned
 )
 
 
@@ -365,10 +373,20 @@ def _collective(n: fx.Node, machine: Machine) -> tuple[float, float, int]:
         world = r.world_size
         moved = sum(nbytes(_val(p)) + _val(p).numel() * r.wire_dtype.itemsize for p in r.pieces)
         host = machine.launch + moved / machine.memory_bandwidth
+    copied = comm.host_bytes(n)  # offload's copy between host and device, serial with the collective
+    across = copied / machine.host_bandwidth if copied and machine.host_bandwidth else 0.0
     if world == 1:
-        return host, 0.0, 0
-    latency, bandwidth = machine.link(kind.name)
-    return host, latency + kind.traffic(world) * total / bandwidth, total
+        return host, across, copied
+    latency, bandwidth = machine.link(_link_of(kind))
+    return host, across + latency + kind.traffic(world) * total / bandwidth, total
+
+
+def _link_of(kind: comm.CollectiveKind) -> str:
+    """The link a kind's transfer takes: its own; a host kind's is its role's plain kind's (its copy
+    across the host link is priced apart)."""
+    if kind.host:
+        return "all_gather" if kind.role == comm.GATHER else "reduce_scatter"
+    return kind.name
 
 
 def _bucket(members: list[tuple[fx.Node, float, int]], machine: Machine) -> tuple[float, float]:
@@ -378,7 +396,7 @@ def _bucket(members: list[tuple[fx.Node, float, int]], machine: Machine) -> tupl
     world, kind = comm.bucket_key(first)[2], comm.kind_of(first)
     if world == 1:
         return sum(h for _, h, _ in members), 0.0
-    latency, bandwidth = machine.link(kind.name)
+    latency, bandwidth = machine.link(_link_of(kind))
     return sum(h for _, h, _ in members), latency + kind.traffic(world) * sum(b for _, _, b in members) / bandwidth
 
 

@@ -3,7 +3,8 @@
     nodes.py      the IR's communication nodes (starts, `wait`, `release`) and their arguments by role
     spec.py       `CollectiveKind` (a row) and the lookups every layer uses: `kind_of`, `choose`, bytes, buckets
     query.py      a program's collectives as `Collective` records (start, wait, release, bytes, ...)
-    table.py      the rows of the kinds fbmt emits: all_gather, reduce_scatter, all_to_all_reduce
+    table.py      the rows of the kinds fbmt emits: all_gather, reduce_scatter, all_to_all_reduce, and
+                  with offload all_gather_from_host, reduce_scatter_to_host
     torch_impl.py their implementations on torch.distributed (copy and reduce streams), and probes
     reference.py  what they mean: results computed synchronously from all-gathers
     copies.py     the bounded-grid Triton copy and sum kernels the implementations use on CUDA
@@ -27,10 +28,12 @@ from fbmt.compiler.collectives.nodes import (
     Gather,
     Reduction,
     all_gather,
+    all_gather_from_host,
     all_to_all_reduce,
     gather_args,
     not_run,
     reduce_scatter,
+    reduce_scatter_to_host,
     reduction_args,
     release,
     wait,
@@ -42,6 +45,7 @@ from fbmt.compiler.collectives.spec import (
     bucket_key,
     choose,
     held_bytes,
+    host_bytes,
     is_collective,
     is_gather,
     is_reduction,
@@ -69,12 +73,14 @@ __all__ = [
     "Pending",
     "Reduction",
     "all_gather",
+    "all_gather_from_host",
     "all_to_all_reduce",
     "bucket_key",
     "choose",
     "collectives",
     "gather_args",
     "held_bytes",
+    "host_bytes",
     "is_collective",
     "is_gather",
     "is_reduction",
@@ -87,6 +93,7 @@ __all__ = [
     "named",
     "not_run",
     "reduce_scatter",
+    "reduce_scatter_to_host",
     "reduction_args",
     "register",
     "release",

@@ -77,6 +77,26 @@ def all_to_all_reduce(
     raise not_run("all_to_all_reduce")
 
 
+def all_gather_from_host(shard: torch.Tensor, world_size: int, dtype: torch.dtype | None = None) -> Any:
+    """`all_gather` of a shard that lives in host memory (NOTE: [Offload] in passes/shard.py): the
+    shard is copied to the device first, then cast and gathered; the buffer is on the device."""
+    raise not_run("all_gather_from_host")
+
+
+def reduce_scatter_to_host(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool,
+    wire_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Any:
+    """`reduce_scatter` whose shard gradient is copied to host memory, beside its shard (NOTE:
+    [Offload] in passes/shard.py)."""
+    raise not_run("reduce_scatter_to_host")
+
+
 def wait(handle: Any) -> torch.Tensor:
     """The result of a started collective, once it is done."""
     raise not_run("wait")

@@ -35,6 +35,7 @@ class Need(NamedTuple):
     grads_dtype: torch.dtype | None  # its gradients' dtype; None where they differ (or for a gather)
     wire_dtype: torch.dtype  # the dtype its reduction is asked to sum in
     narrow_wire: bool  # the compile option (NOTE: [Narrow wire] in passes/shard.py)
+    host: bool = False  # the group's shard lives in host memory (NOTE: [Offload])
 
 
 def _always(need: Need) -> bool:
@@ -84,6 +85,10 @@ class CollectiveKind:
     use: Callable[[Need], bool] = _always
     """Where the shard pass emits this kind for its role (the last row of the role whose `use` holds
     wins: a kind registered later takes precedence where it applies)."""
+    host: bool = False
+    """The shard lives in host memory (NOTE: [Offload]): a gather's start copies it to the device
+    first, a reduction's copies the reduced shard back; the implementation takes the compute device
+    as the keyword `device`, which the partitioner binds."""
 
     @property
     def name(self) -> str:
@@ -191,6 +196,19 @@ def wire_bytes(start: fx.Node) -> int:
         return value.numel() * world * (dtype or value.dtype).itemsize
     r = reduction_args(start)
     return r.padded_numel * r.wire_dtype.itemsize
+
+
+def host_bytes(start: fx.Node) -> int:
+    """The bytes a start of a host kind moves between host and device (NOTE: [Offload]): the shard a
+    gather copies in, or the shard gradient a reduction copies out; 0 for any other kind."""
+    k = kind_of(start)
+    if k is None or not k.host:
+        return 0
+    if k.role == GATHER:
+        value = gather_args(start).shard.meta["val"]
+        return value.numel() * value.dtype.itemsize
+    r = reduction_args(start)
+    return r.padded_numel // r.world_size * r.out_dtype.itemsize
 
 
 def held_bytes(start: fx.Node) -> int:

@@ -4,12 +4,24 @@ all_gather         a group's shard -> its whole buffer, cast to the compute dtyp
 reduce_scatter     a group's gradients -> this rank's shard of their mean or sum (a ring)
 all_to_all_reduce  the same with the gradients' own, narrower dtype on the wire, summed wider by
                    the receiver (NOTE: [Narrow wire] in passes/shard.py); where the option asks
+all_gather_from_host, reduce_scatter_to_host
+                   the first two for a shard in host memory (NOTE: [Offload] in passes/shard.py):
+                   copied to the device before the gather, the gradient's shard back after the
+                   reduction; with offload=True (never on a narrow wire)
 """
 
 from __future__ import annotations
 
 from fbmt.compiler.collectives import reference, torch_impl
-from fbmt.compiler.collectives.nodes import GATHER, REDUCE, all_gather, all_to_all_reduce, reduce_scatter
+from fbmt.compiler.collectives.nodes import (
+    GATHER,
+    REDUCE,
+    all_gather,
+    all_gather_from_host,
+    all_to_all_reduce,
+    reduce_scatter,
+    reduce_scatter_to_host,
+)
 from fbmt.compiler.collectives.spec import CollectiveKind, Need, register
 
 
@@ -55,5 +67,31 @@ ALL_TO_ALL_REDUCE = register(
         sends=lambda need: need.compute_dtype,  # the gradients' own dtype
         label="on a narrow wire: all-to-all",
         use=_narrow,
+    )
+)
+ALL_GATHER_FROM_HOST = register(
+    CollectiveKind(
+        node=all_gather_from_host,
+        role=GATHER,
+        implementation=torch_impl.all_gather_from_host,
+        bucketed=torch_impl.all_gather_from_host_bucket,
+        reference=reference.all_gather,
+        probe=torch_impl.probe_all_gather_from_host,
+        label="from host memory",
+        use=lambda need: need.host,
+        host=True,
+    )
+)
+REDUCE_SCATTER_TO_HOST = register(
+    CollectiveKind(
+        node=reduce_scatter_to_host,
+        role=REDUCE,
+        implementation=torch_impl.reduce_scatter_to_host,
+        bucketed=torch_impl.reduce_scatter_to_host_bucket,
+        reference=reference.reduction,
+        probe=torch_impl.probe_reduce_scatter_to_host,
+        label="to host memory",
+        use=lambda need: need.host,
+        host=True,
     )
 )

@@ -268,6 +268,69 @@ def wait(pending: Pending) -> torch.Tensor:
     return tensor
 
 
+# ---- offload: a shard in host memory (NOTE: [Offload] in passes/shard.py) ----------------------
+
+
+def all_gather_from_host(
+    shard: torch.Tensor, world_size: int, dtype: torch.dtype | None = None, *, device: torch.device
+) -> Pending:
+    """`all_gather` of a shard in host memory: copied to `device` on the copy stream, then cast and
+    gathered there (NOTE: [Copy stream]); where the host is the device (a CPU run), `all_gather`."""
+    if device.type != "cuda":
+        return all_gather(shard, world_size, dtype)
+    cast = dtype is not None and dtype != shard.dtype
+    out = torch.empty(shard.numel() * world_size, dtype=dtype if cast else shard.dtype, device=device)
+    with _on(side := _copy_stream(device)):
+        if world_size == 1 and not cast:
+            out.copy_(shard, non_blocking=True)
+            local = send = None
+        else:
+            local = torch.empty(shard.numel(), dtype=shard.dtype, device=device)
+            local.copy_(shard, non_blocking=True)
+            send = copies.copy_(torch.empty(shard.numel(), dtype=dtype, device=device), local) if cast else local
+        if world_size == 1:
+            if cast:
+                out.copy_(send)
+            work: Any = _Recorded(_recorded(side))
+        else:
+            work = all_gather_into(out, send, async_op=True)
+    return Pending(out, work, keep=(local, send), what=f"an all-gather from host memory of {out.numel()} {out.dtype}")
+
+
+def reduce_scatter_to_host(
+    pieces: list[torch.Tensor],
+    world_size: int,
+    padded_numel: int,
+    average: bool,
+    wire_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Pending:
+    """`reduce_scatter`, then this rank's shard of the result copied to pinned host memory on the copy
+    stream, once the reduction is done; where the host is the device (a CPU run), `reduce_scatter`.
+    The host tensor is complete once the device has run the copy: `RunProgram` synchronizes with the
+    device at the end of a backward that has one (NOTE: [Offload])."""
+    pending = reduce_scatter(pieces, world_size, padded_numel, average, wire_dtype, reduce_dtype, out_dtype)
+    device = pieces[0].device
+    if device.type != "cuda":
+        return pending
+    with _on(side := _copy_stream(device)):
+        if pending.work is not None:
+            pending.work.wait()  # the copy stream waits for the reduction (gloo: the host does)
+        shard = pending.tensor if pending.divisor == 1 else pending.tensor / pending.divisor
+        shard = shard.to(out_dtype)
+        host = torch.empty(shard.numel(), dtype=out_dtype, pin_memory=True)
+        host.copy_(shard, non_blocking=True)
+        work = _Recorded(_recorded(side))
+    return Pending(host, work, keep=(pending.keep, pending.tensor, shard), what=f"{pending.what} to host memory")
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 # ---- buckets: several groups' collectives as one call (NOTE: [Buckets] in fbmt/compiler/collectives/) ----
 
 
@@ -361,6 +424,55 @@ def reduce_scatter_bucket(members: list[tuple]) -> list[Pending]:
     return handles
 
 
+def all_gather_from_host_bucket(members: list[tuple], *, device: torch.device) -> list[Pending]:
+    """`all_gather_bucket` of shards in host memory: each copied into its place in the send buffer on
+    the device (the copy stream's), which is cast and gathered as one call."""
+    if device.type != "cuda":
+        return all_gather_bucket(members)
+    shards = [m[0] for m in members]
+    world, dtype = members[0][1], members[0][2] or shards[0].dtype
+    if world == 1:
+        return [all_gather_from_host(*m, device=device) for m in members]
+    sizes = [s.numel() for s in shards]
+    out = torch.empty(world * sum(sizes), dtype=dtype, device=device)
+    with _on(_copy_stream(device)):
+        staged = torch.empty(sum(sizes), dtype=shards[0].dtype, device=device)
+        offset = 0
+        for s in shards:
+            staged[offset : offset + s.numel()].copy_(s, non_blocking=True)
+            offset += s.numel()
+        send = (
+            copies.copy_(torch.empty(sum(sizes), dtype=dtype, device=device), staged)
+            if dtype != staged.dtype
+            else staged
+        )
+        work = all_gather_into(out, send, async_op=True)
+    split, shared = _Split(out, (staged, send), sizes, world), _Once(work)
+    what = f"a bucket of {len(members)} all-gathers from host memory ({out.numel()} {out.dtype})"
+    return [Pending(None, shared, then=functools.partial(split.part, i), what=what) for i in range(len(members))]
+
+
+def reduce_scatter_to_host_bucket(members: list[tuple]) -> list[Pending]:
+    """`reduce_scatter_bucket`, then each member's shard of the result copied to pinned host memory on
+    the copy stream once the reduction is done (as `reduce_scatter_to_host`)."""
+    handles = reduce_scatter_bucket(members)
+    device = members[0][0][0].device
+    if device.type != "cuda":
+        return handles
+    out = []
+    with _on(side := _copy_stream(device)):
+        for pending, (*_, out_dtype) in zip(handles, members):
+            if pending.work is not None:
+                pending.work.wait()  # the copy stream waits for the reduction (once: `_Once`)
+            shard = pending.tensor if pending.divisor == 1 else pending.tensor / pending.divisor
+            shard = shard.to(out_dtype)
+            host = torch.empty(shard.numel(), dtype=out_dtype, pin_memory=True)
+            host.copy_(shard, non_blocking=True)
+            out.append((host, (pending.keep, pending.tensor, shard), pending.what))
+        work = _Recorded(_recorded(side))
+    return [Pending(host, work, keep=keep, what=f"{what} to host memory") for host, keep, what in out]
+
+
 # ---- probes: one call of each kind as the runtime issues it, for fbmt.calibrate ----------------
 
 
@@ -379,6 +491,27 @@ def probe_all_gather(numel: int, device: torch.device) -> Callable[[bool], Any]:
 def probe_reduce_scatter(numel: int, device: torch.device) -> Callable[[bool], Any]:
     flat, part, _ = _buffers(numel, device)
     return lambda async_op=False: reduce_scatter_into(part, flat, async_op=async_op)
+
+
+def probe_all_gather_from_host(numel: int, device: torch.device) -> Callable[[bool], Any]:
+    _, part, world = _buffers(numel, device)
+    host = part.cpu().pin_memory() if device.type == "cuda" else part
+
+    def run(async_op: bool = False) -> Any:
+        pending = all_gather_from_host(host, world, device=device)
+        return pending.work if async_op else wait(pending)
+
+    return run
+
+
+def probe_reduce_scatter_to_host(numel: int, device: torch.device) -> Callable[[bool], Any]:
+    flat, _, world = _buffers(numel, device)
+
+    def run(async_op: bool = False) -> Any:
+        pending = reduce_scatter_to_host([flat], world, flat.numel(), False, flat.dtype, flat.dtype, flat.dtype)
+        return pending.work if async_op else wait(pending)
+
+    return run
 
 
 def probe_all_to_all(numel: int, device: torch.device) -> Callable[[bool], Any]:

@@ -27,6 +27,22 @@ rank's r-th chunk), and the receiver sums the chunks in fp32: the same sum, with
 for half the bytes on the wire and in the copy-in. It pays where the all-to-all is as fast as a ring
 (within one node), so `narrow_wire=None` takes it when every rank is on one node; across nodes a
 ring reduce-scatter scales better.
+
+NOTE: [Offload]
+With `offload=True` (FSDP2's CPUOffloadPolicy, ZeRO-Offload) the flat shards live in pinned host
+memory, and with them their gradients and the optimizer's state: a device holds only what a step
+computes with, the gathered groups and the activations. The program is the one without offload but
+for its collective kinds (the table's host rows, which `Need.host` selects): `all_gather_from_host`
+copies the shard to the device on the copy stream and gathers it there, `reduce_scatter_to_host`
+reduces as before and copies this rank's shard of the gradient back. So the copies are where the
+collectives are: the schedule issues them as early and waits for them as late as it does the
+collectives, the simulator prices them (`host_bandwidth`, across PCIe, before or after the
+transfer), remat="auto" with it, and `print(program)` shows them. The host tensors are complete once
+the device has run the copies: `RunProgram` synchronizes with the device at the end of an offloaded
+forward (the optimizer may write the shards next) and backward (autograd reads the gradients). The
+optimizer steps on the host: `AdamOffloadOptimizer` updates an fp32 host shard in place with the C++
+Adam, and any torch optimizer works on CPU tensors. Where the host is the device (a CPU rank) the host
+kinds run as the plain ones.
 """
 
 from __future__ import annotations
@@ -60,14 +76,16 @@ class ShardStats:
     gathers: int  # all-gather starts
     reductions: dict[str, int]  # gradient reductions, by kind
     labels: dict[str, str] = field(default_factory=dict)  # how the summary names a kind's (its table row's label)
+    offload: bool = False  # the shards live in host memory (NOTE: [Offload])
 
     def __str__(self) -> str:
         levels = f"zero={self.zero}" + (f" ({len(self.zero_by_block)} blocks overridden)" if self.zero_by_block else "")
         if self.zero == 3 and self.turnaround:
             levels += f", kept gathered across the turnaround: {', '.join(b or '<root>' for b in self.turnaround)}"
         labelled = [f" ({n} {self.labels[name]})" for name, n in self.reductions.items() if self.labels.get(name)]
+        gathers = f"{self.gathers} all-gathers" + (" (from host memory)" if self.offload else "")
         return (
-            f"{levels}, grads {self.grad_reduce}: {self.groups} flat groups, {self.gathers} all-gathers, "
+            f"{levels}, grads {self.grad_reduce}: {self.groups} flat groups, {gathers}, "
             f"{sum(self.reductions.values())} reduce-scatters{''.join(labelled)}"
         )
 
@@ -80,6 +98,7 @@ def shard_parameters(
     grad_reduce: str = "mean",
     reduce_dtype: torch.dtype | None = None,
     narrow_wire: bool = False,
+    offload: bool = False,
 ) -> tuple[Program, ShardStats]:
     """`per_block` overrides `zero` for the named blocks (BMTrain's `Block(zero_level=...)`).
 
@@ -88,7 +107,7 @@ def shard_parameters(
     compute dtype, is reduced in `reduce_dtype` (default: the storage dtype) and returned in the
     storage dtype. The casts happen inside the collective calls, so the schedule moves them along.
     `narrow_wire`: a gradient reduced in a wider dtype than its own travels in its own (NOTE: [Narrow
-    wire]).
+    wire]). `offload`: the shards live in host memory; their collectives copy across (NOTE: [Offload]).
     """
     per_block = per_block or {}
     program = program.copy()
@@ -119,7 +138,7 @@ def shard_parameters(
             first = min(users)  # nodes compare by their place in the graph
             with g.inserting_before(first):
                 if phase == FWD or level == 3 or fwd_buffer is None:
-                    buffer = _gather(g, shard, group, phase)
+                    buffer = _gather(g, shard, group, phase, offload)
                     gathers += 1
                 else:
                     buffer = fwd_buffer  # ZeRO-2: the forward's gathered buffer lives on
@@ -133,7 +152,7 @@ def shard_parameters(
             if phase == BWD or level == 3 or not read_by[BWD]:  # ZeRO-2 keeps it only for a backward reader
                 _release_after_last_use(g, buffer, phase)
         if group.requires_grad and program.needs_grad:
-            grad = _reduce(program, group, grads, grad_reduce == "mean", reduce_dtype, narrow_wire)
+            grad = _reduce(program, group, grads, grad_reduce == "mean", reduce_dtype, narrow_wire, offload)
             shard_grads.append((Role("shard_grad", group.index), grad))
     for p in params.values():
         assert not p.users, f"parameter placeholder {p.name} still has users {list(p.users)}"
@@ -148,7 +167,8 @@ def shard_parameters(
     held = tuple(program.layout.groups[i].block for i in sorted(turnaround))
     groups = len(program.layout.groups)
     labels = {name: kind.label for name in reductions if (kind := collectives.named(name)) is not None and kind.label}
-    return program, ShardStats(zero, dict(per_block), held, grad_reduce, groups, gathers, dict(reductions), labels)
+    stats = ShardStats(zero, dict(per_block), held, grad_reduce, groups, gathers, dict(reductions), labels, offload)
+    return program, stats
 
 
 def _turnaround(program: Program, params: dict[str, fx.Node]) -> list[FlatGroup]:
@@ -178,9 +198,9 @@ def _turnaround(program: Program, params: dict[str, fx.Node]) -> list[FlatGroup]
     return kept
 
 
-def _gather(g: fx.Graph, shard: fx.Node, group: FlatGroup, phase: str) -> fx.Node:
+def _gather(g: fx.Graph, shard: fx.Node, group: FlatGroup, phase: str, offload: bool) -> fx.Node:
     cast = () if group.compute == group.dtype else (group.compute,)
-    need = Need(group.world_size, group.compute, None, group.compute, False)
+    need = Need(group.world_size, group.compute, None, group.compute, False, offload)
     kind = collectives.choose(GATHER, need)
     start = emit(g, kind.node, (shard, group.world_size, *cast), phase, group=group.index)
     buffer = emit(g, collectives.wait, (start,), phase, group=group.index)
@@ -242,6 +262,7 @@ def _reduce(
     average: bool,
     reduce_dtype: torch.dtype | None,
     narrow_wire: bool,
+    offload: bool,
 ) -> fx.Node | None:
     """Right after the group's last gradient: one reduction of all of them over ranks, and its wait."""
     g = program.graph
@@ -259,7 +280,8 @@ def _reduce(
             for s, v in zip(group.slots, values)
         ]
         dtypes = {v.meta["val"].dtype for v in produced}
-        need = Need(group.world_size, group.compute, dtypes.pop() if len(dtypes) == 1 else None, wire, narrow_wire)
+        grads_dtype = dtypes.pop() if len(dtypes) == 1 else None
+        need = Need(group.world_size, group.compute, grads_dtype, wire, narrow_wire and not offload, offload)
         kind = collectives.choose(REDUCE, need)
         sent = collectives.wire_dtype(kind, need)  # NOTE: [Narrow wire]: a kind may send narrower than it sums
         args = (pieces, group.world_size, group.padded_numel, average, sent, wire, group.dtype)

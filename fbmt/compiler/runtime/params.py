@@ -32,8 +32,19 @@ log = logging.getLogger("fbmt")
 
 
 def build_shards(
-    module: nn.Module, layout: Layout, rank: int, device: torch.device, init_fn: InitFn | None
+    module: nn.Module,
+    layout: Layout,
+    rank: int,
+    device: torch.device,
+    init_fn: InitFn | None,
+    *,
+    home: torch.device | None = None,
 ) -> list[nn.Parameter]:
+    """This rank's flat shards of `module`'s parameters, in layout order, in `home` memory (default:
+    `device`, where a `meta` model's blocks are materialized and its buffers go); host memory is pinned
+    where `device` is a GPU (NOTE: [Offload] in passes/shard.py)."""
+    home = home or device
+    pin = home.type == "cpu" and device.type == "cuda"
     refs = _param_refs(module)
     shards = []
     with torch.no_grad():
@@ -46,7 +57,7 @@ def build_shards(
             params = dict(module.named_parameters())
             for g in groups:
                 assert g.index == len(shards), "shards must come out in layout.groups order (the runtime zips them)"
-                shard = torch.zeros(g.shard_numel, dtype=g.dtype, device=device)
+                shard = torch.zeros(g.shard_numel, dtype=g.dtype, device=home, pin_memory=pin)
                 copy_into_shard(shard, g, rank, params)
                 shards.append(nn.Parameter(shard, requires_grad=g.requires_grad))
             for n in names:
@@ -124,9 +135,11 @@ def agree_on_weights(module: nn.Module, layout: Layout, policy: str) -> None:
                 p.copy_(on)
 
 
-def gather_group(shard: torch.Tensor, group: FlatGroup) -> torch.Tensor:
-    """The whole flat buffer of a group (a blocking all-gather)."""
-    return torch_impl.wait(torch_impl.all_gather(shard.detach(), group.world_size))
+def gather_group(shard: torch.Tensor, group: FlatGroup, device: torch.device | None = None) -> torch.Tensor:
+    """The whole flat buffer of a group (a blocking all-gather), on `device` (default: the shard's; a
+    shard in host memory is gathered on the compute device, NOTE: [Offload] in passes/shard.py)."""
+    shard = shard.detach() if device is None else shard.detach().to(device)
+    return torch_impl.wait(torch_impl.all_gather(shard, group.world_size))
 
 
 def _param_refs(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -60,16 +60,24 @@ class Executable:
     records: bool  # its graphs report to a recorder from the host (NOTE in fbmt/compiler/ops/record.py)
     constants: dict[str, torch.Tensor]  # what to feed the inputs of kind "constant", by name
     updated_buffers: list[str]  # the buffers the forward writes (BatchNorm's running statistics)
+    # the CUDA device whose copies to and from host memory must be done when a graph returns (NOTE:
+    # [Offload] in passes/shard.py); None: the program copies nothing across, or its host is its device
+    host_copies: torch.device | None = None
 
     def run_forward(self, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
         """The user's outputs, and the values saved for the backward."""
         results = self.forward(*args)
+        if self.host_copies is not None:  # the host may write the shards next (the optimizer)
+            torch.cuda.synchronize(self.host_copies)
         return list(results[: self.n_outputs]), list(results[self.n_outputs :])
 
     def run_backward(self, saved: list[Any], *tangents: torch.Tensor) -> list[torch.Tensor | None]:
         """The gradients (`grad_roles`); takes the saved values out of `saved` as it goes (`take`)."""
         assert self.backward is not None
-        return list(self.backward(saved, *tangents))
+        results = list(self.backward(saved, *tangents))
+        if self.host_copies is not None:  # autograd reads the host gradients next
+            torch.cuda.synchronize(self.host_copies)
+        return results
 
 
 def partition(program: Program) -> Executable:
@@ -107,7 +115,8 @@ def partition(program: Program) -> Executable:
             + [saved_values.get(n) or env[n] for n in saved]
         )
     )
-    _lower(fg)
+    device = _device(program)
+    _lower(fg, device)
 
     # ---- backward ----
     backward = None
@@ -123,7 +132,7 @@ def partition(program: Program) -> Executable:
         for n in bwd_nodes:
             benv[n] = bg.node_copy(n, benv.__getitem__)
         bg.output(tuple(benv[v] if isinstance(v, fx.Node) else v for _, v in grad_out))
-        _lower(bg)
+        _lower(bg, device)
         backward = _GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
 
     diff_keys = [roles[t].key for t in tangents]
@@ -148,7 +157,16 @@ def partition(program: Program) -> Executable:
         records=record.holds_records(g),
         constants=program.constants,
         updated_buffers=[roles[n].key for n in program.placeholders() if n in mutated and roles[n].kind == "buffer"],
+        host_copies=(
+            device if device.type == "cuda" and any(comm.kind_of(n).host for n in program.collectives()) else None
+        ),
     )
+
+
+def _device(program: Program) -> torch.device:
+    """The device the program computes on: its parameters' (the fakes it was traced with)."""
+    fake = program.fake((0,), torch.float32)
+    return fake.device if fake is not None else torch.device("cpu")
 
 
 def take(box: list, i: int) -> Any:
@@ -180,7 +198,7 @@ def _with_grad_mode(op: Any) -> Any:
 _NEEDS_GRAD_MODE = {aten.mkldnn_rnn_layer.default: _with_grad_mode(aten.mkldnn_rnn_layer.default)}
 
 
-def _fuse_buckets(g: fx.Graph) -> None:
+def _fuse_buckets(g: fx.Graph, device: torch.device) -> None:
     """Each run of one bucket's adjacent starts that agree on what one call needs (`verify` checked
     that a bucket is one such run; this holds without it) becomes one call of the bucket's
     implementation, each member a `getitem` of its handle."""
@@ -207,27 +225,34 @@ def _fuse_buckets(g: fx.Graph) -> None:
         bucketed = comm.kind_of(members[0]).bucketed
         groups = [meta.group(m) for m in members]
         if comm.is_reduction(members[0]) and None not in groups:  # NOTE: [Accumulation without sync]
-            bucketed = unsynced.DeferrableBucket(bucketed, groups)
+            bucketed = unsynced.DeferrableBucket(bucketed, groups, on_host=comm.kind_of(members[0]).host)
+        kwargs = {"device": device} if comm.kind_of(members[0]).host and comm.is_gather(members[0]) else {}
         with g.inserting_before(members[0]):
-            fused = g.call_function(bucketed, (args,))
+            fused = g.call_function(bucketed, (args,), kwargs)
         fused.meta = {k: v for k, v in members[0].meta.items() if k != "val"}
         for i, m in enumerate(members):
             m.target, m.args, m.kwargs = operator.getitem, (fused, i), {}
 
 
-def _lower(g: fx.Graph) -> None:
+def _lower(g: fx.Graph, device: torch.device) -> None:
     """Drop dead pure nodes and the `release` markers; collective nodes call their implementations
     (NOTE: [Lowering the IR]), a reducing start through its group's sync switch (NOTE: [Accumulation without
-    sync]), and the ops of NOTE: [Ops that need grad mode] run with autograd on."""
+    sync]), a gather of a host kind with the `device` it copies to (NOTE: [Offload] in passes/shard.py),
+    and the ops of NOTE: [Ops that need grad mode] run with autograd on."""
     for n in reversed(list(g.nodes)):
         if n.op == "call_function" and (comm.is_release(n) or not n.users and not ops.effectful(n.target)):
             g.erase_node(n)
-    _fuse_buckets(g)
+    _fuse_buckets(g, device)
     for n in g.nodes:
         kind = comm.kind_of(n) if n.op == "call_function" else None
         if kind is not None:
             reducing = comm.is_reduction(n) and meta.group(n) is not None
-            n.target = unsynced.Deferrable(kind.implementation, meta.group(n)) if reducing else kind.implementation
+            if reducing:
+                n.target = unsynced.Deferrable(kind.implementation, meta.group(n), on_host=kind.host)
+            else:
+                if kind.host:  # a gather from host memory: the device it copies to (its only keyword)
+                    n.kwargs = {"device": device}
+                n.target = kind.implementation
         elif comm.is_wait(n):
             n.target = torch_impl.wait
         elif n.op == "call_function" and n.target in _NEEDS_GRAD_MODE:

@@ -120,16 +120,17 @@ class active:
         _active = self.before
 
 
-def _zeros(padded_numel: int, world_size: int, dtype: torch.dtype, like: torch.Tensor) -> Pending:
-    return Pending(torch.zeros(padded_numel // world_size, dtype=dtype, device=like.device), None)
+def _zeros(padded_numel: int, world_size: int, dtype: torch.dtype, device: torch.device) -> Pending:
+    return Pending(torch.zeros(padded_numel // world_size, dtype=dtype, device=device), None)
 
 
 class Deferrable:
     """A reducing start of one flat group, lowered: what it does depends on the active model's sync
     switch (NOTE: [Accumulation without sync])."""
 
-    def __init__(self, implementation: Callable[..., Any], group: int):
+    def __init__(self, implementation: Callable[..., Any], group: int, on_host: bool = False):
         self.implementation, self.group = implementation, group
+        self.on_host = on_host  # its shard's gradient lives in host memory (NOTE: [Offload] in passes/shard.py)
         self.__name__ = f"{getattr(implementation, '__name__', 'reduce')}_group{group}"
         self.__qualname__, self.__module__ = self.__name__, __name__
 
@@ -140,7 +141,8 @@ class Deferrable:
         average, wire_dtype, reduce_dtype, out_dtype = rest
         if unsynced.deferring:
             unsynced.add(self.group, pieces, padded_numel, reduce_dtype)
-            return _zeros(padded_numel, world_size, out_dtype, pieces[0])
+            device = torch.device("cpu") if self.on_host else pieces[0].device
+            return _zeros(padded_numel, world_size, out_dtype, device)
         if self.group in unsynced.held:
             pieces = [unsynced.add(self.group, pieces, padded_numel, reduce_dtype)]
             del unsynced.held[self.group]
@@ -151,8 +153,8 @@ class Deferrable:
 class DeferrableBucket:
     """A bucket's reducing start (several groups in one call), lowered as `Deferrable` is."""
 
-    def __init__(self, implementation: Callable[..., Any], groups: list[int]):
-        self.implementation, self.groups = implementation, groups
+    def __init__(self, implementation: Callable[..., Any], groups: list[int], on_host: bool = False):
+        self.implementation, self.groups, self.on_host = implementation, groups, on_host
         self.__name__ = f"{getattr(implementation, '__name__', 'reduce_bucket')}_groups{'_'.join(map(str, groups))}"
         self.__qualname__, self.__module__ = self.__name__, __name__
 
@@ -164,7 +166,8 @@ class DeferrableBucket:
             out = []
             for group, (pieces, world_size, padded_numel, _, _, reduce_dtype, out_dtype) in zip(self.groups, members):
                 unsynced.add(group, pieces, padded_numel, reduce_dtype)
-                out.append(_zeros(padded_numel, world_size, out_dtype, pieces[0]))
+                device = torch.device("cpu") if self.on_host else pieces[0].device
+                out.append(_zeros(padded_numel, world_size, out_dtype, device))
             return out
         members = list(members)
         for i, group in enumerate(self.groups):
