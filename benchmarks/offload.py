@@ -5,8 +5,10 @@ without offload, fbmt against FSDP2 (with `CPUOffloadPolicy` for offload); token
     python benchmarks/offload.py --method fbmt-offload --layers 36 --out r.json     # one attempt
 
 Methods: "fbmt" (shards, gradients and AdamW state on the device), "fbmt-offload" (`offload=True`: all
-three in pinned host memory, fbmt's C++ Adam steps on the host), "fsdp2" and "fsdp2-offload" (FSDP2 with
-`CPUOffloadPolicy`, torch's AdamW on the host). Every method trains benchmarks/llama.py's Llama with the
+three in pinned host memory, fbmt's C++ Adam steps on the host), "fbmt-adam-offload" (shards and
+gradients on the device, Adam's moments on the host: `AdamOffloadOptimizer` stages the fp32 shards
+through the host in chunks), "fsdp2" and "fsdp2-offload" (FSDP2 with `CPUOffloadPolicy`, torch's AdamW
+on the host). Every method trains benchmarks/llama.py's Llama with the
 loss inside (vocabulary 32000, FFN 11008, 32 heads), bf16 compute, fp32 parameters and gradient
 reduction, block recompute, a batch of `--batch` x `--seq` tokens, on one GPU. An attempt runs in its own
 process, so that running out of device memory (an exception) or host memory (the kernel's OOM killer)
@@ -28,14 +30,18 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
+# every method alike: memory is allocated in segments that grow, so that what one size frees fits the next
+# (the allocator's fragmentation would otherwise decide the largest model as much as the method)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import CONFIGS, LlamaWithLoss
 
-METHODS = ("fbmt", "fbmt-offload", "fsdp2", "fsdp2-offload")
+METHODS = ("fbmt", "fbmt-offload", "fbmt-adam-offload", "fsdp2", "fsdp2-offload")
 
 
 def _init_(p: torch.Tensor) -> None:
@@ -53,7 +59,7 @@ def build(method: str, layers: int, device: torch.device, backend: str) -> tuple
     cfg = dataclasses.replace(CONFIGS["6.7b"], n_layers=layers)
     with torch.device("meta"):
         model = LlamaWithLoss(cfg)
-    offload = method.endswith("-offload")
+    offload = method in ("fbmt-offload", "fsdp2-offload")
     if method.startswith("fbmt"):
         import fbmt
 
@@ -72,7 +78,7 @@ def build(method: str, layers: int, device: torch.device, backend: str) -> tuple
             offload=offload,
             cache_dir=False,
         )
-        if offload:
+        if method != "fbmt":
             return model, fbmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4, weight_decay=0.1)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -96,6 +96,8 @@ class AdamBase(torch.optim.Optimizer):
             p = params[int(index)]
             st = self._state(p)
             for key, value in entry.items():
+                if key == "master" and key not in st:  # saved when a CUDA fp32 parameter kept a host copy of
+                    continue  # itself (fbmt before it became its own master): the same values as the parameter
                 if not isinstance(value, torch.Tensor):
                     st[key] = value
                 elif value.numel() != p.numel():
