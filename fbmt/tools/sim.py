@@ -20,7 +20,9 @@ cast before an all-gather, the copy of the gradients into the reduction's buffer
 runtime's copy stream, NOTE: [Copy stream] in runtime/collectives.py) plus `latency + (N - 1) / N *
 bytes / bus bandwidth` (ring all-gather / reduce-scatter; an all-to-all moves as many bytes), with
 each kind's own latency and bandwidth where they were measured; on one rank the copies run on the
-compute stream. Compute that runs while a collective is in flight is slowed by the machine's
+compute stream. A host kind's copy between host memory and the device (`offload=True`, NOTE: [Offload]
+in passes/shard.py) adds `host_bytes / host_bandwidth` to its time on the communication stream, on one
+rank too. Compute that runs while a collective is in flight is slowed by the machine's
 `comm_slowdown` (NCCL's kernels take SMs; gloo's threads take cores), and a collective beside
 compute by its `comm_stretch`. A `wait` stalls the compute stream until its collective is done (from
 the stall on, the collective runs alone, at full speed): that stall is *exposed communication*,
