@@ -120,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="GPU only: replay each step's forward and backward as CUDA graphs after 2 warm-up steps",
     )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="keep the shards, gradients and AdamW's state in host memory; step with fbmt's C++ Adam "
+        "(fbmt.compile(offload=True), fbmt.optim.AdamOffloadOptimizer)",
+    )
     p.add_argument("--corpus-mb", type=float, default=16.0, help="how much of the stdlib to read")
     p.add_argument(
         "--checkpoints",
@@ -143,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cuda_graph and not gpu:
         p.error("--cuda-graph needs GPUs (CUDA graphs), and this machine has none")
+    if args.cuda_graph and args.offload:
+        p.error("--cuda-graph and --offload: a CUDA graph replays device memory, offloaded shards live on the host")
     if args.ranks < 1:
         p.error(f"--ranks {args.ranks}: at least one rank is needed")
     if args.steps < 1:
@@ -242,9 +250,13 @@ def main(args: argparse.Namespace) -> None:
         schedule=args.schedule,
         backend=args.backend,
         cuda_graph=args.cuda_graph,
+        offload=args.offload,
         init_fn=init_weights,
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if args.offload:  # the same update as torch's AdamW, in place on the host shards
+        opt = fbmt.optim.AdamOffloadOptimizer(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     corpus = load_corpus(args.corpus_mb)
     split = int(0.95 * len(corpus))
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -252,7 +264,8 @@ def main(args: argparse.Namespace) -> None:
     ranks = f"{world} rank{'s' if world > 1 else ''}"
     log(
         f"fbmt.train: GPT {n_params / 1e6:.2f}M params ({args.dtype}), {ranks} on {device.type}, "
-        f"zero={args.zero} remat={args.remat} schedule={schedule_name(args.schedule)} backend={args.backend}, "
+        f"zero={args.zero} remat={args.remat} schedule={schedule_name(args.schedule)} backend={args.backend}"
+        f"{', offload' if args.offload else ''}, "
         f"corpus {len(corpus) / 2**20:.1f} MB of stdlib source, "
         f"{args.batch_size}x{args.seq_len} tokens per rank per step",
         flush=True,

@@ -86,6 +86,24 @@ def test_the_schedule_argument_takes_every_strategy_its_options_and_saved_schedu
     assert schedule_arg(str(tmp_path / "s.json")) == saved
 
 
+def test_main_job_with_offload_trains_and_resumes_its_host_optimizer(tmp_path):
+    """`--offload`: fbmt.compile(offload=True) stepped by AdamOffloadOptimizer; its checkpoint resumes."""
+    small = ["--ranks", "2", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq-len", "64", "--corpus-mb", "1"]
+    small += ["--checkpoints", str(tmp_path), "--offload", "--save-every", "8"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    losses = []
+    for steps in ("16", "20"):
+        cmd = [sys.executable, "-m", "fbmt.train", *small, "--steps", steps]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert ", offload," in run.stdout
+        losses += [
+            float(line.split("loss ")[1].split()[0]) for line in run.stdout.splitlines() if line.startswith("step ")
+        ]
+    assert "fbmt.train: resumed from" in run.stdout and "(step 16 of 20)" in run.stdout, run.stdout[-2000:]
+    assert len(losses) == 20 and sum(losses[-4:]) / 4 < losses[0] - 0.5, losses  # resumed at 16, and learning
+
+
 def test_bmtrain_example_runs_under_torchrun_and_its_loss_falls(tmp_path):
     out = tmp_path / "gpt.pt"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
