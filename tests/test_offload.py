@@ -111,3 +111,12 @@ def test_the_simulator_prices_the_copies_across_the_host_link():
     copied = sum(host_bytes(n) for n in programs[True].collectives())
     assert copied > 0 and all(host_bytes(n) == 0 for n in programs[False].collectives())
     assert fbmt.simulate(programs[True], slow).step_s >= plain + 0.9 * copied / 1e6
+
+
+def test_an_offloaded_model_compiled_on_meta_to_inspect_holds_no_memory():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=16, n_head=2))
+    model = fbmt.compile(model, cache_dir=False, world_size=8, device="meta", offload=True)
+    assert all(p.is_meta for p in model.parameters())
+    program = model.trace(_batch(0)[:2], device="cpu")
+    assert {n.target.__name__ for n in program.collectives()} == {"all_gather_from_host", "reduce_scatter_to_host"}

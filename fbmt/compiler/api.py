@@ -77,8 +77,9 @@ def compile_module(
     if world > 1 and world == job.world_size():  # NOTE: [Ranks' weights]
         agree_on_weights(model, layout, o.weights)
     # NOTE: [Offload] in passes/shard.py: the shards (so their gradients and the optimizer's state) in
-    # pinned host memory, which the device's copies read and write without staging
-    home = torch.device("cpu") if o.offload else device
+    # pinned host memory, which the device's copies read and write without staging; a model compiled on
+    # `meta` to inspect its programs holds no memory, offloaded or not
+    home = torch.device("cpu") if o.offload and device.type != "meta" else device
     shards = build_shards(model, layout, rank, device, o.init_fn or init_fn, home=home)
     return module_class(
         model, layout, shards, options=o, plan=plan, device=device, rank=rank, search=search, **class_args
