@@ -43,6 +43,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -515,8 +516,15 @@ def _worker(rank: int, world: int, port: int, quick: bool, out: str) -> None:
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(machine.to_dict(), f)
+        dist.barrier()  # no rank tears down while a peer may still be in the last collective
     finally:
         dist.destroy_process_group()
+    # The profile is on disk and the group is gone: skip interpreter finalization, where gloo's worker
+    # threads can still hold work objects and abort the process ("terminate called without an active
+    # exception", pytorch/pytorch#179291), which would fail a calibration that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawned(ranks: int, quick: bool) -> Machine:
