@@ -55,7 +55,9 @@ def build(args: argparse.Namespace) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def train(model: torch.nn.Module, args: argparse.Namespace, out: str) -> tuple[list[float], transformers.Trainer]:
+def train(
+    model: torch.nn.Module, args: argparse.Namespace, out: str, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[list[float], transformers.Trainer]:
     training = transformers.TrainingArguments(
         output_dir=out,
         per_device_train_batch_size=args.batch,
@@ -76,7 +78,7 @@ def train(model: torch.nn.Module, args: argparse.Namespace, out: str) -> tuple[l
     data = Counting(
         args.batch * args.accumulate * args.steps * int(os.environ.get("WORLD_SIZE", "1")), args.seq, args.vocab
     )
-    trainer = transformers.Trainer(model=model, args=training, train_dataset=data)
+    trainer = transformers.Trainer(model=model, args=training, train_dataset=data, optimizers=(optimizer, None))
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
@@ -95,13 +97,21 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="also train eager (DDP) and compare")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="fbmt.compile(offload=True): shards, gradients and Adam's state in host memory, stepped by "
+        "fbmt.optim.AdamOffloadOptimizer (Trainer's AdamW, in fbmt's C++ Adam)",
+    )
     args = p.parse_args()
     transformers.logging.set_verbosity_error()
 
     fbmt.init_distributed(seed=args.seed)
-    model = fbmt.compile(build(args))
+    model = fbmt.compile(build(args), offload=args.offload)
+    # Trainer's own optimizer is torch's AdamW; with offload, the same update runs on the host shards in place
+    host_adam = fbmt.optim.AdamOffloadOptimizer(model.parameters(), lr=args.lr) if args.offload else None
     with tempfile.TemporaryDirectory() as out:
-        losses, _ = train(model, args, out)
+        losses, _ = train(model, args, out, host_adam)
     params = model.full_parameters()  # a collective: every rank
     if fbmt.rank() == 0:
         print(f"fbmt: {args.steps} steps on {fbmt.world_size()} rank(s), loss {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -88,6 +88,7 @@ def test_offloaded_shards_and_gradients_live_in_host_memory_and_stay_there():
     _loss(model, _batch(0)).backward()
     assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in model.parameters())
     model.to("cpu")
+    model.to("cpu:0")  # the host, however it is written (Trainer writes this)
     model.cpu()
     assert all(p.device.type == "cpu" for p in model.parameters())
     with pytest.raises(ValueError, match=r"offload=True.*compile it with device='meta'"):

@@ -255,14 +255,15 @@ def test_forward_presents_the_models_signature():
     assert model.main_input_name == "input_ids" and model.can_generate()
 
 
-def test_the_trainer_example_matches_eager_ddp():
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
+def test_the_trainer_example_matches_eager_ddp(offload):
     """examples/hf_trainer.py: transformers.Trainer on 2 ranks, 2 micro-batches per step; --check trains
     eager DDP and compares. accelerate runs the first micro-batch under no_sync(): one gradient reduction
-    per flat group per optimizer step."""
+    per flat group per optimizer step. --offload: shards in host memory, stepped by AdamOffloadOptimizer."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "examples/hf_trainer.py"]
     run = subprocess.run(
-        [*cmd, "--steps", "6", "--accumulate", "2", "--check"],
+        [*cmd, "--steps", "6", "--accumulate", "2", "--check", *(["--offload"] if offload else [])],
         cwd=ROOT,
         env=env,
         capture_output=True,

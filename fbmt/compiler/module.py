@@ -716,7 +716,7 @@ class CompiledModule(nn.Module):
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None:
             self._keep_dtype(dtype, "to")
-        if self.options.offload and device is not None and job.compute_device(device) != self.device:
+        if self.options.offload and device is not None and not _same_device(job.compute_device(device), self.device):
             raise ValueError(
                 f"fbmt: model.to({str(device)!r}) on a model compiled with offload=True for {self.device}: its "
                 "shards stay in host memory and its programs compute on that device; compile it with "
@@ -831,3 +831,8 @@ class CompiledModule(nn.Module):
                         )
                     b.copy_(v)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """One device, however it is written: "cpu" and "cpu:0" are the host (Trainer writes the latter)."""
+    return a.type == b.type and (a.type == "cpu" or a.index is None or b.index is None or a.index == b.index)
