@@ -281,18 +281,17 @@ def all_gather_from_host(
     cast = dtype is not None and dtype != shard.dtype
     out = torch.empty(shard.numel() * world_size, dtype=dtype if cast else shard.dtype, device=device)
     with _on(side := _copy_stream(device)):
-        if world_size == 1 and not cast:
-            out.copy_(shard, non_blocking=True)
-            local = send = None
+        if world_size == 1:  # the buffer is the shard: copied in (and cast on the device, into it)
+            local = torch.empty(shard.numel(), dtype=shard.dtype, device=device) if cast else out
+            local.copy_(shard, non_blocking=True)
+            if cast:
+                copies.copy_(out, local)
+            send = None
+            work: Any = _Recorded(_recorded(side))
         else:
             local = torch.empty(shard.numel(), dtype=shard.dtype, device=device)
             local.copy_(shard, non_blocking=True)
             send = copies.copy_(torch.empty(shard.numel(), dtype=dtype, device=device), local) if cast else local
-        if world_size == 1:
-            if cast:
-                out.copy_(send)
-            work: Any = _Recorded(_recorded(side))
-        else:
             work = all_gather_into(out, send, async_op=True)
     return Pending(out, work, keep=(local, send), what=f"an all-gather from host memory of {out.numel()} {out.dtype}")
 
