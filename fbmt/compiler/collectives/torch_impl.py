@@ -307,7 +307,7 @@ def reduce_scatter_to_host(
 ) -> Pending:
     """`reduce_scatter`, then this rank's shard of the result copied to pinned host memory on the copy
     stream, once the reduction is done; where the host is the device (a CPU run), `reduce_scatter`.
-    The host tensor is complete once the device has run the copy: `RunProgram` synchronizes with the
+    The host tensor is complete once the device has run the copy: the Executable synchronizes with the
     device at the end of a backward that has one (NOTE: [Offload])."""
     pending = reduce_scatter(pieces, world_size, padded_numel, average, wire_dtype, reduce_dtype, out_dtype)
     device = pieces[0].device

@@ -38,11 +38,11 @@ reduces as before and copies this rank's shard of the gradient back. So the copi
 collectives are: the schedule issues them as early and waits for them as late as it does the
 collectives, the simulator prices them (`host_bandwidth`, across PCIe, before or after the
 transfer), remat="auto" with it, and `print(program)` shows them. The host tensors are complete once
-the device has run the copies: `RunProgram` synchronizes with the device at the end of an offloaded
-forward (the optimizer may write the shards next) and backward (autograd reads the gradients). The
-optimizer steps on the host: `AdamOffloadOptimizer` updates an fp32 host shard in place with the C++
-Adam, and any torch optimizer works on CPU tensors. Where the host is the device (a CPU rank) the host
-kinds run as the plain ones.
+the device has run the copies: the Executable (runtime/partition.py) synchronizes with the device at
+the end of an offloaded forward (the optimizer may write the shards next) and backward (autograd
+reads the gradients). The optimizer steps on the host: `AdamOffloadOptimizer` updates an fp32 host
+shard in place with the C++ Adam, and any torch optimizer works on CPU tensors. Where the host is the
+device (a CPU rank) the host kinds run as the plain ones.
 """
 
 from __future__ import annotations
