@@ -2,7 +2,7 @@
 gradients and the optimizer's state live in host memory, and the program's collectives are the host
 kinds, which copy across where the host is not the device. On CPU ranks the host is the device, so
 these tests check what the option changes in the program, the simulator and the module, and that it
-trains as the program without it does; tests/gpu/offload_on_gpu.py checks the copies on a GPU."""
+trains as the program without it does; tests/gpu/offload_model_on_gpu.py checks the copies on a GPU."""
 
 from __future__ import annotations
 
