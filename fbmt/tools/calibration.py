@@ -495,7 +495,8 @@ def summary(m: Machine) -> str:
             else ""
         )
         + f"copies {m.memory_bandwidth / 1e9:.1f} GB/s, "
-        f"{m.launch * 1e6:.1f} us per node ({m.view_cost * 1e6:.1f} us per view); {links}; "
+        + (f"host <-> device {m.host_bandwidth / 1e9:.1f} GB/s, " if m.host_bandwidth != m.memory_bandwidth else "")
+        + f"{m.launch * 1e6:.1f} us per node ({m.view_cost * 1e6:.1f} us per view); {links}; "
         f"compute {m.comm_slowdown:.0%} slower under communication, "
         f"collectives {m.comm_stretch:.0%} slower beside compute"
         + (f"; collectives allocate {m.comm_buffer:.1f}x their buffer while they run" if m.comm_buffer else "")
