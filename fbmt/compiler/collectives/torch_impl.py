@@ -314,14 +314,22 @@ def reduce_scatter_to_host(
     if device.type != "cuda":
         return pending
     with _on(side := _copy_stream(device)):
-        if pending.work is not None:
-            pending.work.wait()  # the copy stream waits for the reduction (gloo: the host does)
-        shard = pending.tensor if pending.divisor == 1 else pending.tensor / pending.divisor
-        shard = shard.to(out_dtype)
-        host = torch.empty(shard.numel(), dtype=out_dtype, pin_memory=True)
-        host.copy_(shard, non_blocking=True)
-        work = _Recorded(_recorded(side))
-    return Pending(host, work, keep=(pending.keep, pending.tensor, shard), what=f"{pending.what} to host memory")
+        host = _to_host(pending, out_dtype)
+        host.work = _Recorded(_recorded(side))
+    return host
+
+
+def _to_host(pending: Pending, out_dtype: torch.dtype) -> Pending:
+    """On the current (copy) stream: wait for a reduction, finish its shard (divide, cast) and copy it
+    to pinned host memory; the handle's `work` is for the caller to set, once its copies are queued.
+    The device buffers stay held until the handle's wait, which the compute stream orders after them."""
+    if pending.work is not None:
+        pending.work.wait()  # the copy stream waits for the reduction (once for a bucket: `_Once`; gloo: the host)
+    shard = pending.tensor if pending.divisor == 1 else pending.tensor / pending.divisor
+    shard = shard.to(out_dtype)
+    host = torch.empty(shard.numel(), dtype=out_dtype, pin_memory=True)
+    host.copy_(shard, non_blocking=True)
+    return Pending(host, None, keep=(pending.keep, pending.tensor, shard), what=f"{pending.what} to host memory")
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -458,18 +466,12 @@ def reduce_scatter_to_host_bucket(members: list[tuple]) -> list[Pending]:
     device = members[0][0][0].device
     if device.type != "cuda":
         return handles
-    out = []
     with _on(side := _copy_stream(device)):
-        for pending, (*_, out_dtype) in zip(handles, members):
-            if pending.work is not None:
-                pending.work.wait()  # the copy stream waits for the reduction (once: `_Once`)
-            shard = pending.tensor if pending.divisor == 1 else pending.tensor / pending.divisor
-            shard = shard.to(out_dtype)
-            host = torch.empty(shard.numel(), dtype=out_dtype, pin_memory=True)
-            host.copy_(shard, non_blocking=True)
-            out.append((host, (pending.keep, pending.tensor, shard), pending.what))
-        work = _Recorded(_recorded(side))
-    return [Pending(host, work, keep=keep, what=f"{what} to host memory") for host, keep, what in out]
+        hosts = [_to_host(pending, m[-1]) for pending, m in zip(handles, members)]
+        done = _Recorded(_recorded(side))  # after every member's copy
+    for host in hosts:
+        host.work = done
+    return hosts
 
 
 # ---- probes: one call of each kind as the runtime issues it, for fbmt.calibrate ----------------
