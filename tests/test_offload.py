@@ -93,6 +93,9 @@ def test_offloaded_shards_and_gradients_live_in_host_memory_and_stay_there():
     assert all(p.device.type == "cpu" for p in model.parameters())
     with pytest.raises(ValueError, match=r"offload=True.*compile it with device='meta'"):
         model.to("meta")
+    with pytest.raises(TypeError, match="param_dtype=torch.float16"):  # a cast is refused, never skipped
+        model.type(torch.float16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
     with pytest.raises(ValueError, match="offload=True, cuda_graph=True"):
         fbmt.compile(_gpt(), cache_dir=False, world_size=1, offload=True, cuda_graph=True)
 

@@ -725,8 +725,13 @@ class CompiledModule(nn.Module):
         return nn.Module.to(self, *args, **kwargs)
 
     def _apply(self, fn: Any, recurse: bool = True) -> CompiledModule:
-        """What `to`, `cuda` and `cpu` do to the shards: nothing with offload=True, whose shards stay in
-        host memory (NOTE: [Offload] in passes/shard.py); `to` refuses another device."""
+        """What `to`, `cuda`, `cpu` and `type` do to the shards: a cast (`model.type(torch.float16)`) is
+        refused as `to` refuses it; with offload=True nothing else either, the shards stay in host
+        memory (NOTE: [Offload] in passes/shard.py; `to` refuses another device)."""
+        for dtype in {p.dtype for p in self.flat_params}:
+            cast = fn(torch.empty(0, dtype=dtype)).dtype  # what fn would make of a shard
+            if cast != dtype:
+                self._keep_dtype(cast, "type")
         if self.options.offload:
             return self
         return nn.Module._apply(self, fn, recurse)
