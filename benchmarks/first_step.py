@@ -52,6 +52,10 @@ def one(method: str, args: argparse.Namespace, folders: dict[str, str], config: 
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
+    if args.logs:  # the whole run's output, FBMT_LOG's lines included (each region's compile time)
+        os.makedirs(args.logs, exist_ok=True)
+        with open(os.path.join(args.logs, f"{folders.get('round', 'bytecode')}_{method}.txt"), "w") as f:
+            f.write(done.stdout + done.stderr)
     if done.returncode != 0:
         return dict(method=method, error=(done.stdout + done.stderr)[-2000:])
     with open(out) as f:
@@ -73,6 +77,7 @@ def main() -> None:
     ap.add_argument("--peer", default="fsdp2-compile", help="gpu_train.py's peer method ('': fbmt alone)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds one process may take")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--logs", default=None, help="write each run's output to this folder")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="first-step-")
     pyc = os.path.join(root, "pyc")
@@ -93,14 +98,14 @@ def main() -> None:
     rows = []
     for round_ in ("cold", "warm"):
         for who, method in (("fbmt", args.fbmt), ("peer", args.peer)) if args.peer else (("fbmt", args.fbmt),):
-            rows.append(dict(round=round_, **one(method, args, folders[who])))
+            rows.append(dict(round=round_, **one(method, args, {**folders[who], "round": round_})))
             print(json.dumps(rows[-1]), flush=True)
     entry_only = {
         **folders["fbmt"],
         "inductor": os.path.join(root, "empty", "i"),
         "triton": os.path.join(root, "empty", "t"),
     }
-    rows.append(dict(round="entry only", **one(args.fbmt, args, entry_only)))
+    rows.append(dict(round="entry only", **one(args.fbmt, args, {**entry_only, "round": "entry-only"})))
     print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.config}{' (HF)' if args.hf else ''}, remat {args.remat}, batch {args.batch} x {args.seq}")
     print("| method | round | process (s) | build (s) | first step (s) | fbmt compile (s) | Inductor (s) |")
