@@ -30,7 +30,7 @@ def _local(kwargs: dict, rank: int, world: int) -> dict:
     return {k: fbmt.local_part(v) if v.dim() else v for k, v in kwargs.items()}
 
 
-def _trains_as_eager(rank: int, world: int, name: str, dtype: torch.dtype) -> None:
+def _trains_as_eager(rank: int, world: int, name: str, dtype: torch.dtype) -> str:
     ref = hf.build(name).to(dtype)
     model = fbmt.compile(copy.deepcopy(ref))
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
@@ -50,6 +50,7 @@ def _trains_as_eager(rank: int, world: int, name: str, dtype: torch.dtype) -> No
     full = model.full_parameters()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(full[model.layout.aliases.get(n, n)], p.detach(), **tol, msg=f"{name}: {n}")
+    return str(model.program.stats("loss"))  # what became of the model's loss (tests/passes/test_loss.py)
 
 
 @pytest.mark.parametrize("name", hf.NAMES)

@@ -23,6 +23,7 @@ from fbmt.compiler.layout import Layout
 from fbmt.compiler.passes import (
     Pass,
     assign_blocks,
+    chunk_losses,
     merge_products,
     recompute_blocks,
     run_passes,
@@ -46,6 +47,7 @@ Search = Callable[[Program, "Plan"], RematChoice]
 
 # The passes in order, each with the options it reads from the plan (NOTE: [Plan]).
 PIPELINE: tuple[tuple[str, Callable[..., Any], Callable[[Plan], dict[str, Any]]], ...] = (
+    ("loss", chunk_losses, lambda plan: {}),  # a cross-entropy over a large vocabulary, in chunks of tokens
     ("blocks", assign_blocks, lambda plan: {}),  # tag forward nodes with their block
     (  # recompute block activations in the backward instead of saving them
         "remat",

@@ -17,17 +17,19 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def emit(graph: fx.Graph, target: Any, args: tuple, phase: str, **tags: Any) -> fx.Node:
+def emit(
+    graph: fx.Graph, target: Any, args: tuple, phase: str, *, kwargs: dict[str, Any] | None = None, **tags: Any
+) -> fx.Node:
     """A call_function node at the graph's insert point, with its phase and `tags` (`fbmt.compiler.meta.tag`'s
     names: block=, group=, ...), and (for an aten op) its value computed on the fake tensors of its arguments."""
-    node = graph.call_function(target, args)
+    node = graph.call_function(target, args, kwargs)
     meta.tag(node, phase=phase, **tags)
     if isinstance(target, torch._ops.OpOverload):
         vals = fx.node.map_arg(args, lambda a: a.meta.get("val"))  # lists of nodes (a cat's) too
         fake = next((v for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
         if fake is not None:
             with fake.fake_mode:
-                node.meta["val"] = target(*vals)
+                node.meta["val"] = target(*vals, **(kwargs or {}))
     return node
 
 

@@ -3,6 +3,7 @@
 declined). `fbmt/compiler/pipeline.py` lists them in order with their options; `runner.run_passes`
 runs such a list: it times, records, verifies and dumps every pass.
 
+    loss      a cross-entropy over a large vocabulary, computed chunk by chunk over the tokens
     blocks    tag forward nodes with their block (the unit of sharding and recompute)
     remat     recompute block activations in the backward instead of saving them
     merge     products that read one input, weights side by side, become one product
@@ -15,7 +16,7 @@ Passes import the IR (`program`, `layout`, `meta`, `ops`, `collectives`), never 
 
 NOTE: [Pass stats]
 What a pass did is data: each pass returns a frozen dataclass of its own (`BlockStats`,
-`RematStats`, `MergeStats`, `ShardStats`, `ScheduleStats`; `Note` for a sentence: "ok", "disabled by
+`RematStats`, `LossStats`, `MergeStats`, `ShardStats`, `ScheduleStats`; `Note` for a sentence: "ok", "disabled by
 the user") holding its counts, the policies it applied, the blocks it treated specially and what
 it declined, and whose `str()` is the one line `print(program)` shows. The runner keeps it in the
 program's history (`PassRecord.stats`); `program.stats("shard").gathers` reads it, tests assert on
@@ -24,6 +25,7 @@ it, and remat="auto"'s choice reaches the remat pass as such a record (`RematCho
 
 from fbmt.compiler.passes import strategies  # noqa: F401  (registers the built-in strategies)
 from fbmt.compiler.passes.blocks import BlockStats, assign_blocks
+from fbmt.compiler.passes.loss import LossStats, chunk_losses
 from fbmt.compiler.passes.merge import MergeStats, merge_products
 from fbmt.compiler.passes.remat import (
     POLICIES,
@@ -50,6 +52,7 @@ __all__ = [
     "BlockRecompute",
     "BlockStats",
     "Costs",
+    "LossStats",
     "MergeStats",
     "RematChoice",
     "RematStats",
@@ -58,6 +61,7 @@ __all__ = [
     "Trailing",
     "assign_blocks",
     "block_costs",
+    "chunk_losses",
     "merge_products",
     "recompute_blocks",
     "schedule_overlap",

@@ -1,0 +1,281 @@
+"""Loss: a cross-entropy over a large vocabulary, computed chunk by chunk over the tokens.
+
+Requires: a joint Program from the trace (its forward and backward; or a forward alone).
+Ensures: each cross-entropy (`F.cross_entropy` traces to `_log_softmax` then `nll_loss_forward`, and
+their two backward ops) whose fp32 log-probabilities would take more than CHUNK_BYTES, of static
+sizes, without class weights, averaged or summed, is computed in chunks of rows (tokens): no
+[tokens, vocab] tensor of fp32 exists any more, in the forward or the backward. Values equal
+eager's up to the order of summation. Every other cross-entropy is left as it was, and the pass's
+line in `print(program)` says why.
+
+NOTE: [Chunked cross-entropy]
+What eager does: the logits of a language model ([tokens, vocab], in the model's dtype) are cast to
+fp32 (Hugging Face's loss does it; so does fbmt's zoo), `log_softmax` makes a second fp32 tensor of
+that size, which the backward keeps, and the backward makes a third (the gradient, before its cast
+back). At 8k tokens a step and a 32k vocabulary each is 1 GiB; at 128k, 4 GiB; and it sits at the
+very end of the forward, where the activations are at their peak.
+What this pass makes of it: the forward computes each chunk's `logsumexp` from a chunk of the logits
+cast on the fly, so only one chunk of fp32 exists at a time, and keeps the logits (in their own
+dtype; Hugging Face returns them anyway) and one fp32 number per token. The loss is
+`logsumexp - logit[target]` over the tokens that are not `ignore_index`, summed, and divided by
+their count for `reduction="mean"`. The backward recomputes each chunk's softmax from the logits and
+the kept `logsumexp`, subtracts the target's one-hot, scales by the loss's gradient (over the count)
+and casts to the logits' dtype; the chunks are concatenated into the logits' gradient (Inductor
+writes each chunk in place). The chunk count makes one chunk's fp32 at most CHUNK_BYTES.
+Why a pass and not a kernel: the trace sees the ops Hugging Face's and everyone's loss functions
+call, unmodified, and the pass finds them by their ops (the cast and the views before them
+included), so no model is rewritten. The linear layer that makes the logits is left alone: its
+output is the logits the model returns.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fbmt.compiler import meta, ops
+from fbmt.compiler.ops import emit
+from fbmt.compiler.ops.tables import hint
+from fbmt.compiler.program import BWD, FWD, Program
+
+aten = torch.ops.aten
+
+CHUNK_BYTES = 256 << 20  # one chunk's fp32 logits at most; a smaller loss is not chunked
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_MEAN, _SUM = 1, 2  # nll_loss's `reduction` argument
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """What the loss pass did (NOTE: [Pass stats])."""
+
+    chunked: tuple[tuple[int, int, int], ...]  # (tokens, vocab, chunks) of each chunked cross-entropy
+    kept: tuple[str, ...]  # why each large cross-entropy left as it was was left
+
+    def __str__(self) -> str:
+        said = [f"cross-entropy over {n} tokens x {v} classes in {c} chunks" for n, v, c in self.chunked]
+        said += [f"cross-entropy kept: {why}" for why in self.kept]
+        return "; ".join(said) or "no cross-entropy large enough to chunk"
+
+
+@dataclass
+class _Loss:
+    """One cross-entropy of the graph, and the nodes the rewrite reads or replaces."""
+
+    log_softmax: fx.Node
+    nll: fx.Node  # nll_loss_forward: (loss, total_weight)
+    logits: fx.Node  # the value the chunks are cut from: the fp32 input, or what it was cast from
+    shape: tuple[int, int]  # (tokens, classes)
+    target: fx.Node
+    reduction: int
+    ignore: int
+    nll_backward: fx.Node | None = None
+    softmax_backward: fx.Node | None = None
+    logits_grad: fx.Node | None = None  # the backward's node whose value is the gradient of `logits`
+
+
+def chunk_losses(program: Program, chunk_bytes: int | None = None) -> tuple[Program, LossStats]:
+    program = program.copy()
+    g = program.graph
+    limit = chunk_bytes or CHUNK_BYTES
+    chunked, kept = [], []
+    for node in [n for n in g.nodes if n.target is aten._log_softmax.default]:
+        found = _find(node, limit)
+        if isinstance(found, str):
+            kept.append(found)
+        elif found is not None:
+            chunks = max(1, math.ceil(found.shape[0] * found.shape[1] * 4 / limit))
+            _rewrite(g, found, chunks)
+            chunked.append((*found.shape, chunks))
+    g.lint()
+    return program, LossStats(tuple(chunked), tuple(kept))
+
+
+def _find(ls: fx.Node, limit: int) -> _Loss | str | None:
+    """The cross-entropy `ls` begins, if it is one to chunk; why not where it is large; None if small."""
+    x, dim, half_to_float = ls.args
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or dim not in (1, -1) or half_to_float:
+        return None
+    n, v = val.shape
+    if not isinstance(n, int) or not isinstance(v, int):
+        return "its sizes are symbolic" if _large(val, limit) else None
+    if n * v * 4 <= limit:
+        return None
+    if val.dtype != torch.float32:
+        return f"its input is {val.dtype}, not float32"
+    users = {u.target: u for u in ls.users}
+    if len(users) != len(ls.users) or not set(users) <= {
+        aten.nll_loss_forward.default,
+        aten.nll_loss_backward.default,
+        aten._log_softmax_backward_data.default,
+    }:
+        return "its log-probabilities are read by other ops than the loss"
+    nll = users.get(aten.nll_loss_forward.default)
+    if nll is None or nll.args[0] is not ls:
+        return "its log-probabilities are read by other ops than the loss"
+    _, target, weight, reduction, ignore = nll.args
+    if weight is not None:
+        return "it weighs the classes"
+    if reduction not in (_MEAN, _SUM):
+        return "reduction='none'"
+    if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in nll.users):
+        return "its outputs are read in an unexpected way"
+    found = _Loss(ls, nll, _source(x), (n, v), target, reduction, ignore)
+    nllb, lsb = users.get(aten.nll_loss_backward.default), users.get(aten._log_softmax_backward_data.default)
+    if (nllb is None) != (lsb is None):
+        return "only part of its backward was found"
+    if nllb is not None:
+        total = _output(nll, 1)
+        if (
+            list(nllb.users) != [lsb]
+            or lsb.args[0] is not nllb
+            or nllb.args[1:] != (ls, target, None, reduction, ignore, total)
+        ):
+            return "its backward is not autograd's"
+        found.nll_backward, found.softmax_backward = nllb, lsb
+        found.logits_grad = _gradient_of(lsb, found.logits)
+        if found.logits_grad is None:
+            return "its gradient does not reach the logits' shape"
+    return found
+
+
+def _large(val: torch.Tensor, limit: int) -> bool:
+    return hint(val.numel()) * 4 > limit
+
+
+def _output(node: fx.Node, k: int) -> fx.Node | None:
+    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == k), None)
+
+
+def _source(x: fx.Node) -> fx.Node:
+    """The value the fp32 input is made from by reshapes and at most one cast, read by nothing else:
+    the chunks are cut from it, so the fp32 copy is never made whole."""
+    node, cast = x, False
+    while len(node.users) == 1 and isinstance(node.args[0] if node.args else None, fx.Node):
+        if node.target in _RESHAPES:
+            pass
+        elif _cast(node) and not cast:
+            cast = True
+        else:
+            break
+        up = node.args[0]
+        if len(up.users) != 1:  # read elsewhere too: it exists anyway, cut from it
+            node = up
+            break
+        node = up
+    val = node.meta.get("val")
+    n, v = x.meta["val"].shape
+    if not isinstance(val, torch.Tensor) or not val.is_contiguous() or val.numel() != n * v or val.shape[-1] != v:
+        return x
+    return node
+
+
+def _cast(node: fx.Node) -> bool:
+    """A `_to_copy` that changes the dtype alone (not the device, layout or strides)."""
+    if node.target is not aten._to_copy.default or not set(node.kwargs) <= {"dtype", "layout", "device"}:
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return (
+        isinstance(src, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and (src.device, src.layout, src.stride()) == (out.device, out.layout, out.stride())
+    )
+
+
+def _gradient_of(lsb: fx.Node, logits: fx.Node) -> fx.Node | None:
+    """The latest node of the chain of reshapes and casts that follows the softmax's backward whose
+    value has the logits' shape and dtype: the logits' gradient."""
+    want = logits.meta["val"]
+    node, best = lsb, None
+    while True:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.shape == want.shape and val.dtype == want.dtype:
+            best = node
+        if len(node.users) != 1:
+            return best
+        (u,) = node.users
+        if u.target not in _RESHAPES and not _cast(u):
+            return best
+        node = u
+
+
+def _rewrite(g: fx.Graph, loss: _Loss, chunks: int) -> None:
+    n, v = loss.shape
+    rows = math.ceil(n / chunks)
+    spans = [(r, min(rows, n - r)) for r in range(0, n, rows)]
+    dtype = loss.logits.meta["val"].dtype
+    fwd = {k: x for k, x in meta.facts(loss.nll).items() if k != "phase"}
+
+    def f(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return emit(g, target, args, FWD, kwargs=kwargs or None, **fwd)
+
+    with g.inserting_before(loss.nll):
+        flat = (
+            loss.logits if tuple(loss.logits.meta["val"].shape) == (n, v) else f(aten.view.default, loss.logits, [n, v])
+        )
+
+        def fp32(e: Any, x: fx.Node) -> fx.Node:
+            return x if dtype == torch.float32 else e(aten._to_copy.default, x, dtype=torch.float32)
+
+        parts = [
+            f(aten.logsumexp.default, fp32(f, f(aten.slice.Tensor, flat, 0, r, r + k)), [1], False) for r, k in spans
+        ]
+        lse = parts[0] if len(parts) == 1 else f(aten.cat.default, parts, 0)
+        valid = f(aten.ne.Scalar, loss.target, loss.ignore)
+        safe = f(aten.where.ScalarOther, valid, loss.target, 0)
+        picked = fp32(f, f(aten.squeeze.dim, f(aten.gather.default, flat, 1, f(aten.unsqueeze.default, safe, 1)), 1))
+        total = f(aten.sum.default, f(aten.where.ScalarOther, valid, f(aten.sub.Tensor, lse, picked), 0.0))
+        count = f(aten.sum.default, f(aten._to_copy.default, valid, dtype=torch.float32))
+        value = f(aten.div.Tensor, total, count) if loss.reduction == _MEAN else total
+    for k, new in ((0, value), (1, count)):
+        old = _output(loss.nll, k)
+        if old is not None:
+            old.replace_all_uses_with(new)
+
+    if loss.nll_backward is not None:
+        bwd = {k: x for k, x in meta.facts(loss.nll_backward).items() if k != "phase"}
+
+        def b(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+            return emit(g, target, args, BWD, kwargs=kwargs or None, **bwd)
+
+        with g.inserting_before(loss.nll_backward):
+            grad = loss.nll_backward.args[0]
+            scale = b(aten.div.Tensor, grad, count) if loss.reduction == _MEAN else grad
+            per_row = b(aten.mul.Tensor, b(aten._to_copy.default, valid, dtype=torch.float32), scale)
+            minus = b(aten.neg.default, per_row)
+            grads = []
+            for r, k in spans:
+
+                def rows_of(x: fx.Node, r: int = r, k: int = k) -> fx.Node:
+                    return b(aten.unsqueeze.default, b(aten.slice.Tensor, x, 0, r, r + k), 1)
+
+                logits = fp32(b, b(aten.slice.Tensor, flat, 0, r, r + k))
+                p = b(aten.mul.Tensor, b(aten.exp.default, b(aten.sub.Tensor, logits, rows_of(lse))), rows_of(per_row))
+                p = b(aten.scatter_add.default, p, 1, rows_of(safe), rows_of(minus))
+                grads.append(p if dtype == torch.float32 else b(aten._to_copy.default, p, dtype=dtype))
+            whole = grads[0] if len(grads) == 1 else b(aten.cat.default, grads, 0)
+            want = tuple(loss.logits_grad.meta["val"].shape)
+            if tuple(whole.meta["val"].shape) != want:
+                whole = b(aten.view.default, whole, list(want))
+        loss.logits_grad.replace_all_uses_with(whole)
+    _erase_dead(g, loss)
+
+
+def _erase_dead(g: fx.Graph, loss: _Loss) -> None:
+    """Erase what the rewrite left unread: the old ops and the reshapes and casts around them."""
+    todo = [loss.logits_grad, *loss.nll.users, loss.nll, loss.log_softmax]
+    erased: set[fx.Node] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in erased or node.users or not (ops.pure(node) or node.target is operator.getitem):
+            continue
+        inputs = node.all_input_nodes
+        g.erase_node(node)
+        erased.add(node)
+        todo.extend(inputs)
