@@ -19,7 +19,8 @@ cast on the fly, so only one chunk of fp32 exists at a time, and keeps the logit
 dtype; Hugging Face returns them anyway) and one fp32 number per token. The loss is
 `logsumexp - logit[target]` over the tokens that are not `ignore_index`, summed, and divided by
 their count for `reduction="mean"`. The backward recomputes each chunk's softmax from the logits and
-the kept `logsumexp`, subtracts the target's one-hot, scales by the loss's gradient (over the count)
+the kept `logsumexp`, subtracts the target's one-hot (a comparison with the class index, so the
+chunk is pointwise and compiles to one kernel), scales by the loss's gradient (over the count)
 and casts to the logits' dtype; the chunks are concatenated into the logits' gradient (Inductor
 writes each chunk in place). The chunk count makes one chunk's fp32 at most CHUNK_BYTES.
 Why a pass and not a kernel: the trace sees the ops Hugging Face's and everyone's loss functions
@@ -248,16 +249,21 @@ def _rewrite(g: fx.Graph, loss: _Loss, chunks: int) -> None:
             grad = loss.nll_backward.args[0]
             scale = b(aten.div.Tensor, grad, count) if loss.reduction == _MEAN else grad
             per_row = b(aten.mul.Tensor, b(aten._to_copy.default, valid, dtype=torch.float32), scale)
-            minus = b(aten.neg.default, per_row)
+            device = flat.meta["val"].device
+            classes = b(aten.arange.start, 0, v, dtype=torch.int64, device=device, pin_memory=False)
+            with flat.meta["val"].fake_mode:  # no tensor argument to compute its value from
+                classes.meta["val"] = torch.arange(v, device=device)
             grads = []
             for r, k in spans:
 
                 def rows_of(x: fx.Node, r: int = r, k: int = k) -> fx.Node:
                     return b(aten.unsqueeze.default, b(aten.slice.Tensor, x, 0, r, r + k), 1)
 
+                # (softmax - one-hot) * scale, all pointwise: a compiled region makes it in one kernel
                 logits = fp32(b, b(aten.slice.Tensor, flat, 0, r, r + k))
-                p = b(aten.mul.Tensor, b(aten.exp.default, b(aten.sub.Tensor, logits, rows_of(lse))), rows_of(per_row))
-                p = b(aten.scatter_add.default, p, 1, rows_of(safe), rows_of(minus))
+                softmax = b(aten.exp.default, b(aten.sub.Tensor, logits, rows_of(lse)))
+                hot = b(aten._to_copy.default, b(aten.eq.Tensor, classes, rows_of(safe)), dtype=torch.float32)
+                p = b(aten.mul.Tensor, b(aten.sub.Tensor, softmax, hot), rows_of(per_row))
                 grads.append(p if dtype == torch.float32 else b(aten._to_copy.default, p, dtype=dtype))
             whole = grads[0] if len(grads) == 1 else b(aten.cat.default, grads, 0)
             want = tuple(loss.logits_grad.meta["val"].shape)
