@@ -14,15 +14,16 @@ fp32 (Hugging Face's loss does it; so does fbmt's zoo), `log_softmax` makes a se
 that size, which the backward keeps, and the backward makes a third (the gradient, before its cast
 back). At 8k tokens a step and a 32k vocabulary each is 1 GiB; at 128k, 4 GiB; and it sits at the
 very end of the forward, where the activations are at their peak.
-What this pass makes of it: the forward computes each chunk's `logsumexp` from a chunk of the logits
-cast on the fly, so only one chunk of fp32 exists at a time, and keeps the logits (in their own
-dtype; Hugging Face returns them anyway) and one fp32 number per token. The loss is
-`logsumexp - logit[target]` over the tokens that are not `ignore_index`, summed, and divided by
-their count for `reduction="mean"`. The backward recomputes each chunk's softmax from the logits and
-the kept `logsumexp`, subtracts the target's one-hot (a comparison with the class index, so the
-chunk is pointwise and compiles to one kernel), scales by the loss's gradient (over the count)
-and casts to the logits' dtype; the chunks are concatenated into the logits' gradient (Inductor
-writes each chunk in place). The chunk count makes one chunk's fp32 at most CHUNK_BYTES.
+What this pass makes of it: eager's own ops, on chunks of tokens. The forward casts a chunk of the
+logits, takes its `log_softmax` and sums its `nll_loss` (the tokens that are not `ignore_index`), so
+only one chunk of fp32 exists at a time; the chunks' sums and counts add up to the loss (divided by
+the count for `reduction="mean"`). It keeps only the logits, in their own dtype (Hugging Face
+returns them anyway). The backward makes each chunk's log-probabilities again, runs the two
+backward ops on them with the whole loss's count, casts the result to the logits' dtype, and
+concatenates the chunks into the logits' gradient (Inductor writes each chunk in place). Each
+token's loss and gradient is eager's to the bit; only the order of the sum over tokens changes. The
+chunk count makes one chunk's fp32 at most CHUNK_BYTES. The price is one more `log_softmax` over
+the logits, in the backward.
 Why a pass and not a kernel: the trace sees the ops Hugging Face's and everyone's loss functions
 call, unmodified, and the pass finds them by their ops (the cast and the views before them
 included), so no model is rewritten. The linear layer that makes the logits is left alone: its
@@ -207,69 +208,66 @@ def _gradient_of(lsb: fx.Node, logits: fx.Node) -> fx.Node | None:
 
 
 def _rewrite(g: fx.Graph, loss: _Loss, chunks: int) -> None:
+    """Each chunk runs the ops eager runs on the whole (`_log_softmax`, `nll_loss_forward`, and in the
+    backward `nll_loss_backward`, `_log_softmax_backward_data`): torch's own fused kernels, so each
+    token's loss and gradient is eager's to the bit, and only the sum over chunks is new. The chunk's
+    log-probabilities are made again in the backward instead of being kept."""
     n, v = loss.shape
     rows = math.ceil(n / chunks)
-    spans = [(r, min(rows, n - r)) for r in range(0, n, rows)]
+    spans = [(r, r + min(rows, n - r)) for r in range(0, n, rows)]
     dtype = loss.logits.meta["val"].dtype
     fwd = {k: x for k, x in meta.facts(loss.nll).items() if k != "phase"}
+    bwd = {k: x for k, x in meta.facts(loss.nll_backward).items() if k != "phase"} if loss.nll_backward else {}
 
     def f(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         return emit(g, target, args, FWD, kwargs=kwargs or None, **fwd)
 
+    def b(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return emit(g, target, args, BWD, kwargs=kwargs or None, **bwd)
+
+    def log_probs(e: Any, flat: fx.Node, start: int, end: int) -> fx.Node:
+        x = e(aten.slice.Tensor, flat, 0, start, end)
+        if dtype != torch.float32:
+            x = e(aten._to_copy.default, x, dtype=torch.float32)
+        return e(aten._log_softmax.default, x, 1, False)
+
     with g.inserting_before(loss.nll):
-        flat = (
-            loss.logits if tuple(loss.logits.meta["val"].shape) == (n, v) else f(aten.view.default, loss.logits, [n, v])
-        )
-
-        def fp32(e: Any, x: fx.Node) -> fx.Node:
-            return x if dtype == torch.float32 else e(aten._to_copy.default, x, dtype=torch.float32)
-
-        parts = [
-            f(aten.logsumexp.default, fp32(f, f(aten.slice.Tensor, flat, 0, r, r + k)), [1], False) for r, k in spans
-        ]
-        lse = parts[0] if len(parts) == 1 else f(aten.cat.default, parts, 0)
-        valid = f(aten.ne.Scalar, loss.target, loss.ignore)
-        safe = f(aten.where.ScalarOther, valid, loss.target, 0)
-        picked = fp32(f, f(aten.squeeze.dim, f(aten.gather.default, flat, 1, f(aten.unsqueeze.default, safe, 1)), 1))
-        total = f(aten.sum.default, f(aten.where.ScalarOther, valid, f(aten.sub.Tensor, lse, picked), 0.0))
-        count = f(aten.sum.default, f(aten._to_copy.default, valid, dtype=torch.float32))
+        shape = tuple(loss.logits.meta["val"].shape)
+        flat = loss.logits if shape == (n, v) else f(aten.view.default, loss.logits, [n, v])
+        sums, counts = [], []
+        for start, end in spans:
+            target = f(aten.slice.Tensor, loss.target, 0, start, end)
+            out = f(aten.nll_loss_forward.default, log_probs(f, flat, start, end), target, None, _SUM, loss.ignore)
+            for k, into in ((0, sums), (1, counts)):
+                into.append(f(operator.getitem, out, k))
+                into[-1].meta["val"] = out.meta["val"][k]
+        total, count = sums[0], counts[0]
+        for s, c in zip(sums[1:], counts[1:]):
+            total, count = f(aten.add.Tensor, total, s), f(aten.add.Tensor, count, c)
         value = f(aten.div.Tensor, total, count) if loss.reduction == _MEAN else total
     for k, new in ((0, value), (1, count)):
         old = _output(loss.nll, k)
         if old is not None:
             old.replace_all_uses_with(new)
+    if loss.nll_backward is None:
+        _erase_dead(g, loss)
+        return
 
-    if loss.nll_backward is not None:
-        bwd = {k: x for k, x in meta.facts(loss.nll_backward).items() if k != "phase"}
-
-        def b(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-            return emit(g, target, args, BWD, kwargs=kwargs or None, **bwd)
-
-        with g.inserting_before(loss.nll_backward):
-            grad = loss.nll_backward.args[0]
-            scale = b(aten.div.Tensor, grad, count) if loss.reduction == _MEAN else grad
-            per_row = b(aten.mul.Tensor, b(aten._to_copy.default, valid, dtype=torch.float32), scale)
-            device = flat.meta["val"].device
-            classes = b(aten.arange.start, 0, v, dtype=torch.int64, device=device, pin_memory=False)
-            with flat.meta["val"].fake_mode:  # no tensor argument to compute its value from
-                classes.meta["val"] = torch.arange(v, device=device)
-            grads = []
-            for r, k in spans:
-
-                def rows_of(x: fx.Node, r: int = r, k: int = k) -> fx.Node:
-                    return b(aten.unsqueeze.default, b(aten.slice.Tensor, x, 0, r, r + k), 1)
-
-                # (softmax - one-hot) * scale, all pointwise: a compiled region makes it in one kernel
-                logits = fp32(b, b(aten.slice.Tensor, flat, 0, r, r + k))
-                softmax = b(aten.exp.default, b(aten.sub.Tensor, logits, rows_of(lse)))
-                hot = b(aten._to_copy.default, b(aten.eq.Tensor, classes, rows_of(safe)), dtype=torch.float32)
-                p = b(aten.mul.Tensor, b(aten.sub.Tensor, softmax, hot), rows_of(per_row))
-                grads.append(p if dtype == torch.float32 else b(aten._to_copy.default, p, dtype=dtype))
-            whole = grads[0] if len(grads) == 1 else b(aten.cat.default, grads, 0)
-            want = tuple(loss.logits_grad.meta["val"].shape)
-            if tuple(whole.meta["val"].shape) != want:
-                whole = b(aten.view.default, whole, list(want))
-        loss.logits_grad.replace_all_uses_with(whole)
+    with g.inserting_before(loss.nll_backward):
+        grad = loss.nll_backward.args[0]
+        grads = []
+        for start, end in spans:
+            ls = log_probs(b, flat, start, end)
+            target = b(aten.slice.Tensor, loss.target, 0, start, end)
+            # the whole loss's count: a chunk's tokens get the gradient of the mean over all of them
+            g_nll = b(aten.nll_loss_backward.default, grad, ls, target, None, loss.reduction, loss.ignore, count)
+            d = b(aten._log_softmax_backward_data.default, g_nll, ls, 1, torch.float32)
+            grads.append(d if dtype == torch.float32 else b(aten._to_copy.default, d, dtype=dtype))
+        whole = grads[0] if len(grads) == 1 else b(aten.cat.default, grads, 0)
+        want = tuple(loss.logits_grad.meta["val"].shape)
+        if tuple(whole.meta["val"].shape) != want:
+            whole = b(aten.view.default, whole, list(want))
+    loss.logits_grad.replace_all_uses_with(whole)
     _erase_dead(g, loss)
 
 
