@@ -160,3 +160,29 @@ def test_hugging_face_llamas_loss_is_found_and_chunked(monkeypatch):
     model(**kwargs).loss.backward()
     ((tokens, vocab, chunks),) = model.program.stats("loss").chunked
     assert (tokens, vocab) == (kwargs["input_ids"].numel(), hf.VOCAB) and chunks > 1
+
+
+def test_a_program_of_symbolic_lengths_chunks_its_loss_and_equals_eager_at_new_lengths(monkeypatch):
+    """Batches of many lengths (dynamic padding): one program of symbolic sizes after the first, its
+    chunk bounds sizes of the graph, and eager's loss and gradients at lengths it never traced."""
+    monkeypatch.setattr(loss, "CHUNK_BYTES", 4096)
+    torch.manual_seed(0)
+    model = _Head()
+    ref = copy.deepcopy(model)
+    compiled = fbmt.compile(model, checks=True, cache_dir=False)
+    # (at 2 x 9 tokens each of the 8 chunks still has two: a chunk of one would be a new program, as
+    # any size of 1 is in a program of symbolic sizes)
+    for step, length in enumerate((12, 20, 33, 57, 9)):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randint(0, VOCAB, (2, length), generator=g), torch.randint(0, VOCAB, (2, length), generator=g)
+        y[0, :2] = -100
+        got, want = compiled(x, y), ref(x, y)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"length {length}")
+        grads = compiled.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=f"length {length}: {name}")
+    assert len(compiled.programs) == 2, [p.summary("loss") for p in compiled.programs.values()]
+    symbolic = [p for p in compiled.programs.values() if not isinstance(p.stats("loss").chunked[0][0], int)]
+    assert len(symbolic) == 1 and symbolic[0].stats("loss").chunked[0][1:] == (VOCAB, 8), symbolic[0].summary("loss")

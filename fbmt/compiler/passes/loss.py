@@ -2,8 +2,8 @@
 
 Requires: a joint Program from the trace (its forward and backward; or a forward alone).
 Ensures: each cross-entropy (`F.cross_entropy` traces to `_log_softmax` then `nll_loss_forward`, and
-their two backward ops) whose fp32 log-probabilities would take more than CHUNK_BYTES, of static
-sizes, without class weights, averaged or summed, is computed in chunks of rows (tokens): no
+their two backward ops) whose fp32 log-probabilities would take more than CHUNK_BYTES, without
+class weights, averaged or summed, is computed in chunks of rows (tokens): no
 [tokens, vocab] tensor of fp32 exists any more, in the forward or the backward. Values equal
 eager's up to the order of summation. Every other cross-entropy is left as it was, and the pass's
 line in `print(program)` says why.
@@ -28,6 +28,11 @@ Why a pass and not a kernel: the trace sees the ops Hugging Face's and everyone'
 call, unmodified, and the pass finds them by their ops (the cast and the views before them
 included), so no model is rewritten. The linear layer that makes the logits is left alone: its
 output is the logits the model returns.
+In a program of symbolic sizes (NOTE: [Dynamic sizes]) the number of tokens is a symbol: the
+number of chunks is the one the traced length needs, and chunk i is tokens [i n // chunks,
+(i + 1) n // chunks), that arithmetic being nodes of the graph. The fake kernels assume each chunk
+has at least two tokens (as of any symbolic size); the program's guards say so, and a batch too
+short for that gets a program of its own.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -56,7 +62,7 @@ _MEAN, _SUM = 1, 2  # nll_loss's `reduction` argument
 class LossStats:
     """What the loss pass did (NOTE: [Pass stats])."""
 
-    chunked: tuple[tuple[int, int, int], ...]  # (tokens, vocab, chunks) of each chunked cross-entropy
+    chunked: tuple[tuple[int | str, int, int], ...]  # (tokens, vocab, chunks) of each chunked cross-entropy
     kept: tuple[str, ...]  # why each large cross-entropy left as it was was left
 
     def __str__(self) -> str:
@@ -91,9 +97,10 @@ def chunk_losses(program: Program, chunk_bytes: int | None = None) -> tuple[Prog
         if isinstance(found, str):
             kept.append(found)
         elif found is not None:
-            chunks = max(1, math.ceil(found.shape[0] * found.shape[1] * 4 / limit))
+            n, v = found.shape  # chunks of at most `limit` at the traced number of tokens
+            chunks = min(hint(n), max(1, math.ceil(hint(n) * v * 4 / limit)))
             _rewrite(g, found, chunks)
-            chunked.append((*found.shape, chunks))
+            chunked.append((n if isinstance(n, int) else str(n), v, chunks))
     g.lint()
     return program, LossStats(tuple(chunked), tuple(kept))
 
@@ -105,10 +112,10 @@ def _find(ls: fx.Node, limit: int) -> _Loss | str | None:
     if not isinstance(val, torch.Tensor) or val.dim() != 2 or dim not in (1, -1) or half_to_float:
         return None
     n, v = val.shape
-    if not isinstance(n, int) or not isinstance(v, int):
-        return "its sizes are symbolic" if _large(val, limit) else None
-    if n * v * 4 <= limit:
+    if hint(n) * hint(v) * 4 <= limit:
         return None
+    if not isinstance(v, int):
+        return "its number of classes is symbolic"
     if val.dtype != torch.float32:
         return f"its input is {val.dtype}, not float32"
     users = {u.target: u for u in ls.users}
@@ -129,6 +136,8 @@ def _find(ls: fx.Node, limit: int) -> _Loss | str | None:
     if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in nll.users):
         return "its outputs are read in an unexpected way"
     found = _Loss(ls, nll, _source(x), (n, v), target, reduction, ignore)
+    if not isinstance(n, int) and not _same_shape(found.logits.meta["val"].shape, (n, v)) and x.target not in _RESHAPES:
+        return "its symbolic number of tokens is not a reshape's"
     nllb, lsb = users.get(aten.nll_loss_backward.default), users.get(aten._log_softmax_backward_data.default)
     if (nllb is None) != (lsb is None):
         return "only part of its backward was found"
@@ -141,14 +150,36 @@ def _find(ls: fx.Node, limit: int) -> _Loss | str | None:
         ):
             return "its backward is not autograd's"
         found.nll_backward, found.softmax_backward = nllb, lsb
-        found.logits_grad = _gradient_of(lsb, found.logits)
+        found.logits_grad = _gradient_of(lsb, found.logits, (n, v))
         if found.logits_grad is None:
             return "its gradient does not reach the logits' shape"
+        if not isinstance(n, int) and not _same_shape(found.logits_grad.meta["val"].shape, (n, v)):
+            return "its gradient is reshaped from symbolic sizes"
     return found
 
 
-def _large(val: torch.Tensor, limit: int) -> bool:
-    return hint(val.numel()) * 4 > limit
+def _same(a: Any, b: Any) -> bool:
+    """Two sizes are the same, as numbers or as expressions of symbolic sizes. Never `==` on symbolic
+    sizes: that would add a guard to the program (NOTE: [Dynamic sizes])."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    ea = a.node.expr if isinstance(a, torch.SymInt) else sympy.Integer(a)
+    eb = b.node.expr if isinstance(b, torch.SymInt) else sympy.Integer(b)
+    return sympy.expand(ea - eb) == 0
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+def _contiguous(val: torch.Tensor) -> bool:
+    """Row-major and dense, read from the sizes and strides as expressions (no guard)."""
+    expected: Any = 1
+    for size, stride in reversed(list(zip(val.shape, val.stride()))):
+        if not (isinstance(size, int) and size == 1) and not _same(stride, expected):
+            return False
+        expected = expected * size
+    return True
 
 
 def _output(node: fx.Node, k: int) -> fx.Node | None:
@@ -173,9 +204,9 @@ def _source(x: fx.Node) -> fx.Node:
         node = up
     val = node.meta.get("val")
     n, v = x.meta["val"].shape
-    if not isinstance(val, torch.Tensor) or not val.is_contiguous() or val.numel() != n * v or val.shape[-1] != v:
+    if not isinstance(val, torch.Tensor) or not _contiguous(val) or not _same(val.numel(), n * v):
         return x
-    return node
+    return node if _same(val.shape[-1], v) else x
 
 
 def _cast(node: fx.Node) -> bool:
@@ -186,19 +217,24 @@ def _cast(node: fx.Node) -> bool:
     return (
         isinstance(src, torch.Tensor)
         and isinstance(out, torch.Tensor)
-        and (src.device, src.layout, src.stride()) == (out.device, out.layout, out.stride())
+        and (src.device, src.layout) == (out.device, out.layout)
+        and _same_shape(src.stride(), out.stride())
     )
 
 
-def _gradient_of(lsb: fx.Node, logits: fx.Node) -> fx.Node | None:
-    """The latest node of the chain of reshapes and casts that follows the softmax's backward whose
-    value has the logits' shape and dtype: the logits' gradient."""
+def _gradient_of(lsb: fx.Node, logits: fx.Node, flat: tuple[Any, Any]) -> fx.Node | None:
+    """The node of the chain of reshapes and casts that follows the softmax's backward whose value is
+    the logits' gradient: the first in their dtype and of shape (tokens, classes), where the chunks'
+    concatenation replaces it as it is; else the latest of the logits' own shape."""
     want = logits.meta["val"]
     node, best = lsb, None
     while True:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.shape == want.shape and val.dtype == want.dtype:
-            best = node
+        if isinstance(val, torch.Tensor) and val.dtype == want.dtype:
+            if _same_shape(val.shape, flat):
+                return node
+            if _same_shape(val.shape, want.shape):
+                best = node
         if len(node.users) != 1:
             return best
         (u,) = node.users
@@ -213,8 +249,6 @@ def _rewrite(g: fx.Graph, loss: _Loss, chunks: int) -> None:
     token's loss and gradient is eager's to the bit, and only the sum over chunks is new. The chunk's
     log-probabilities are made again in the backward instead of being kept."""
     n, v = loss.shape
-    rows = math.ceil(n / chunks)
-    spans = [(r, r + min(rows, n - r)) for r in range(0, n, rows)]
     dtype = loss.logits.meta["val"].dtype
     fwd = {k: x for k, x in meta.facts(loss.nll).items() if k != "phase"}
     bwd = {k: x for k, x in meta.facts(loss.nll_backward).items() if k != "phase"} if loss.nll_backward else {}
@@ -231,11 +265,27 @@ def _rewrite(g: fx.Graph, loss: _Loss, chunks: int) -> None:
             x = e(aten._to_copy.default, x, dtype=torch.float32)
         return e(aten._log_softmax.default, x, 1, False)
 
+    def spans(e: Any) -> list[tuple[Any, Any]]:
+        """Chunk i is tokens [i n // chunks, (i + 1) n // chunks): of symbolic sizes, that arithmetic is
+        nodes of the graph, as the program's other sizes are."""
+        if isinstance(n, int):
+            ends = [i * n // chunks for i in range(chunks + 1)]
+        else:
+            size = e(aten.sym_size.int, flat, 0)
+            ends = [0] + [
+                _arith(_arith(size, operator.mul, i, e), operator.floordiv, chunks, e) for i in range(1, chunks)
+            ]
+            ends.append(size)
+        return list(zip(ends, ends[1:]))
+
     with g.inserting_before(loss.nll):
-        shape = tuple(loss.logits.meta["val"].shape)
-        flat = loss.logits if shape == (n, v) else f(aten.view.default, loss.logits, [n, v])
+        x = loss.log_softmax.args[0]
+        if _same_shape(loss.logits.meta["val"].shape, (n, v)):
+            flat = loss.logits
+        else:  # a symbolic number of tokens is given as the sizes the trace viewed the input with
+            flat = f(aten.view.default, loss.logits, [n, v] if isinstance(n, int) else x.args[1])
         sums, counts = [], []
-        for start, end in spans:
+        for start, end in spans(f):
             target = f(aten.slice.Tensor, loss.target, 0, start, end)
             out = f(aten.nll_loss_forward.default, log_probs(f, flat, start, end), target, None, _SUM, loss.ignore)
             for k, into in ((0, sums), (1, counts)):
@@ -256,7 +306,7 @@ def _rewrite(g: fx.Graph, loss: _Loss, chunks: int) -> None:
     with g.inserting_before(loss.nll_backward):
         grad = loss.nll_backward.args[0]
         grads = []
-        for start, end in spans:
+        for start, end in spans(b):
             ls = log_probs(b, flat, start, end)
             target = b(aten.slice.Tensor, loss.target, 0, start, end)
             # the whole loss's count: a chunk's tokens get the gradient of the mean over all of them
@@ -269,6 +319,13 @@ def _rewrite(g: fx.Graph, loss: _Loss, chunks: int) -> None:
             whole = b(aten.view.default, whole, list(want))
     loss.logits_grad.replace_all_uses_with(whole)
     _erase_dead(g, loss)
+
+
+def _arith(a: fx.Node, op: Any, k: int, e: Any) -> fx.Node:
+    """`op(a, k)` on a symbolic size, as a node with its value."""
+    node = e(op, a, k)
+    node.meta["val"] = op(a.meta["val"], k)
+    return node
 
 
 def _erase_dead(g: fx.Graph, loss: _Loss) -> None:
