@@ -20,6 +20,7 @@ import ast
 import csv
 import dataclasses
 import glob
+import logging
 import math
 import os
 import resource
@@ -434,3 +435,12 @@ if __name__ == "__main__":
     if not flags.is_set(flags.RANK):
         sys.exit(launch(arguments))
     main(arguments)
+    # The run is saved and the group is gone: skip interpreter finalization, where gloo's worker
+    # threads can still hold work objects and abort a rank that finished ("terminate called without
+    # an active exception", pytorch/pytorch#179291; seen in the resume test under load), as
+    # fbmt.calibrate's ranks and the tests' ranks do.
+    fbmt.checkpoint.wait_for_pending()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
