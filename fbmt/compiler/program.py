@@ -166,8 +166,13 @@ class Program:
         out.args = (list(values),)
         self.outputs = list(roles)
 
-    def copy(self) -> Program:
-        """A deep copy of the graph (node metadata included) with the same layout."""
+    def copy(self, shared: bool = False) -> Program:
+        """A deep copy of the graph (node metadata included) with the same layout. `shared=True`: the
+        same graph, for a pass that changes nothing (every pass copies before it writes)."""
+        if shared:
+            return dataclasses.replace(
+                self, inputs=list(self.inputs), outputs=list(self.outputs), history=list(self.history)
+            )
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         graph.output(graph.graph_copy(self.graph, env))  # graph_copy returns the mapped outputs

@@ -88,9 +88,13 @@ class _Loss:
 
 
 def chunk_losses(program: Program, chunk_bytes: int | None = None) -> tuple[Program, LossStats]:
+    limit = chunk_bytes or CHUNK_BYTES
+    # most programs have nothing to chunk: they keep their graph (a copy costs more than the search)
+    found = [_find(n, limit) for n in program.graph.nodes if n.target is aten._log_softmax.default]
+    if not any(isinstance(f, _Loss) for f in found):
+        return program.copy(shared=True), LossStats((), tuple(f for f in found if isinstance(f, str)))
     program = program.copy()
     g = program.graph
-    limit = chunk_bytes or CHUNK_BYTES
     chunked, kept = [], []
     for node in [n for n in g.nodes if n.target is aten._log_softmax.default]:
         found = _find(node, limit)
