@@ -63,7 +63,7 @@ class LossStats:
     """What the loss pass did (NOTE: [Pass stats])."""
 
     chunked: tuple[tuple[int | str, int, int], ...]  # (tokens, vocab, chunks) of each chunked cross-entropy
-    kept: tuple[str, ...]  # why each large cross-entropy left as it was was left
+    kept: tuple[str, ...]  # why each large cross-entropy not chunked was left as it was
 
     def __str__(self) -> str:
         said = [f"cross-entropy over {n} tokens x {v} classes in {c} chunks" for n, v, c in self.chunked]
@@ -318,8 +318,8 @@ def _rewrite(g: fx.Graph, loss: _Loss, chunks: int) -> None:
             d = b(aten._log_softmax_backward_data.default, g_nll, ls, 1, torch.float32)
             grads.append(d if dtype == torch.float32 else b(aten._to_copy.default, d, dtype=dtype))
         whole = grads[0] if len(grads) == 1 else b(aten.cat.default, grads, 0)
-        want = tuple(loss.logits_grad.meta["val"].shape)
-        if tuple(whole.meta["val"].shape) != want:
+        want = loss.logits_grad.meta["val"].shape
+        if not _same_shape(whole.meta["val"].shape, want):  # static sizes only (`_find`)
             whole = b(aten.view.default, whole, list(want))
     loss.logits_grad.replace_all_uses_with(whole)
     _erase_dead(g, loss)
