@@ -186,3 +186,33 @@ def test_a_program_of_symbolic_lengths_chunks_its_loss_and_equals_eager_at_new_l
     assert len(compiled.programs) == 2, [p.summary("loss") for p in compiled.programs.values()]
     symbolic = [p for p in compiled.programs.values() if not isinstance(p.stats("loss").chunked[0][0], int)]
     assert len(symbolic) == 1 and symbolic[0].stats("loss").chunked[0][1:] == (VOCAB, 8), symbolic[0].summary("loss")
+
+
+class _TwoLosses(_Head):
+    """Two cross-entropies over the same logits (two target sets), and the log-probabilities returned
+    too when asked: what the pass must not take apart."""
+
+    def __init__(self, return_log_probs: bool):
+        super().__init__()
+        self.return_log_probs = return_log_probs
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.embed(x)).float().view(-1, VOCAB)
+        loss = F.cross_entropy(logits, y.view(-1)) + 0.5 * F.cross_entropy(logits, y.flip(0).view(-1))
+        if self.return_log_probs:
+            log_probs = F.log_softmax(logits, -1)
+            return loss + 0.0 * F.nll_loss(log_probs, y.view(-1)) + log_probs.sum() * 1e-6
+        return loss
+
+
+@pytest.mark.parametrize("return_log_probs", [False, True])
+def test_losses_sharing_their_logits_or_whose_log_probabilities_are_read_give_eagers_values(
+    monkeypatch, return_log_probs
+):
+    monkeypatch.setattr(loss, "CHUNK_BYTES", 4096)
+    x, y = _batch()
+    compiled = _compiled_matches_eager(_TwoLosses(return_log_probs), x, y, rtol=1e-5, atol=1e-6)
+    stats = compiled.program.stats("loss")
+    assert len(stats.chunked) == 2, str(stats)  # the two F.cross_entropy calls
+    if return_log_probs:  # the log-probabilities read by a sum as well as a loss stay whole
+        assert stats.kept == ("its log-probabilities are read by other ops than the loss",), str(stats)
