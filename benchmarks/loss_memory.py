@@ -87,7 +87,9 @@ def main() -> None:
                     for p in model.parameters():
                         p.grad = None
             for row in rows[-2:]:
-                row.update(step_s=statistics.median(times[row["chunked"]]), measured_gib=max(peaks[row["chunked"]]) / GIB)
+                row.update(
+                    step_s=statistics.median(times[row["chunked"]]), measured_gib=max(peaks[row["chunked"]]) / GIB
+                )
             models.clear()
             torch.cuda.empty_cache()
         for row in rows[-2:]:
