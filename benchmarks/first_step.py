@@ -32,8 +32,11 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def one(method: str, args: argparse.Namespace, folders: dict[str, str], config: str | None = None) -> dict[str, Any]:
-    """One process of gpu_train.py running `method` for a step, with the caches in `folders`."""
+def one(
+    method: str, args: argparse.Namespace, folders: dict[str, str], config: str | None = None, label: str = "bytecode"
+) -> dict[str, Any]:
+    """One process of gpu_train.py running `method` for a step, with the caches in `folders`; `label`
+    names its output file under `--logs`."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
@@ -54,7 +57,7 @@ def one(method: str, args: argparse.Namespace, folders: dict[str, str], config: 
     wall = time.perf_counter() - started
     if args.logs:  # the whole run's output, FBMT_LOG's lines included (each region's compile time)
         os.makedirs(args.logs, exist_ok=True)
-        with open(os.path.join(args.logs, f"{folders.get('round', 'bytecode')}_{method}.txt"), "w") as f:
+        with open(os.path.join(args.logs, f"{label}_{method}.txt"), "w") as f:
             f.write(done.stdout + done.stderr)
     if done.returncode != 0:
         return dict(method=method, error=(done.stdout + done.stderr)[-2000:])
@@ -98,14 +101,14 @@ def main() -> None:
     rows = []
     for round_ in ("cold", "warm"):
         for who, method in (("fbmt", args.fbmt), ("peer", args.peer)) if args.peer else (("fbmt", args.fbmt),):
-            rows.append(dict(round=round_, **one(method, args, {**folders[who], "round": round_})))
+            rows.append(dict(round=round_, **one(method, args, folders[who], label=round_)))
             print(json.dumps(rows[-1]), flush=True)
     entry_only = {
         **folders["fbmt"],
         "inductor": os.path.join(root, "empty", "i"),
         "triton": os.path.join(root, "empty", "t"),
     }
-    rows.append(dict(round="entry only", **one(args.fbmt, args, {**entry_only, "round": "entry-only"})))
+    rows.append(dict(round="entry only", **one(args.fbmt, args, entry_only, label="entry-only")))
     print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.config}{' (HF)' if args.hf else ''}, remat {args.remat}, batch {args.batch} x {args.seq}")
     print("| method | round | process (s) | build (s) | first step (s) | fbmt compile (s) | Inductor (s) |")

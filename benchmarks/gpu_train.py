@@ -212,7 +212,6 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
     "fbmt-inductor-mincut-zero2-nomerge": {"backend": "inductor", "remat": "mincut", "zero": 2, "disable": ("merge",)},
     # the cross-entropy as traced, not in chunks of tokens (NOTE: [Chunked cross-entropy])
     "fbmt-inductor-noloss": {"backend": "inductor", "disable": ("loss",)},
-    "fbmt-inductor-mincut-noloss": {"backend": "inductor", "remat": "mincut", "disable": ("loss",)},
     # fbmt's own fused Adam (fbmt.optim.AdamOptimizer) instead of torch.optim.AdamW(fused=True)
     "fbmt-inductor-adam": {"backend": "inductor", "adam": "fbmt"},
     "fbmt-inductor-mincut-zero2-adam": {"backend": "inductor", "remat": "mincut", "zero": 2, "adam": "fbmt"},
@@ -691,7 +690,6 @@ def main() -> None:
         "--hf", action="store_true", help="train transformers' LlamaForCausalLM of this shape (loss inside, labels=)"
     )
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
-    ap.add_argument("--vocab", type=int, default=0, help="the vocabulary's size instead of the config's")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument(
         "--remat",
@@ -747,8 +745,6 @@ def main() -> None:
     cfg = CONFIGS[args.config]
     if args.seq > cfg.max_seq:
         cfg = LlamaConfig(**{**cfg.__dict__, "max_seq": args.seq})
-    if args.vocab:
-        cfg = LlamaConfig(**{**cfg.__dict__, "vocab_size": args.vocab})
     say = print if rank == 0 else (lambda *a, **k: None)
     say(
         f"gpu_train: {args.config} ({cfg.n_params() / 1e9:.2f}B), seq {args.seq}, batch {args.batch}/GPU, remat "

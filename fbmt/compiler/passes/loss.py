@@ -83,7 +83,6 @@ class _Loss:
     reduction: int
     ignore: int
     nll_backward: fx.Node | None = None
-    softmax_backward: fx.Node | None = None
     logits_grad: fx.Node | None = None  # the backward's node whose value is the gradient of `logits`
 
 
@@ -153,7 +152,7 @@ def _find(ls: fx.Node, limit: int) -> _Loss | str | None:
             or nllb.args[1:] != (ls, target, None, reduction, ignore, total)
         ):
             return "its backward is not autograd's"
-        found.nll_backward, found.softmax_backward = nllb, lsb
+        found.nll_backward = nllb
         found.logits_grad = _gradient_of(lsb, found.logits, (n, v))
         if found.logits_grad is None:
             return "its gradient does not reach the logits' shape"
