@@ -149,3 +149,54 @@ def test_a_symbolic_region_of_int_inputs_first_met_at_size_one_stays_exact_there
     for n in (1, 5, 9, 1):
         torch.testing.assert_close(region(n)[0], torch.arange(n, dtype=torch.float32) * 2)
     assert cache.misses == 2, cache
+
+
+def _forward_attention_cuts(model) -> list[str]:
+    """The attention ops of the forward outside its regions."""
+    from fbmt.compiler import ops
+
+    (exe,) = model.executables()
+    return [
+        n.name
+        for n in exe.forward.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and ops.op_name(n.target) in ops.ATTENTION_FORWARD
+    ]
+
+
+def test_a_block_forward_is_one_region_attention_and_a_norm_before_its_wait_included():
+    """A dropout-free attention belongs to the region around it, and the few cheap ops of a norm
+    before the wait for a block's parameters join the region after the wait: each block's forward
+    is one region, and the step equals eager. The backward unpacks the attention's saved outputs one
+    by one (the partition saves elements, not tuples)."""
+    torch.manual_seed(0)
+    ref = gpt(n_layer=3)
+    torch.manual_seed(0)
+    model = fbmt.compile(gpt(n_layer=3), backend="inductor", remat="block", checks=True)
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    lm_step_matches(model, ref, x, y)
+    assert _forward_attention_cuts(model) == []
+    (exe,) = model.executables()
+    fwd = [r for r in exe.forward.modules() if isinstance(r, Region)]
+    assert len(fwd) == 4, exe.forward.graph  # one a block (the first with the embeddings), and the head's
+
+
+def test_attention_with_dropout_stays_between_regions():
+    """Attention dropout draws random numbers: that attention is never inside a region; without
+    dropout it is, and the region computes what the graph does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = (torch.randn(2, 2, 5, 4) for _ in range(3))
+    for p, outside in ((0.1, 1), (0.0, 0)):
+
+        def f(q, k, v):
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.cos(), k, v, p, True)  # noqa: B023
+            return (out.sin(),)
+
+        gm = regions.split_regions(make_fx(f, tracing_mode="fake")(q, k, v), regions.RegionCache())
+        attention = [n for n in gm.graph.nodes if "flash_attention" in str(n.target)]
+        assert len(attention) == outside, gm.graph
+        assert sum(isinstance(m, Region) for m in gm.modules()) == 1 + outside
+        if not p:
+            torch.testing.assert_close(gm(q, k, v)[0], f(q, k, v)[0])

@@ -2,11 +2,11 @@
 
 The split is by phase (NOTE: [Phases]). The forward graph takes the Program's non-tangent inputs
 and returns the user's outputs followed by the *saved* values: every forward node or input that a
-backward node reads. The backward graph takes the saved values (one list, see `take`) and the tangents and returns the
-gradient slots (shard gradients, input gradients) in the Program's output order. After the passes,
-what is saved is exactly what remat and shard chose: block boundaries, random masks and (ZeRO-2)
-gathered buffers. Dead pure nodes are dropped; effectful ones (collectives, random ops, buffer
-updates) are kept.
+backward node reads (of a multi-output op, the elements it unpacks, never the tuple). The backward
+graph takes the saved values (one list, see `take`) and the tangents and returns the gradient slots
+(shard gradients, input gradients) in the Program's output order. After the passes, what is saved is
+exactly what remat and shard chose: block boundaries, random masks and (ZeRO-2) gathered buffers.
+Dead pure nodes are dropped; effectful ones (collectives, random ops, buffer updates) are kept.
 
 NOTE: [Lowering the IR]
 A Program's collective nodes call the functions of `fbmt.compiler.collectives`, which say what a node
@@ -89,9 +89,7 @@ def partition(program: Program) -> Executable:
     grad_out = [(r, v) for r, v in out_pairs if r.kind != "output"]
     bwd_nodes = [n for n in g.nodes if meta.phase(n) == BWD]
     bwd_set = set(bwd_nodes)
-    saved = list(
-        dict.fromkeys(a for n in bwd_nodes for a in n.all_input_nodes if a not in bwd_set and a not in tangents)
-    )
+    saved = _saved(bwd_nodes, bwd_set, set(tangents))
     mutated = {n.args[0] for n in g.nodes if n.target is aten.copy_.default and meta.phase(n) == FWD}
 
     # ---- forward ----
@@ -102,13 +100,18 @@ def partition(program: Program) -> Executable:
         if roles[n].kind != "tangent":
             env[n] = fg.node_copy(n)
             fwd_inputs.append(roles[n])
-    saved_values: dict[fx.Node, fx.Node] = {}
+    saved_values: dict[Any, fx.Node] = {}
     for n in saved:  # a buffer the forward overwrites must be saved as it was read, not as it ends
         if n in mutated:
             saved_values[n] = fg.call_function(aten.clone.default, (env[n],))
     for n in g.nodes:
         if meta.phase(n) == FWD:
             env[n] = fg.node_copy(n, env.__getitem__)
+    for key in saved:  # one element of a multi-output op: unpacked in the forward
+        if isinstance(key, tuple):
+            op, k = key
+            saved_values[key] = fg.call_function(operator.getitem, (env[op], k))
+            saved_values[key].meta["val"] = op.meta["val"][k]
     fg.output(
         tuple(
             [env[v] if isinstance(v, fx.Node) else v for _, v in user_out]
@@ -124,13 +127,15 @@ def partition(program: Program) -> Executable:
         bg = fx.Graph()
         benv: dict[fx.Node, fx.Node] = {}
         box = bg.placeholder("saved")  # one list, emptied as it is read: see `take`
-        for i, n in enumerate(saved):
-            benv[n] = bg.call_function(take, (box, i))
-            benv[n].meta = dict(n.meta)
+        for i, key in enumerate(saved):
+            benv[key] = bg.call_function(take, (box, i))
+            op, k = key if isinstance(key, tuple) else (key, None)
+            benv[key].meta = dict(op.meta) if k is None else {**op.meta, "val": op.meta["val"][k]}
         for n in tangents:
             benv[n] = bg.node_copy(n)
         for n in bwd_nodes:
-            benv[n] = bg.node_copy(n, benv.__getitem__)
+            key = _element(n, bwd_set)
+            benv[n] = benv[key] if key is not None else bg.node_copy(n, benv.__getitem__)
         bg.output(tuple(benv[v] if isinstance(v, fx.Node) else v for _, v in grad_out))
         _lower(bg, device)
         backward = _GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
@@ -161,6 +166,30 @@ def partition(program: Program) -> Executable:
             device if device.type == "cuda" and any(comm.kind_of(n).host for n in program.collectives()) else None
         ),
     )
+
+
+def _saved(bwd_nodes: list[fx.Node], bwd_set: set[fx.Node], tangents: set[fx.Node]) -> list[Any]:
+    """What the backward reads of the forward, in first-read order: nodes, and `(op, k)` for the k-th
+    element of a multi-output op the backward unpacks (its elements are saved, never its tuple: a
+    compiled region returns flat values, and the elements the backward never reads are not kept)."""
+    saved: dict[Any, None] = {}
+    for n in bwd_nodes:
+        key = _element(n, bwd_set)
+        if key is not None:
+            saved[key] = None
+            continue
+        for a in n.all_input_nodes:
+            if a not in bwd_set and a not in tangents:
+                saved[a] = None
+    return list(saved)
+
+
+def _element(n: fx.Node, bwd_set: set[fx.Node]) -> tuple[fx.Node, int] | None:
+    """`(op, k)` where backward node `n` unpacks element k of a forward op's tuple; None otherwise."""
+    if n.target is not operator.getitem or not isinstance(n.args[0], fx.Node) or n.args[0] in bwd_set:
+        return None
+    op = n.args[0]
+    return (op, n.args[1]) if op.op != "placeholder" and isinstance(op.meta.get("val"), (tuple, list)) else None
 
 
 def _device(program: Program) -> torch.device:

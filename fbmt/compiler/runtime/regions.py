@@ -15,10 +15,17 @@ compiles one forward and a few backward regions, not 32 of each: compile time do
 depth. In a program of symbolic sizes a region compiles once for all the sizes it varies in (NOTE:
 [Symbolic regions]).
 
-Collectives stay where the schedule pass put them, so communication overlaps the compiled compute
-exactly as it overlapped the eager one. The one move made first: a multi-output op's unpacking
-(`getitem`) goes right after the op, so a collective a schedule issued between them does not cut the
-region there (a region returns flat values, not the op's tuple).
+Collectives stay about where the schedule pass put them, so communication overlaps the compiled
+compute as it overlapped the eager one. Two moves are made first, each so that a region is not cut
+where nothing is gained by the cut:
+- a multi-output op's unpacking (`getitem`) goes right after the op, so a collective a schedule issued
+  between them does not cut the region there (a region returns flat values, not the op's tuple);
+- a collective that ends a cheap run (at most CHEAP_RUN ops, no product, attention or convolution: the
+  first ops of a norm before the wait for a block's weights) and does not read it moves to the run's
+  start, so the run joins the region after it. The overlap lost is that run's time, a few memory-bound
+  ops; each such cut was a region kind more for Inductor to compile (about half a second each, cold).
+An attention kernel called without dropout is pure compute although its schema says it may draw random
+numbers, so it is inside a region too: a block's forward is one region, not three.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fbmt import logs
+from fbmt.compiler import collectives as comm
 from fbmt.compiler import ops
 
 
@@ -398,7 +406,20 @@ def _pure(n: fx.Node, current: set[fx.Node]) -> bool:
         return n.args[0] in current  # unpacking a multi-output op of the same region
     if _size_arithmetic(n):  # a program of symbolic sizes: no cut between an op and the size it reads
         return True
-    return ops.pure(n) and isinstance(n.target, torch._ops.OpOverload)
+    return isinstance(n.target, torch._ops.OpOverload) and (ops.pure(n) or _attention_without_dropout(n))
+
+
+def _attention_without_dropout(n: fx.Node) -> bool:
+    """An attention kernel whose dropout is 0: its schema says random (it may draw a dropout mask), but
+    this call draws nothing, so it belongs to the region around it (Inductor calls the same kernel)."""
+    if ops.op_name(n.target) not in ops.ATTENTION_FORWARD:
+        return False
+    names = [a.name for a in n.target._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    at = names.index("dropout_p")
+    p = n.args[at] if at < len(n.args) else n.kwargs.get("dropout_p", n.target._schema.arguments[at].default_value)
+    return p == 0
 
 
 def _size_arithmetic(n: fx.Node) -> bool:
@@ -416,6 +437,7 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             for u in sorted((u for u in n.users if u.target is operator.getitem), key=order.__getitem__):
                 at.append(u)
                 at = u
+    _join_cheap_runs(g)
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     members: set[fx.Node] = set()
@@ -452,6 +474,35 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
             env[n] = out.node_copy(n, env.__getitem__)
     out.lint()
     return fx.GraphModule(root, out, class_name=type(gm).__name__)
+
+
+# A run this short, with no matrix product, attention or convolution, is worth no cut of its own.
+CHEAP_RUN = 24
+
+
+def _join_cheap_runs(g: fx.Graph) -> None:
+    """Move each collective (a start or a wait) that ends a cheap run of pure compute to the run's start,
+    where it does not read the run, so the run joins the region after it (NOTE: [Regions])."""
+    run: list[fx.Node] = []  # the pure nodes since the last cut
+    members: set[fx.Node] = set()
+    for n in list(g.nodes):
+        if _pure(n, members):
+            run.append(n)
+            members.add(n)
+        elif (
+            run
+            and comm.lowered(n.target) is not None
+            and not any(a in members for a in n.all_input_nodes)
+            and _cheap(run)
+        ):
+            run[0].prepend(n)  # the run stays open: the next collective may move over it too
+        else:
+            run, members = [], set()
+
+
+def _cheap(run: list[fx.Node]) -> bool:
+    work = [n for n in run if not (ops.costs_nothing(n) or _size_arithmetic(n))]
+    return len(work) <= CHEAP_RUN and not any(ops.expensive(n) or ops.flops(n) for n in work)
 
 
 def _varying(n: fx.Node) -> tuple[int, ...]:
