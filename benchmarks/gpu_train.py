@@ -109,6 +109,7 @@ def build_fbmt(
     package: str = "fbmt",
     call: dict[str, Any] | None = None,
     lora: int = 0,
+    fp8: str | None = None,
 ) -> tuple[nn.Module, Any]:
     """`package`: "fbmt", or "fbmt_base", an earlier commit's fbmt renamed (`--base`), to time against.
     `call`: keyword arguments every --hf call adds (use_cache=False, as the peer is called). `lora`: with
@@ -144,6 +145,7 @@ def build_fbmt(
         cuda_graph=graph,
         disable=disable,
         init_fn=init,
+        **({"fp8": fp8} if fp8 else {}),  # an earlier commit's fbmt (--base) has no such option
         device=device,
     )
     if call:
@@ -212,6 +214,10 @@ FBMT_VARIANTS: dict[str, dict[str, Any]] = {
     "fbmt-inductor-mincut-zero2-nomerge": {"backend": "inductor", "remat": "mincut", "zero": 2, "disable": ("merge",)},
     # the cross-entropy as traced, not in chunks of tokens (NOTE: [Chunked cross-entropy])
     "fbmt-inductor-noloss": {"backend": "inductor", "disable": ("loss",)},
+    # the layers' products in FP8 (NOTE: [FP8 products])
+    "fbmt-inductor-fp8": {"backend": "inductor", "fp8": "tensorwise"},
+    "fbmt-inductor-fp8-rowwise": {"backend": "inductor", "fp8": "rowwise"},
+    "fbmt-inductor-mincut-zero2-fp8": {"backend": "inductor", "remat": "mincut", "zero": 2, "fp8": "tensorwise"},
     # fbmt's own fused Adam (fbmt.optim.AdamOptimizer) instead of torch.optim.AdamW(fused=True)
     "fbmt-inductor-adam": {"backend": "inductor", "adam": "fbmt"},
     "fbmt-inductor-mincut-zero2-adam": {"backend": "inductor", "remat": "mincut", "zero": 2, "adam": "fbmt"},

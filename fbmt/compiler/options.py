@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from fbmt import flags
 from fbmt.compiler.decisions import Schedule
-from fbmt.compiler.passes import POLICIES
+from fbmt.compiler.passes import FP8_RECIPES, POLICIES
 
 BACKENDS = ("eager", "inductor")
 Blocks = Sequence[str] | Mapping[str, Mapping[str, Any]] | None
@@ -68,6 +68,11 @@ class CompileOptions:
     backend: str = "eager"
     """"eager": run the aten graphs op by op; "inductor": compile each compute region between
     collectives with Inductor, once per distinct region (identical blocks share it)."""
+    fp8: str | None = None
+    """The blocks' matrix products in FP8 with scales computed from each step's values (NOTE: [FP8
+    products]): "tensorwise" (one scale per operand; values e4m3, gradients e5m2) or "rowwise" (a scale
+    per row and column, all e4m3). Needs a GPU with FP8 products (compute capability 8.9 or later) or a
+    CPU (slow, for tests). None: off."""
     offload: bool = False
     """Keep the shards, their gradients and so the optimizer's state in host memory (pinned), as
     FSDP2's CPUOffloadPolicy and ZeRO-Offload do (NOTE: [Offload]): each gather copies its group's
@@ -178,6 +183,8 @@ class CompileOptions:
             raise ValueError(f"fbmt.compile(weights={self.weights!r}): expected 'rank0' or 'check'")
         if self.grad_reduce not in ("mean", "sum"):
             raise ValueError(f"fbmt.compile(grad_reduce={self.grad_reduce!r}): expected 'mean' or 'sum'")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fbmt.compile(fp8={self.fp8!r}): expected one of {FP8_RECIPES} or None")
         if self.backend not in BACKENDS:
             raise ValueError(f"fbmt.compile(backend={self.backend!r}): expected one of {BACKENDS}")
         for name in ("param_dtype", "reduce_dtype"):

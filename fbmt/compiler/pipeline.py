@@ -24,6 +24,7 @@ from fbmt.compiler.passes import (
     Pass,
     assign_blocks,
     chunk_losses,
+    fp8_products,
     merge_products,
     recompute_blocks,
     run_passes,
@@ -55,6 +56,7 @@ PIPELINE: tuple[tuple[str, Callable[..., Any], Callable[[Plan], dict[str, Any]]]
         lambda plan: dict(policy=plan.remat, per_block=plan.remat_per_block, chosen=plan.chosen),
     ),
     ("merge", merge_products, lambda plan: {}),  # products that read one input become one
+    ("fp8", fp8_products, lambda plan: dict(recipe=plan.fp8)),  # with fp8=: the blocks' products in FP8
     (  # ZeRO: flat shards, gathered before use, released after; gradients reduced into the shards
         "shard",
         shard_parameters,

@@ -54,6 +54,7 @@ class Plan:
     checks: bool
     dump_dir: str | None
     backend: str
+    fp8: str | None  # the products' FP8 recipe (NOTE: [FP8 products])
     chosen: RematChoice | None = field(default=None)  # remat="auto"'s choice for the program at hand
 
     @classmethod
@@ -104,6 +105,7 @@ class Plan:
             checks=bool(o.checks),
             dump_dir=o.dump_dir,
             backend=o.backend,
+            fp8=o.fp8,
         )
 
     def with_depth(self, depth: int) -> Plan:

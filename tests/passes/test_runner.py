@@ -17,7 +17,7 @@ def test_each_pass_leaves_a_record_with_its_time_summary_and_program():
     model = fbmt.compile(MLP(), world_size=2)
     model.trace(torch.randn(2, 12))
     history = model.program.history
-    assert [r.name for r in history] == ["loss", "blocks", "remat", "merge", "shard", "schedule", "verify"]
+    assert [r.name for r in history] == ["loss", "blocks", "remat", "merge", "fp8", "shard", "schedule", "verify"]
     assert all(r.seconds >= 0 and r.summary and r.text.count("\n") > 10 for r in history)
     assert model.program.stats("shard").zero == 3 and model.program.summary("shard").startswith("zero=3")
     with pytest.raises(KeyError, match="no pass named 'nope' ran"):
@@ -47,11 +47,12 @@ def test_dump_dir_writes_one_file_per_pass(tmp_path):
         "02-blocks.txt",
         "03-remat.txt",
         "04-merge.txt",
-        "05-shard.txt",
-        "06-schedule.txt",
-        "07-verify.txt",
+        "05-fp8.txt",
+        "06-shard.txt",
+        "07-schedule.txt",
+        "08-verify.txt",
     ]
-    assert (tmp_path / "05-shard.txt").read_text().startswith("# fbmt Program")
+    assert (tmp_path / "06-shard.txt").read_text().startswith("# fbmt Program")
 
 
 def test_with_checks_a_pass_that_breaks_an_invariant_is_named():

@@ -157,7 +157,7 @@ def _val(a: Any) -> Any:
 
 def _matmul(node: fx.Node) -> float:
     args = [_val(a) for a in node.args]
-    a, b = (args[0], args[1]) if op_name(node.target) in ("mm", "bmm") else (args[1], args[2])
+    a, b = (args[0], args[1]) if op_name(node.target) in ("mm", "bmm", "_scaled_mm") else (args[1], args[2])
     return 2.0 * hint(a.numel()) * hint(b.shape[-1])
 
 
@@ -182,7 +182,7 @@ def _convolution(node: fx.Node) -> float:
 
 
 FLOPS: dict[str, Callable[[fx.Node], float]] = {
-    **dict.fromkeys(MATMULS, _matmul),
+    **dict.fromkeys(MATMULS | {"_scaled_mm"}, _matmul),
     **dict.fromkeys(ATTENTION_FORWARD | ATTENTION_BACKWARD, _attention),
     "convolution": _convolution,
     "_grouped_mm": _grouped_mm,

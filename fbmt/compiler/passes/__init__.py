@@ -7,6 +7,7 @@ runs such a list: it times, records, verifies and dumps every pass.
     blocks    tag forward nodes with their block (the unit of sharding and recompute)
     remat     recompute block activations in the backward instead of saving them
     merge     products that read one input, weights side by side, become one product
+    fp8       with fp8=: the blocks' products in FP8, scaled dynamically
     shard     ZeRO-3/2: flat shards, all-gather before use, release after, reduce gradients
     schedule  overlap: issue gathers ahead, wait for gradient reductions late (strategies.py: the
               built-in strategies; or replay a saved fbmt.Schedule)
@@ -16,15 +17,18 @@ Passes import the IR (`program`, `layout`, `meta`, `ops`, `collectives`), never 
 
 NOTE: [Pass stats]
 What a pass did is data: each pass returns a frozen dataclass of its own (`BlockStats`,
-`RematStats`, `LossStats`, `MergeStats`, `ShardStats`, `ScheduleStats`; `Note` for a sentence: "ok", "disabled by
-the user") holding its counts, the policies it applied, the blocks it treated specially and what
-it declined, and whose `str()` is the one line `print(program)` shows. The runner keeps it in the
-program's history (`PassRecord.stats`); `program.stats("shard").gathers` reads it, tests assert on
-it, and remat="auto"'s choice reaches the remat pass as such a record (`RematChoice`), not as text.
+`RematStats`, `LossStats`, `MergeStats`, `Fp8Stats`, `ShardStats`, `ScheduleStats`; `Note` for a
+sentence: "ok", "disabled by the user") holding its counts, the policies it applied, the blocks it
+treated specially and what it declined, and whose `str()` is the one line `print(program)` shows.
+The runner keeps it in the program's history (`PassRecord.stats`); `program.stats("shard").gathers`
+reads it, tests assert on it, and remat="auto"'s choice reaches the remat pass as such a record
+(`RematChoice`), not as text.
 """
 
 from fbmt.compiler.passes import strategies  # noqa: F401  (registers the built-in strategies)
 from fbmt.compiler.passes.blocks import BlockStats, assign_blocks
+from fbmt.compiler.passes.fp8 import RECIPES as FP8_RECIPES
+from fbmt.compiler.passes.fp8 import Fp8Stats, fp8_products
 from fbmt.compiler.passes.loss import LossStats, chunk_losses
 from fbmt.compiler.passes.merge import MergeStats, merge_products
 from fbmt.compiler.passes.remat import (
@@ -52,6 +56,8 @@ __all__ = [
     "BlockRecompute",
     "BlockStats",
     "Costs",
+    "FP8_RECIPES",
+    "Fp8Stats",
     "LossStats",
     "MergeStats",
     "RematChoice",
@@ -62,6 +68,7 @@ __all__ = [
     "assign_blocks",
     "block_costs",
     "chunk_losses",
+    "fp8_products",
     "merge_products",
     "recompute_blocks",
     "schedule_overlap",

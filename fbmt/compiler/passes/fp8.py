@@ -1,0 +1,195 @@
+"""FP8: the blocks' matrix products in 8-bit floats, scaled dynamically (`fbmt.compile(fp8=...)`).
+
+Requires: a joint Program before shard (parameters are inputs of their own; the products recompute
+makes are products too).
+Ensures: with a recipe, every `mm` (and a linear layer's `addmm`) of the repeated layers (blocks named
+`<list>.<i>`: its weight operand, or the parameter its result is the gradient of, is such a layer's)
+whose operands are floating and whose inner and outer sizes are known multiples of 16 (what the FP8
+kernels take) becomes `_scaled_mm` of its operands cast to FP8; every other product is left as it
+was, and the pass's line in `print(program)` counts both. Without a recipe the program is returned
+as it came.
+
+NOTE: [FP8 products]
+What it computes, per product `a @ b` ([m, k] @ [k, n]), each operand on its own:
+    amax  = max |x|                  over the whole tensor ("tensorwise"), or per row of `a` and per
+                                     column of `b` ("rowwise": a scale for each of the m rows and n columns)
+    scale = FP8_MAX / max(amax, tiny)   so the largest value lands on the format's largest
+    x8    = (x * scale) clamped to +-FP8_MAX, cast to FP8
+and then `_scaled_mm(a8, b8, 1/scale_a, 1/scale_b)` in the product's own dtype, accumulated in fp32 by
+the kernel. Dynamic scaling: the scales come from this step's values, nothing is carried between
+steps (no amax history to keep, checkpoint or get wrong). Formats as in torchao's recipes: with
+"tensorwise", values e4m3 (more precision) and gradients e5m2 (more range), a gradient being an
+operand that depends on a loss gradient (a tangent); with "rowwise" everything e4m3, the rows'
+scales giving the range.
+Why every `mm` alone: in the joint graph a linear layer is three products (the forward, the input's
+and the weight's gradients, and under recompute a fourth), each taking its operands as they are,
+so each is made FP8 by itself with no need to pair them up; an operand read by several products is
+cast once per product (Inductor fuses each cast into one pass over the operand with its amax).
+Which products: those of the repeated layers (where the work is), not the output head's or the
+embeddings', as torchao's convention leaves the last layer in high precision.
+`_scaled_mm` wants its first operand row-major and its second column-major; the casts write them so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fbmt.compiler import meta, ops
+from fbmt.compiler.ops import emit
+from fbmt.compiler.program import Program
+
+aten = torch.ops.aten
+
+RECIPES = ("tensorwise", "rowwise")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_PRODUCTS = (aten.mm.default, aten.addmm.default)  # a linear layer's, without and with its bias
+_TINY = 1e-12  # an all-zero operand gets scale FP8_MAX / _TINY: its cast is zeros, as the product
+
+
+@dataclass(frozen=True)
+class Fp8Stats:
+    """What the fp8 pass did (NOTE: [Pass stats])."""
+
+    recipe: str | None
+    products: int  # products made FP8
+    kept: tuple[str, ...]  # why products of blocks were left as they were, one line per reason
+
+    def __str__(self) -> str:
+        if self.recipe is None:
+            return "off"
+        return "; ".join([f"{self.products} block products in FP8 ({self.recipe} scales)", *self.kept])
+
+
+def fp8_products(program: Program, recipe: str | None = None) -> tuple[Program, Fp8Stats]:
+    if recipe is None:
+        return program.copy(shared=True), Fp8Stats(None, 0, ())
+    if recipe not in RECIPES:
+        raise ValueError(f"fbmt.compile(fp8={recipe!r}): expected one of {RECIPES} or None")
+    program = program.copy()
+    g = program.graph
+    gradients = _gradients(program)
+    owner = _Owners(program)
+    made, kept = 0, {}
+    for node in [n for n in g.nodes if n.target in _PRODUCTS and _layer(owner.block(n))]:
+        why = _unfit(node)
+        if why:
+            kept[why] = kept.get(why, 0) + 1
+            continue
+        _rewrite(g, node, recipe, gradients)
+        made += 1
+    g.lint()
+    return program, Fp8Stats(recipe, made, tuple(f"{k} kept: {why}" for why, k in kept.items()))
+
+
+class _Owners:
+    """The block a product belongs to, by the parameter it reads as its weight or whose gradient it
+    makes (the forward's block tags do not reach the backward before the shard pass)."""
+
+    def __init__(self, program: Program):
+        layout = program.layout
+        roles = dict(zip(program.placeholders(), program.inputs))
+        self.param = {
+            n: layout.block_of_module(r.key.rpartition(".")[0]) for n, r in roles.items() if r.kind == "param"
+        }
+        self.grad = {
+            v: layout.block_of_module(r.key.rpartition(".")[0])
+            for r, v in zip(program.outputs, program.output_values())
+            if r.kind == "grad" and isinstance(v, fx.Node)
+        }
+
+    def block(self, product: fx.Node) -> str | None:
+        for x in _operands(product):
+            while x not in self.param and x.op == "call_function" and _passes_through(x):
+                x = x.args[0]
+            if x in self.param:
+                return self.param[x]
+        todo, seen = [product], 0
+        while todo and seen < 8:  # its result through views and a cast to a parameter's gradient
+            x, seen = todo.pop(), seen + 1
+            if x in self.grad:
+                return self.grad[x]
+            todo += [u for u in x.users if u.op == "call_function" and _passes_through(u)]
+        return None
+
+
+def _passes_through(node: fx.Node) -> bool:
+    """A view or a dtype cast: its value is its first argument's."""
+    return ops.is_view(node) or node.target in (aten._to_copy.default, aten._unsafe_view.default)
+
+
+def _layer(block: str | None) -> bool:
+    """Whether a block is one of a repeated list of layers (`layers.3`, `h.0`): its last name an index."""
+    return bool(block) and block.rpartition(".")[2].isdigit()
+
+
+def _unfit(node: fx.Node) -> str | None:
+    """Why a product stays as it is, or None."""
+    if node.kwargs:  # addmm's beta or alpha
+        return "a product scaled by beta or alpha"
+    a, b = (x.meta.get("val") for x in _operands(node))
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return "an operand of unknown value"
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32) or a.dtype != b.dtype:
+        return f"operands of {a.dtype} and {b.dtype}"
+    k, n = a.shape[1], b.shape[1]
+    if not all(isinstance(s, int) and s % 16 == 0 for s in (k, n)):
+        return "inner or outer size not a known multiple of 16"
+    return None
+
+
+def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    return node.args[1:3] if node.target is aten.addmm.default else node.args[:2]
+
+
+def _gradients(program: Program) -> set[fx.Node]:
+    """Nodes whose value depends on a loss gradient (a tangent input): the operands cast to e5m2."""
+    tangents = {n for n, r in zip(program.placeholders(), program.inputs) if r.kind == "tangent"}
+    seen = set(tangents)
+    for n in program.graph.nodes:
+        if n not in seen and any(a in seen for a in n.all_input_nodes):
+            seen.add(n)
+    return seen
+
+
+def _rewrite(g: fx.Graph, mm: fx.Node, recipe: str, gradients: set[fx.Node]) -> None:
+    a, b = _operands(mm)
+    out_dtype = mm.meta["val"].dtype
+    tags = {k: v for k, v in meta.facts(mm).items() if k != "phase"}
+    phase = meta.phase(mm)
+
+    def e(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return emit(g, target, args, phase, kwargs=kwargs or None, **tags)
+
+    def cast(x: fx.Node, dims: list[int], fmt: torch.dtype) -> tuple[fx.Node, fx.Node]:
+        """`x` in `fmt`, row-major, scaled by amax over `dims` ([] the whole tensor); and 1 / scale."""
+        top = torch.finfo(fmt).max
+        wide = x if x.meta["val"].dtype == torch.float32 else e(aten._to_copy.default, x, dtype=torch.float32)
+        amax = e(aten.amax.default, e(aten.abs.default, wide), dims, bool(dims))
+        scale = e(aten.mul.Tensor, e(aten.reciprocal.default, e(aten.clamp_min.default, amax, _TINY)), top)
+        x8 = e(aten._to_copy.default, e(aten.clamp.default, e(aten.mul.Tensor, wide, scale), -top, top), dtype=fmt)
+        if not x8.meta["val"].is_contiguous():
+            x8 = e(aten.clone.default, x8, memory_format=torch.contiguous_format)
+        return x8, e(aten.reciprocal.default, scale)
+
+    def fmt(x: fx.Node) -> torch.dtype:
+        return E5M2 if recipe == "tensorwise" and x in gradients else E4M3
+
+    rowwise = recipe == "rowwise"
+    with g.inserting_before(mm):
+        fa = fmt(a)
+        a8, inv_a = cast(a, [1] if rowwise else [], fa)
+        # the second operand column-major: its transpose cast row-major, transposed back (a view); never
+        # both in e5m2, which the kernels refuse
+        bt8, inv_b = cast(e(aten.t.default, b), [1] if rowwise else [], E4M3 if fa == E5M2 else fmt(b))
+        b8 = e(aten.t.default, bt8)
+        if rowwise:  # b's scales per column: [n, 1] made on the transpose, as [1, n]
+            inv_b = e(aten.t.default, inv_b)
+        out = e(aten._scaled_mm.default, a8, b8, inv_a, inv_b, None, None, out_dtype)
+        if mm.target is aten.addmm.default:  # the bias in the product's dtype, added after (Inductor fuses it)
+            out = e(aten.add.Tensor, out, mm.args[0])
+    mm.replace_all_uses_with(out)
+    g.erase_node(mm)
