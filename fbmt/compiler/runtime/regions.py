@@ -23,9 +23,11 @@ where nothing is gained by the cut:
 - a collective that ends a cheap run (at most CHEAP_RUN ops, no product, attention or convolution: the
   first ops of a norm before the wait for a block's weights) and does not read it moves to the run's
   start, so the run joins the region after it. The overlap lost is that run's time, a few memory-bound
-  ops; each such cut was a region kind more for Inductor to compile (about half a second each, cold).
+  ops, and Inductor may fuse the run with what follows.
 An attention kernel called without dropout is pure compute although its schema says it may draw random
-numbers, so it is inside a region too: a block's forward is one region, not three.
+numbers, so it is inside a region too: a block's forward is one region, not three. Fewer, larger
+regions did not shorten Inductor's own compile: its time follows the ops it compiles more than the
+number of kinds (BENCHMARKS.md, "Start time").
 """
 
 from __future__ import annotations
