@@ -26,7 +26,9 @@ and the weight's gradients, and under recompute a fourth), each taking its opera
 so each is made FP8 by itself with no need to pair them up; an operand read by several products is
 cast once per product (Inductor fuses each cast into one pass over the operand with its amax).
 Which products: those of the repeated layers (where the work is), not the output head's or the
-embeddings', as torchao's convention leaves the last layer in high precision.
+embeddings', as torchao's convention leaves the last layer in high precision. A product's layer is
+its weight's (found through views, a cast, and the `cat` of a merged product's weights) or that of
+the parameter whose gradient it makes; a product of neither kind is counted as outside the layers.
 `_scaled_mm` wants its first operand row-major and its second column-major; the casts write them so.
 """
 
@@ -47,6 +49,7 @@ aten = torch.ops.aten
 RECIPES = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _PRODUCTS = (aten.mm.default, aten.addmm.default)  # a linear layer's, without and with its bias
+_CAT = aten.cat.default  # weights side by side (NOTE: [Merged products])
 _TINY = 1e-12  # an all-zero operand gets scale FP8_MAX / _TINY: its cast is zeros, as the product
 
 
@@ -74,8 +77,9 @@ def fp8_products(program: Program, recipe: str | None = None) -> tuple[Program, 
     gradients = _gradients(program)
     owner = _Owners(program)
     made, kept = 0, {}
-    for node in [n for n in g.nodes if n.target in _PRODUCTS and _layer(owner.block(n))]:
-        why = _unfit(node)
+    for node in [n for n in g.nodes if n.target in _PRODUCTS]:
+        why = None if _layer(owner.block(node)) else "outside the repeated layers (the head, the embeddings)"
+        why = why or _unfit(node)
         if why:
             kept[why] = kept.get(why, 0) + 1
             continue
@@ -103,8 +107,8 @@ class _Owners:
 
     def block(self, product: fx.Node) -> str | None:
         for x in _operands(product):
-            while x not in self.param and x.op == "call_function" and _passes_through(x):
-                x = x.args[0]
+            while x not in self.param and x.op == "call_function" and (_passes_through(x) or x.target is _CAT):
+                x = x.args[0][0] if x.target is _CAT else x.args[0]  # merged weights: the first one's
             if x in self.param:
                 return self.param[x]
         todo, seen = [product], 0
