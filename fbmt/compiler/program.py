@@ -180,9 +180,11 @@ class Program:
             self, graph=graph, inputs=list(self.inputs), outputs=list(self.outputs), history=list(self.history)
         )
 
-    def record(self, name: str, seconds: float, stats: Any) -> None:
-        """Append a pass's record (the runner does this after every pass)."""
-        self.history.append(PassRecord(name, seconds, stats, format_graph(self)))
+    def record(self, name: str, seconds: float, stats: Any, unchanged: bool = False) -> None:
+        """Append a pass's record (the runner does this after every pass). `unchanged`: the pass
+        returned the graph it was given, whose text the last record holds already."""
+        text = self.history[-1].text if unchanged and self.history else format_graph(self)
+        self.history.append(PassRecord(name, seconds, stats, text))
 
     def stats(self, name: str) -> Any:
         """What pass `name` did, as its typed record (its last), e.g. `program.stats("shard").gathers`."""

@@ -36,11 +36,13 @@ def run_passes(
         _dump(dump_dir, 0, "trace", program)
     for i, (name, fn) in enumerate(passes, 1):
         started = time.perf_counter()
+        given = program.graph
         if name in disable:
-            program, stats = program.copy(), Note("disabled by the user")
+            program, stats = program.copy(shared=True), Note("disabled by the user")
         else:
             program, stats = fn(program)
-        program.record(name, time.perf_counter() - started, stats)
+        # a pass that changed nothing (copy(shared=True)) leaves the text of the program as it was
+        program.record(name, time.perf_counter() - started, stats, unchanged=program.graph is given)
         logs.log.debug("pass %s: %.2fs: %s", name, program.history[-1].seconds, program.history[-1].summary)
         if checks and name != "verify" and name not in disable:
             check(program, after=name)
