@@ -127,6 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep the shards, gradients and AdamW's state in host memory; step with fbmt's C++ Adam "
         "(fbmt.compile(offload=True), fbmt.optim.AdamOffloadOptimizer)",
     )
+    p.add_argument(
+        "--fp8",
+        default=None,
+        choices=["tensorwise", "rowwise"],
+        help="the blocks' matrix products in FP8 with dynamic scales (fbmt.compile(fp8=...); a GPU of compute "
+        "capability 8.9 or later, or slowly on the CPU)",
+    )
     p.add_argument("--corpus-mb", type=float, default=16.0, help="how much of the stdlib to read")
     p.add_argument(
         "--checkpoints",
@@ -252,6 +259,7 @@ def main(args: argparse.Namespace) -> None:
         backend=args.backend,
         cuda_graph=args.cuda_graph,
         offload=args.offload,
+        fp8=args.fp8,
         init_fn=init_weights,
     )
     if args.offload:  # the same update as torch's AdamW, in place on the host shards
@@ -266,7 +274,7 @@ def main(args: argparse.Namespace) -> None:
     log(
         f"fbmt.train: GPT {n_params / 1e6:.2f}M params ({args.dtype}), {ranks} on {device.type}, "
         f"zero={args.zero} remat={args.remat} schedule={schedule_name(args.schedule)} backend={args.backend}"
-        f"{', offload' if args.offload else ''}, "
+        f"{', offload' if args.offload else ''}{f', fp8 {args.fp8}' if args.fp8 else ''}, "
         f"corpus {len(corpus) / 2**20:.1f} MB of stdlib source, "
         f"{args.batch_size}x{args.seq_len} tokens per rank per step",
         flush=True,

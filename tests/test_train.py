@@ -104,6 +104,28 @@ def test_main_job_with_offload_trains_and_resumes_its_host_optimizer(tmp_path):
     assert len(losses) == 20 and sum(losses[-4:]) / 4 < losses[0] - 0.5, losses  # resumed at 16, and learning
 
 
+def test_main_job_trains_in_fp8(tmp_path):
+    """`--fp8 tensorwise`: the blocks' products in FP8 (fbmt.compile(fp8=...)), on the CPU ranks' _scaled_mm."""
+    cmd = [sys.executable, "-m", "fbmt.train", "--ranks", "2", "--layers", "2", "--d-model", "64", "--heads", "2"]
+    cmd += [
+        "--seq-len",
+        "64",
+        "--corpus-mb",
+        "1",
+        "--steps",
+        "16",
+        "--checkpoints",
+        str(tmp_path),
+        "--fp8",
+        "tensorwise",
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert ", fp8 tensorwise," in run.stdout
+    losses = [float(line.split("loss ")[1].split()[0]) for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 16 and sum(losses[-4:]) / 4 < losses[0] - 0.5, losses
+
+
 def test_bmtrain_example_runs_under_torchrun_and_its_loss_falls(tmp_path):
     out = tmp_path / "gpt.pt"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
