@@ -70,6 +70,12 @@ def compile_module(
             f"fbmt.compile(cuda_graph=True): CUDA graphs need the model on a CUDA device, and this "
             f"one compiles for {device}; pass device='cuda' or leave cuda_graph off"
         )
+    if o.fp8 is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name, (major, minor) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"fbmt.compile(fp8={o.fp8!r}): FP8 products need a GPU of compute capability 8.9 or later (Ada, "
+            f"Hopper, Blackwell); {device} is a {name} of {major}.{minor}. Leave fp8 off on this GPU"
+        )
     plan = Plan.of(o, world)  # every option resolved and checked, before the model is touched (NOTE: [Plan])
     if plan.backend == "inductor":
         start_compile_workers(device)  # they start while the model is built and traced

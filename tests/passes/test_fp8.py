@@ -191,3 +191,18 @@ def test_a_hugging_face_llama_trains_in_fp8_close_to_bf16():
             assert model.program.stats("merge").runs  # q/k/v and gate/up are merged products
     for a, b in zip(losses["tensorwise"], losses[None]):
         assert abs(a - b) < 0.02 * b, losses
+
+
+def test_rowwise_scales_keep_products_that_are_not_bf16():
+    """torch's kernels with a scale per row write bf16 only: fp32 products stay as they are, and say so."""
+    model = fbmt.compile(Net(), fp8="rowwise", cache_dir=False)
+    model(torch.randn(2, 16, 32)).sum().backward()
+    stats = model.program.stats("fp8")
+    assert stats.products == 0 and "rowwise scales with torch.float32 operands" in str(stats), stats
+
+
+def test_fp8_on_a_gpu_without_fp8_products_is_refused_at_compile(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or later.*NVIDIA A100 of 8.0"):
+        fbmt.compile(Net(), fp8="tensorwise", device=torch.device("cuda", 0), world_size=1)

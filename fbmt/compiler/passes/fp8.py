@@ -79,7 +79,7 @@ def fp8_products(program: Program, recipe: str | None = None) -> tuple[Program, 
     made, kept = 0, {}
     for node in [n for n in g.nodes if n.target in _PRODUCTS]:
         why = None if _layer(owner.block(node)) else "outside the repeated layers (the head, the embeddings)"
-        why = why or _unfit(node)
+        why = why or _unfit(node, recipe == "rowwise")
         if why:
             kept[why] = kept.get(why, 0) + 1
             continue
@@ -130,7 +130,7 @@ def _layer(block: str | None) -> bool:
     return bool(block) and block.rpartition(".")[2].isdigit()
 
 
-def _unfit(node: fx.Node) -> str | None:
+def _unfit(node: fx.Node, rowwise: bool) -> str | None:
     """Why a product stays as it is, or None."""
     if node.kwargs:  # addmm's beta or alpha
         return "a product scaled by beta or alpha"
@@ -139,6 +139,8 @@ def _unfit(node: fx.Node) -> str | None:
         return "an operand of unknown value"
     if a.dtype not in (torch.bfloat16, torch.float16, torch.float32) or a.dtype != b.dtype:
         return f"operands of {a.dtype} and {b.dtype}"
+    if rowwise and a.dtype != torch.bfloat16:  # the kernels with a scale per row write bf16 only
+        return f"rowwise scales with {a.dtype} operands (param_dtype=torch.bfloat16 takes them)"
     k, n = a.shape[1], b.shape[1]
     if not all(isinstance(s, int) and s % 16 == 0 for s in (k, n)):
         return "inner or outer size not a known multiple of 16"
