@@ -416,12 +416,15 @@ def _attention_without_dropout(n: fx.Node) -> bool:
     this call draws nothing, so it belongs to the region around it (Inductor calls the same kernel)."""
     if ops.op_name(n.target) not in ops.ATTENTION_FORWARD:
         return False
-    names = [a.name for a in n.target._schema.arguments]
-    if "dropout_p" not in names:
+    arguments = n.target._schema.arguments
+    at = next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None)
+    if at is None:
         return False
-    at = names.index("dropout_p")
-    p = n.args[at] if at < len(n.args) else n.kwargs.get("dropout_p", n.target._schema.arguments[at].default_value)
-    return p == 0
+    if at < len(n.args):
+        return n.args[at] == 0
+    if "dropout_p" in n.kwargs:
+        return n.kwargs["dropout_p"] == 0
+    return arguments[at].has_default_value() and arguments[at].default_value == 0
 
 
 def _size_arithmetic(n: fx.Node) -> bool:
