@@ -206,3 +206,37 @@ def test_fp8_on_a_gpu_without_fp8_products_is_refused_at_compile(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match=r"compute capability 8.9 or later.*NVIDIA A100 of 8.0"):
         fbmt.compile(Net(), fp8="tensorwise", device=torch.device("cuda", 0), world_size=1)
+
+
+def _two_ranks_against_eager(rank: int, world: int) -> int:
+    """ZeRO-3 on 2 ranks: each gathers the weights in bf16 and casts them after the gather; each rank's
+    activations get their own scales. Against the hand-cast eager layers on this rank's half of the
+    batch, their gradients averaged over the ranks, for two batches."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    base = Net().to(torch.bfloat16).float()
+    ref = Net(fp8="tensorwise")
+    ref.load_state_dict(base.state_dict())
+    ref.to(torch.bfloat16)
+    model = fbmt.compile(base, fp8="tensorwise", param_dtype=torch.bfloat16, checks=True, cache_dir=False)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, 32, generator=g).bfloat16(), torch.randint(0, 48, (8, 8), generator=g)
+        part = slice(4 * rank, 4 * rank + 4)
+        loss, ref_loss = _step(model, x[part], y[part]), _step(ref, x[part], y[part])
+        assert torch.equal(loss, ref_loss), (step, loss, ref_loss)
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            want = p.grad.float()
+            dist.all_reduce(want)
+            assert torch.equal(grads[name], want / world), (step, name)
+        model.zero_grad(), ref.zero_grad()
+    return model.program.stats("fp8").products
+
+
+def test_fp8_on_two_ranks_equals_eager_layers_that_cast_alike():
+    from tests.dist import run_ranks
+
+    products = run_ranks(2, _two_ranks_against_eager)
+    assert products[0] == products[1] > 0, products
