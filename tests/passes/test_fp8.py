@@ -163,6 +163,9 @@ def test_an_fp8_program_is_saved_and_loaded_by_the_compile_cache(tmp_path):
         origin = model.program.origin
     assert origin.startswith("loaded"), origin
     assert torch.equal(outs[0], outs[1])
+    bf16 = fbmt.compile(_copy(ref), param_dtype=torch.bfloat16, cache_dir=tmp_path)  # another option: a miss
+    bf16(x.bfloat16())
+    assert bf16.program.origin.startswith("compiled") and str(bf16.program.stats("fp8")) == "off"
 
 
 def test_a_hugging_face_llama_trains_in_fp8_close_to_bf16():
