@@ -24,7 +24,7 @@ scales giving the range.
 Why every `mm` alone: in the joint graph a linear layer is three products (the forward, the input's
 and the weight's gradients, and under recompute a fourth), each taking its operands as they are,
 so each is made FP8 by itself with no need to pair them up; an operand read by several products is
-cast once per product (Inductor fuses each cast into one pass over the operand with its amax).
+cast once per product (with Inductor, in the region of that product).
 Which products: those of the repeated layers (where the work is), not the output head's or the
 embeddings', as torchao's convention leaves the last layer in high precision. A product's layer is
 its weight's (found through views, a cast, and the `cat` of a merged product's weights) or that of
