@@ -59,7 +59,7 @@ class Fp8Stats:
 
     recipe: str | None
     products: int  # products made FP8
-    kept: tuple[str, ...]  # why products of blocks were left as they were, one line per reason
+    kept: tuple[str, ...]  # why the other products were left as they were: a count and a reason a line
 
     def __str__(self) -> str:
         if self.recipe is None:
@@ -94,13 +94,10 @@ class _Owners:
     makes (the forward's block tags do not reach the backward before the shard pass)."""
 
     def __init__(self, program: Program):
-        layout = program.layout
-        roles = dict(zip(program.placeholders(), program.inputs))
-        self.param = {
-            n: layout.block_of_module(r.key.rpartition(".")[0]) for n, r in roles.items() if r.kind == "param"
-        }
+        block = {s.name: g.block for g in program.layout.groups for s in g.slots}  # the layout's own (ties too)
+        self.param = {n: block[r.key] for n, r in zip(program.placeholders(), program.inputs) if r.kind == "param"}
         self.grad = {
-            v: layout.block_of_module(r.key.rpartition(".")[0])
+            v: block[r.key]
             for r, v in zip(program.outputs, program.output_values())
             if r.kind == "grad" and isinstance(v, fx.Node)
         }

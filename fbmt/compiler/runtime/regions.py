@@ -507,7 +507,7 @@ def _join_cheap_runs(g: fx.Graph) -> None:
 
 def _cheap(run: list[fx.Node]) -> bool:
     work = [n for n in run if not (ops.costs_nothing(n) or _size_arithmetic(n))]
-    return len(work) <= CHEAP_RUN and not any(ops.expensive(n) or ops.flops(n) for n in work)
+    return len(work) <= CHEAP_RUN and not any(ops.flops(n) for n in work)  # products, attention, convolution
 
 
 def _varying(n: fx.Node) -> tuple[int, ...]:
