@@ -96,6 +96,12 @@ CACHE_DIR = Flag(
     "a folder: where fbmt.compile keeps compiled programs between runs (default ~/.cache/fbmt/compile); "
     "off: no compile cache (compile(cache_dir=...))",
 )
+STAMP = Flag(
+    "FBMT_STAMP",
+    _bool,
+    True,
+    "0: trace every block call, never each kind of block once (NOTE: [Stamped blocks] in fbmt/compiler/stamp.py)",
+)
 INIT_TIMEOUT = Flag(
     "FBMT_INIT_TIMEOUT",
     float,
@@ -164,6 +170,7 @@ FLAGS = (
     DUMP_DIR,
     LOG,
     CACHE_DIR,
+    STAMP,
     MACHINE,
     INIT_TIMEOUT,
     TIMEOUT,

@@ -29,10 +29,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, functionalize
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fbmt.compiler import masks, meta, objects, sizes
+from fbmt import flags, logs
+from fbmt.compiler import masks, meta, objects, sizes, stamp
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.ops import record
 from fbmt.compiler.program import BWD, FWD, Program, Results, Role
@@ -224,7 +225,10 @@ def trace(
     # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
     # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
     probe_ops = _Decompose(_SYMBOLIC_DECOMPOSITIONS) if dynamic else contextlib.nullcontext()
-    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode, probe_ops:
+    # NOTE: [Stamped blocks]; a program of symbolic sizes is traced whole for now
+    stamper = stamp.Stamper.for_module(module) if flags.STAMP.get() and not dynamic else None
+    recording = stamper.recording() if stamper is not None else contextlib.nullcontext()
+    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode, probe_ops, recording:
         with torch.enable_grad() if needs_grad else torch.no_grad():
             probe, copies = call(
                 [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)],
@@ -264,18 +268,42 @@ def trace(
         return [*tensors, *grads]
 
     flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
-    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
-        table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
-        first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
-    masks.drop_dead(decided)
-    gm = first
+    table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
+    if stamper is not None:
+        for kind in stamper.kinds:
+            why = _trace_kind(module, kind, fake_mode, table, needs_grad)
+            if why is None:
+                stamper.adopt(kind)
+            else:
+                stamper.not_stamped.append(f"{kind.block}'s kind: {why}")
+    try:
+        stamping = stamper.stamping(_from_constants()) if stamper is not None else contextlib.nullcontext()
+        with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), stamping:
+            first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
+    except stamp.Refused as e:  # a surprise in the backward: the trace again, every block as code
+        stamper.release()
+        stamper, decided = None, {}
+        logs.log.info("traced again without stamping blocks: %s", e)
+        with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
+            first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
+    gm, graph, dropped = first, first.graph, False
     if _mutates(first.graph):  # NOTE: [Functional already]
+        masks.drop_dead(decided)  # before the second trace, which would trace the dead masks again
+        dropped = True
         with _translate_errors(module):
             gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
                 *flat_in
             )
+        graph = gm.graph
+    if stamper is not None and stamper.of_call:
+        graph, moved = stamp.inline(graph, stamper)
+        if not dropped:  # the masks' nodes as inlining copied them (and named them, as make_fx had)
+            decided = {moved[n]: kind for n, kind in decided.items()}
+        stamper.release()
+    if not dropped:
+        masks.drop_dead(decided)
 
-    constants = _lift_constants(gm, before=n_p + n_b + n_x)
+    constants = _lift_constants(graph, gm, before=n_p + n_b + n_x)
     inputs = (
         [Role("param", p[0]) for p in params]
         + [Role("buffer", b) for b in buffers]
@@ -289,7 +317,7 @@ def trace(
         else []
     )
     program = Program(
-        graph=gm.graph,
+        graph=graph,
         inputs=inputs,
         outputs=outputs,
         layout=layout,
@@ -303,10 +331,95 @@ def trace(
     if symbolic is not None and checks:
         symbolic.masks = checks  # admitted sizes are proved again (NOTE: [Causal masks])
     _canonicalize(program)
-    stats = TraceStats(tuple(constants), (*results.plan.notes, *masks.CausalMasks.said(decided)))
+    said = (*results.plan.notes, *masks.CausalMasks.said(decided), *(stamper.said() if stamper else ()))
+    stats = TraceStats(tuple(constants), said)
     if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself
         program.record("trace", time.perf_counter() - started, stats)
     return program
+
+
+def _trace_kind(
+    module: nn.Module, kind: stamp.Kind, fake_mode: FakeTensorMode, table: dict, needs_grad: bool
+) -> str | None:
+    """Trace one call of a kind of block alone, forward and backward, as `trace` traces the model (NOTE:
+    [Stamped blocks], step 2); why its calls cannot be stamped, or None."""
+    n, n_pb = kind.n_inputs, len(kind.params) + len(kind.buffers)
+    rg = [r for _, r in kind.inputs]
+    outs = kind.out_tensors()
+    diff = [i for i, o in enumerate(outs) if needs_grad and o.requires_grad]
+    wrt = [i for i, r in enumerate(rg) if r] if diff else []
+    if diff and not wrt:
+        diff = []
+    with fake_mode:
+        flat_in = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t, _ in kind.inputs]
+        flat_in += [
+            torch.empty_strided(o.fake.shape, o.fake.stride(), dtype=o.fake.dtype, device=o.fake.device)
+            for o in (outs[i] for i in diff)
+        ]
+    decided: dict[fx.Node, str] = {}
+
+    def joint(*flat: torch.Tensor) -> list:
+        ins = [x.detach().requires_grad_(r) for x, r in zip(flat[:n], rg)]
+        with torch.enable_grad() if kind.grad_mode else torch.no_grad():
+            args, kwargs = kind.arguments(ins[n_pb:])
+            tensors = {f"block.{k}": v for k, v in zip(kind.params + kind.buffers, ins[:n_pb])}
+            with masks.CausalMasks(decided):
+                out = functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
+        tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if not diff:
+            return tensors
+        grads = torch.autograd.grad(
+            [tensors[i] for i in diff], [ins[i] for i in wrt], list(flat[n:]), allow_unused=True
+        )
+        return [*tensors, *grads]
+
+    try:
+        with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
+            gm = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
+    except TraceError as e:  # the model's trace will meet it too and say so, where it is
+        return f"its trace failed ({str(e).splitlines()[0]})"
+    if _mutates(gm.graph):  # as the model's trace does (NOTE: [Functional already]); it must then write
+        first = gm  # to no input: its copy would write to its exemplar's
+        try:
+            with _translate_errors(module):
+                gm = make_fx(
+                    functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake"
+                )(*flat_in)
+        except TraceError as e:
+            return f"its functionalization failed ({str(e).splitlines()[0]})"
+        if _mutates(gm.graph):
+            return "it writes to one of its inputs"
+    masks.drop_dead(decided)
+    kind.notes = [f"{kind.block}'s kind: {line}" for line in masks.CausalMasks.said(decided)]
+    kind.differentiable = diff
+    return stamp.split_kind(kind, gm.graph, n_outputs=len(outs), wrt=wrt)
+
+
+def _from_constants() -> Callable[[torch.Tensor], bool]:
+    """A test, during a trace: whether a tensor's node in the graph derives from no placeholder (a mask
+    built from sizes; NOTE: [Causal masks]). Memoized: a trace asks it of every block's arguments."""
+    reaches: dict[fx.Node, bool] = {}
+
+    def test(t: torch.Tensor) -> bool:
+        mode = get_proxy_mode()
+        slot = get_proxy_slot(t, mode.tracer, None) if mode is not None else None
+        if slot is None:
+            return True  # a tensor the graph does not hold: a constant
+        todo = [slot.proxy.node]
+        while todo:
+            n = todo[-1]
+            if n in reaches:
+                todo.pop()
+                continue
+            pending = [a for a in n.all_input_nodes if a not in reaches]
+            if pending and n.op != "placeholder":
+                todo += pending
+                continue
+            reaches[n] = n.op == "placeholder" or any(reaches[a] for a in n.all_input_nodes)
+            todo.pop()
+        return not reaches[slot.proxy.node]
+
+    return test
 
 
 @dataclass(frozen=True)
@@ -395,24 +508,24 @@ def _mutates(graph: fx.Graph) -> bool:
     )
 
 
-def _lift_constants(gm: fx.GraphModule, before: int) -> dict[str, torch.Tensor]:
+def _lift_constants(graph: fx.Graph, owner: nn.Module, before: int) -> dict[str, torch.Tensor]:
     """Tensors the forward makes from Python values (`torch.tensor([])` in a cache's set-up, the
     scalar of `x[:, 0] = 1.0`) are attributes of the traced module (`_tensor_constant0`); the
     program is a graph alone, so each becomes an input of kind "constant" (placed before the
     tangents, the `before`-th placeholder on), and the Program keeps its value."""
     constants: dict[str, torch.Tensor] = {}
-    anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][before - 1] if before else None
-    for n in list(gm.graph.nodes):
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][before - 1] if before else None
+    for n in list(graph.nodes):
         if n.op != "get_attr":
             continue
-        value = getattr(gm, n.target)
+        value = getattr(owner, n.target)
         if not isinstance(value, torch.Tensor):
             raise TraceError(f"fbmt.compile: the traced forward reads a non-tensor attribute {n.target!r}")
-        with gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before():
-            lifted = gm.graph.placeholder(n.target)
+        with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before():
+            lifted = graph.placeholder(n.target)
         lifted.meta.update(n.meta)
         n.replace_all_uses_with(lifted)
-        gm.graph.erase_node(n)
+        graph.erase_node(n)
         constants[n.target] = value.detach()
         anchor = lifted
     return constants
@@ -479,6 +592,26 @@ class _TagCarrier(fx.Interpreter):
                 meta.tag_missing(k, module=path)
                 k = k.next
         return result
+
+
+class _Forward(nn.Module):
+    """What a kind's trace calls: the block's forward alone, for its own hooks run around each call of
+    it in the model's trace, the stamped ones too; its nodes tagged with its path, as the model's
+    trace tags them (NOTE: [Stamped blocks])."""
+
+    def __init__(self, block: nn.Module, path: str):
+        super().__init__()
+        self.block, self.path = block, path
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        start = get_proxy_mode().tracer.graph._root.prev
+        out = self.block.forward(*args, **kwargs)
+        root = start.graph._root
+        k = start.next
+        while k is not root:
+            meta.tag_missing(k, module=self.path)
+            k = k.next
+        return out
 
 
 class _Entry(nn.Module):
@@ -570,7 +703,7 @@ def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
     tagger = _ModuleTagger(module)
     try:
         yield tagger
-    except TraceError:
+    except (TraceError, stamp.Refused):
         raise
     except Exception as e:  # translate any tracing failure into one actionable message
         kind = type(e).__name__

@@ -49,12 +49,15 @@ def build_shards(
     shards = []
     with torch.no_grad():
         seed = _shared_seed() if any(p.is_meta for p in module.parameters()) else None
+        # what each block's materializing reads, found once: per block, a look-up over the whole
+        # module would make building a deep model's shards quadratic in its depth
+        meta_buffers = _meta_buffers(module, layout) if seed is not None else {}
         for block in layout.blocks:
             groups = [g for g in layout.groups if g.block == block]
             names = [s.name for g in groups for s in g.slots]
             if seed is not None:
-                _materialize(module, layout, block, names, refs, device, init_fn, seed)
-            params = dict(module.named_parameters())
+                _materialize(module, layout, block, names, refs, device, init_fn, seed, meta_buffers.get(block, []))
+            params = {n: module.get_parameter(n) for n in names}
             for g in groups:
                 assert g.index == len(shards), "shards must come out in layout.groups order (the runtime zips them)"
                 shard = torch.zeros(g.shard_numel, dtype=g.dtype, device=home, pin_memory=pin)
@@ -184,18 +187,18 @@ def _materialize(
     device: torch.device,
     init_fn: InitFn | None,
     seed: int,
+    meta_buffers: list[tuple[str, nn.Module]],
 ) -> None:
     owners: dict[str, nn.Module] = {}
     fresh: dict[str, torch.Tensor] = {}  # what was materialized, each filled with a value no init writes
-    params = dict(module.named_parameters())
     for n in names:
         path = n.rpartition(".")[0]
         owners[path] = module.get_submodule(path)
-        p = params[n]
+        p = module.get_parameter(n)
         fresh[n] = _unset_like(p, device)
         _swap(p, nn.Parameter(fresh[n], requires_grad=p.requires_grad), refs, n)
-    for path, m in module.named_modules():
-        if layout.block_of_module(path) == block and any(b is not None and b.is_meta for b in m._buffers.values()):
+    for path, m in meta_buffers:
+        if any(b is not None and b.is_meta for b in m._buffers.values()):
             owners[path] = m
             for k, b in m._buffers.items():
                 if b is not None and b.is_meta:
@@ -220,6 +223,15 @@ def _materialize(
             "values (its module's reset_parameters(), or the model's _init_weights, does not set them); pass "
             "fbmt.compile(..., init_fn=fn) where fn(module) initializes what each module owns directly"
         )
+
+
+def _meta_buffers(module: nn.Module, layout: Layout) -> dict[str | None, list[tuple[str, nn.Module]]]:
+    """Per block, its modules that hold a buffer on the meta device (with their paths)."""
+    out: dict[str | None, list[tuple[str, nn.Module]]] = defaultdict(list)
+    for path, m in module.named_modules():
+        if any(b is not None and b.is_meta for b in m._buffers.values()):
+            out[layout.block_of_module(path)].append((path, m))
+    return out
 
 
 def _with_ancestors(root: nn.Module, owners: dict[str, nn.Module]) -> dict[str, nn.Module]:

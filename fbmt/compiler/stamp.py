@@ -1,0 +1,528 @@
+"""Trace each kind of block once and stamp its graph for every block like it (NOTE: [Stamped blocks]).
+
+NOTE: [Stamped blocks]
+A model's blocks are mostly one kind: the 24 or 80 layers of a decoder run the same code on
+parameters of the same shapes. Tracing (make_fx over the forward and its backward) costs a few
+hundred microseconds per node and is most of the compiler's time; copying a node costs a few. So the
+trace proves which block calls are alike, traces one call of each kind alone, and copies its graph
+for the others:
+
+1. **Proof, in the fake forward that precedes the trace** (`Stamper.recording`). Each call of a
+   block (a child of a `ModuleList` of two or more modules of one class) records its signature: the
+   aten ops it ran in order, each with its non-tensor arguments, which earlier tensor each tensor
+   argument is (a parameter, a buffer, an argument, an earlier op's output, or a tensor from outside
+   the block, by identity), and whether grad mode was on; then which tensors it returned. Calls
+   whose class, parameter and buffer metadata, argument structure and metadata, and signature are
+   equal are one kind: they ran the same ops on tensors of the same metadata, so their joint graphs
+   (the backward being the autograd formulas of those ops) are the same up to which parameters they
+   read. Attributes that differ between blocks (Hugging Face's `layer_idx`) need not be equal: the
+   signature shows whether they changed what ran. A call given an object (a Hugging Face cache) is
+   never stamped: the object's state after it is a side effect a copy of a graph cannot repeat.
+2. **One trace per kind** (`trace._trace_kind`): the first call of the kind, alone, through the
+   same make_fx, module tags and decompositions as the whole trace, forward and backward.
+3. **The trace of the model** (`Stamper.stamping`) runs each stamped call as one op, `fbmt::stamp`,
+   whose fake kernel gives the kind's output metadata and whose backward is `fbmt::stamp_grad`;
+   the autograd engine places the backward where the block's own backward would run.
+4. **Inlining** (`inline`) replaces each op by a copy of the kind's forward (its module paths moved to
+   the block's), and each backward op by a copy of the kind's backward reading that copy's values.
+   The graph is then rebuilt with the names make_fx gives (an op's name and a count), so a stamped
+   program is the program tracing every block gives, names included (tests/passes/test_stamp.py).
+
+Where a stamped call meets something the kind's trace did not see (an output that got no gradient
+in the model, an argument computed from constants only, as a causal mask built from sizes is, which
+the trace rewrites by its value: NOTE: [Causal masks]), it either runs as traced code (the argument
+case, decided in the forward) or, in the backward, the whole trace is made again without stamping
+(`Refused`), so a surprise costs time, never a different program. `FBMT_STAMP=0` turns it off.
+Programs of symbolic sizes (NOTE: [Dynamic sizes]) are traced whole for now.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fbmt.compiler import meta
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+_ARG = object()  # where a tensor goes among a call's argument leaves
+
+
+class Refused(Exception):
+    """A stamped call met what its kind's trace did not see; trace the model again without stamping."""
+
+
+def _tensor_meta(t: torch.Tensor, requires_grad: bool | None = None) -> tuple:
+    rg = t.requires_grad if requires_grad is None else requires_grad
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, rg)
+
+
+class _Tensor(NamedTuple):
+    """A result leaf that is a tensor: a detached fake of its metadata, and whether it requires grad."""
+
+    fake: torch.Tensor
+    requires_grad: bool
+
+
+@dataclass
+class Kind:
+    """One kind of block call: what its trace needs, and its graph once traced."""
+
+    id: int
+    block: str  # the path of the block whose call is traced (the exemplar)
+    module: nn.Module
+    params: list[str]  # block-local names, in the order the stamp op takes them
+    buffers: list[str]
+    inputs: list[tuple[torch.Tensor, bool]]  # per input of the op: a detached fake of its metadata, requires_grad
+    in_spec: Any
+    in_leaves: list[Any]  # the exemplar's argument leaves: `_ARG` where a tensor goes, else the plain value
+    out_spec: Any
+    out_leaves: list[Any]  # the exemplar's result leaves: a `_Tensor` where a tensor, else the value
+    grad_mode: bool
+    calls: list[int]  # the calls (in the forward's order) of this kind
+    graph: fx.Graph | None = None  # the kind's joint graph (`trace._trace_kind`)
+    prelude: list[fx.Node] = field(default_factory=list)  # the detaches of its inputs its trace made first
+    forward: list[fx.Node] = field(default_factory=list)  # its forward nodes, in order
+    backward: list[fx.Node] = field(default_factory=list)
+    placeholders: list[fx.Node] = field(default_factory=list)  # the inputs', then the tangents'
+    outputs: list[fx.Node] = field(default_factory=list)  # per output tensor, its node
+    wrt: list[int] = field(default_factory=list)  # which inputs get a gradient
+    grads: list[fx.Node | None] = field(default_factory=list)  # per input of `wrt`, its gradient's node
+    differentiable: list[int] = field(default_factory=list)  # which outputs receive a gradient (the tangents)
+    notes: list[str] = field(default_factory=list)  # what its trace says of itself (masks it decided)
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.inputs)
+
+    def out_tensors(self) -> list[_Tensor]:
+        return [x for x in self.out_leaves if isinstance(x, _Tensor)]
+
+    def arguments(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
+        """The call's (args, kwargs) with these tensors where the exemplar had its own."""
+        it = iter(tensors)
+        return pytree.tree_unflatten([next(it) if x is _ARG else x for x in self.in_leaves], self.in_spec)
+
+    def arg_metas(self) -> list[tuple]:
+        return [_tensor_meta(t, rg) for t, rg in self.inputs[len(self.params) + len(self.buffers) :]]
+
+
+_KINDS: dict[int, Kind] = {}  # the kinds of the trace under way, for the stamp ops' fake kernels
+_ids = itertools.count()
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+@torch.library.custom_op("fbmt::stamp", mutates_args=())
+def _stamp(kind: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    raise RuntimeError("fbmt::stamp exists only while a model is traced (NOTE: [Stamped blocks])")
+
+
+@_stamp.register_fake
+def _(kind: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [_empty_like(t.fake) for t in _KINDS[kind].out_tensors()]
+
+
+@torch.library.custom_op("fbmt::stamp_grad", mutates_args=())
+def _stamp_grad(kind: int, call: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    raise RuntimeError("fbmt::stamp_grad exists only while a model is traced (NOTE: [Stamped blocks])")
+
+
+@_stamp_grad.register_fake
+def _(kind: int, call: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    k = _KINDS[kind]
+    return [_empty_like(k.inputs[i][0]) for i, g in zip(k.wrt, k.grads) if g is not None]
+
+
+def _setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
+    kind, call, _ = inputs
+    ctx.kind, ctx.call = kind, call
+    k = _KINDS[kind]
+    ctx.mark_non_differentiable(*[o for i, o in enumerate(output) if i not in k.differentiable])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
+    k = _KINDS[ctx.kind]
+    got = [i for i, g in enumerate(grads) if g is not None]
+    if got != k.differentiable:
+        raise Refused(
+            f"a call of {k.block}'s kind got gradients for its outputs {got}, its traced kind for {k.differentiable}"
+        )
+    out = iter(torch.ops.fbmt.stamp_grad(ctx.kind, ctx.call, [grads[i] for i in got]))
+    per_input: list[torch.Tensor | None] = [None] * k.n_inputs
+    for i, g in zip(k.wrt, k.grads):
+        if g is not None:
+            per_input[i] = next(out)
+    return None, None, per_input
+
+
+_stamp.register_autograd(_backward, setup_context=_setup)
+
+
+class _Signature(TorchDispatchMode):
+    """Records the ops a block call runs (NOTE: [Stamped blocks], step 1)."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.index = {id(t): i for i, t in enumerate(inputs)}
+        self.held = list(inputs)  # every tensor indexed stays alive while recording, so ids stay theirs
+        self.ops: list[tuple] = []
+
+    def key(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            i = self.index.get(id(x))
+            if i is None:  # a tensor from outside the block: equal signatures read the same one
+                self.held.append(x)
+                return ("outside", id(x))
+            return i
+        if isinstance(x, (list, tuple)):
+            return tuple(self.key(v) for v in x)
+        if isinstance(x, _PLAIN):
+            return x
+        return ("value", type(x).__name__, id(x))  # anything else: equal only to itself
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        grad = torch.is_grad_enabled()
+        self.ops.append((func, self.key(args), tuple((k, self.key(v)) for k, v in kwargs.items()), grad))
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.index[id(t)] = len(self.held)
+                self.held.append(t)
+        return out
+
+
+def _plain(leaves: list[Any]) -> bool:
+    return all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves)
+
+
+def _local_tensors(block: nn.Module, names: list[str]) -> list[torch.Tensor]:
+    """The block's tensors by local name, as its forward sees them now (functional_call's, in a trace)."""
+    out = []
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        out.append(getattr(block.get_submodule(path) if path else block, leaf))
+    return out
+
+
+@dataclass
+class _Call:
+    """A block call of the fake forward, and what it proved (its signature)."""
+
+    block: str
+    nested: int  # candidate calls made within this one
+    key: tuple | None = None  # None: never stamped (an object among its arguments or results)
+    inputs: list[tuple[torch.Tensor, bool]] = field(default_factory=list)
+    in_spec: Any = None
+    in_leaves: list[Any] = field(default_factory=list)
+    out_spec: Any = None
+    out_leaves: list[Any] = field(default_factory=list)
+
+
+class Stamper:
+    """The blocks a trace may stamp, what the fake forward proved about their calls, and the kinds."""
+
+    def __init__(self, module: nn.Module, candidates: dict[str, nn.Module]) -> None:
+        self.candidates: dict[str, nn.Module] = {}  # block path -> module
+        self.locals: dict[str, tuple[list[str], list[str]]] = {}  # block path -> its parameters, buffers
+        tied = _tied(module)
+        for path, block in candidates.items():
+            if any(id(p) in tied for p in block.parameters()):
+                continue  # a parameter shared with code outside the block: its gradient has two sources
+            self.candidates[path] = block
+            self.locals[path] = (
+                [n for n, _ in block.named_parameters(remove_duplicate=False)],
+                [n for n, _ in block.named_buffers(remove_duplicate=False)],
+            )
+        self.calls: list[_Call] = []
+        self.kinds: list[Kind] = []
+        self.of_call: dict[int, Kind] = {}
+        self.stamped: dict[str, int] = {}  # a kind's exemplar block -> its calls stamped in the trace
+        self.not_stamped: list[str] = []  # why a call of a traced kind was traced as code after all
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> Stamper | None:
+        """The module's candidate blocks (the children of a ModuleList of two or more modules of one
+        class), or None where it has none."""
+        candidates: dict[str, nn.Module] = {}
+        for path, mod in module.named_modules():
+            if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
+                for i, child in enumerate(mod):
+                    candidates[f"{path}.{i}" if path else str(i)] = child
+        stamper = cls(module, candidates)
+        return stamper if stamper.candidates else None
+
+    @contextmanager
+    def _wrapped(self, wrapper: Callable) -> Iterator[None]:
+        """Each candidate's forward runs through `wrapper(path, block, forward, *args, **kwargs)`."""
+        before: list[tuple[nn.Module, Any]] = []
+        try:
+            for path, block in self.candidates.items():
+                before.append((block, vars(block).get("forward")))
+                block.forward = _Bound(wrapper, path, block, block.forward)
+            yield
+        finally:
+            for block, forward in before:
+                if forward is None:
+                    del block.forward  # the instance's attribute: the class's forward shows again
+                else:
+                    block.forward = forward
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """The fake forward: every candidate block call records its signature (step 1)."""
+        self.calls = []
+
+        def record(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+            at = len(self.calls)
+            call = _Call(path, 0)
+            self.calls.append(call)
+            leaves, in_spec = pytree.tree_flatten((args, kwargs))
+            if not _plain(leaves):
+                out = forward(*args, **kwargs)
+                call.nested = len(self.calls) - at - 1
+                return out
+            params, buffers = self.locals[path]
+            tensors = [*_local_tensors(block, params), *_local_tensors(block, buffers)]
+            tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
+            signature = _Signature(tensors)
+            grad_mode = torch.is_grad_enabled()
+            with signature:
+                out = forward(*args, **kwargs)
+            call.nested = len(self.calls) - at - 1
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            if not _plain(out_leaves):
+                return out
+            ops = (*signature.ops, ("out", tuple(signature.key(x) for x in out_leaves)))
+            call.key = (
+                type(block),
+                tuple(params),
+                tuple(buffers),
+                tuple(_tensor_meta(t) for t in tensors),
+                in_spec,
+                tuple((type(x), x) for x in leaves if not isinstance(x, torch.Tensor)),
+                out_spec,
+                tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in out_leaves),
+                grad_mode,
+                ops,
+            )
+            call.inputs = [(t.detach(), t.requires_grad) for t in tensors]
+            call.in_spec, call.out_spec = in_spec, out_spec
+            call.in_leaves = [_ARG if isinstance(x, torch.Tensor) else x for x in leaves]
+            call.out_leaves = [
+                _Tensor(x.detach(), x.requires_grad) if isinstance(x, torch.Tensor) else x for x in out_leaves
+            ]
+            return out
+
+        with self._wrapped(record):
+            yield
+        self._group()
+
+    def _group(self) -> None:
+        """Calls alike become kinds; a kind of one call is traced as code."""
+        groups: dict[tuple, list[int]] = {}
+        for i, c in enumerate(self.calls):
+            if c.key is not None:
+                groups.setdefault(c.key, []).append(i)
+        self.kinds = []
+        for calls in groups.values():
+            if len(calls) < 2:
+                continue
+            c = self.calls[calls[0]]
+            params, buffers = self.locals[c.block]
+            self.kinds.append(
+                Kind(
+                    id=next(_ids),
+                    block=c.block,
+                    module=self.candidates[c.block],
+                    params=params,
+                    buffers=buffers,
+                    inputs=c.inputs,
+                    in_spec=c.in_spec,
+                    in_leaves=c.in_leaves,
+                    out_spec=c.out_spec,
+                    out_leaves=c.out_leaves,
+                    grad_mode=c.key[-2],
+                    calls=calls,
+                )
+            )
+
+    def adopt(self, kind: Kind) -> None:
+        """A kind whose trace can be stamped: its calls will be."""
+        _KINDS[kind.id] = kind
+        for i in kind.calls:
+            self.of_call[i] = kind
+
+    def release(self) -> None:
+        """Forget the kinds (after inlining: the stamp ops are gone from the graph)."""
+        for kind in self.kinds:
+            _KINDS.pop(kind.id, None)
+
+    @contextmanager
+    def stamping(self, from_constants: Callable[[torch.Tensor], bool]) -> Iterator[None]:
+        """The trace of the model: each call of an adopted kind runs as `fbmt::stamp` (step 3).
+        `from_constants(t)`: whether tensor t, in the graph being traced, derives from no input."""
+        counter = iter(range(len(self.calls)))
+
+        def stamp(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+            call = next(counter, None)
+            kind = self.of_call.get(call) if call is not None else None
+            if kind is None or self.calls[call].block != path:
+                return forward(*args, **kwargs)
+            leaves, in_spec = pytree.tree_flatten((args, kwargs))
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            same = (
+                in_spec == kind.in_spec
+                and _plain(leaves)
+                and torch.is_grad_enabled() == kind.grad_mode
+                and [_tensor_meta(x) for x in tensors] == kind.arg_metas()
+                and [_ARG if isinstance(x, torch.Tensor) else x for x in leaves] == kind.in_leaves
+            )
+            if not same:
+                self.not_stamped.append(f"{path}: its arguments differ from the fake forward's")
+                return forward(*args, **kwargs)
+            if any(from_constants(x) for x in tensors):
+                self.not_stamped.append(f"{path}: an argument is computed from constants alone (a mask)")
+                return forward(*args, **kwargs)
+            for _ in range(self.calls[call].nested):  # the calls within it are stamped with it
+                next(counter, None)
+            inputs = [*_local_tensors(block, kind.params), *_local_tensors(block, kind.buffers), *tensors]
+            outs = iter(torch.ops.fbmt.stamp(kind.id, call, inputs))
+            self.stamped[kind.block] = self.stamped.get(kind.block, 0) + 1
+            return pytree.tree_unflatten(
+                [next(outs) if isinstance(x, _Tensor) else x for x in kind.out_leaves], kind.out_spec
+            )
+
+        with self._wrapped(stamp):
+            yield
+
+    def said(self) -> list[str]:
+        """What the program's summary says about stamping (the trace's line)."""
+        lines = []
+        if self.stamped:
+            kinds = ", ".join(f"{b}'s x{n}" for b, n in self.stamped.items())
+            lines.append(f"traced {len(self.stamped)} block kind(s) once and stamped their calls ({kinds})")
+            lines += [note for k in self.kinds if k.block in self.stamped for note in k.notes]
+        if self.not_stamped:
+            lines.append(f"blocks traced as code: {'; '.join(dict.fromkeys(self.not_stamped))}")
+        return lines
+
+
+class _Bound:
+    """`block.forward` while a trace wraps it: the wrapper, told which block it serves."""
+
+    def __init__(self, wrapper: Callable, path: str, block: nn.Module, forward: Callable) -> None:
+        self.wrapper, self.path, self.block, self.forward = wrapper, path, block, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper(self.path, self.block, self.forward, *args, **kwargs)
+
+
+def _tied(module: nn.Module) -> set[int]:
+    """The parameters reached under two or more paths."""
+    seen: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {i for i, n in seen.items() if n > 1}
+
+
+def split_kind(kind: Kind, graph: fx.Graph, n_outputs: int, wrt: list[int]) -> str | None:
+    """Read a kind's joint graph into its forward and backward; why it cannot be stamped, or None."""
+    kind.graph, kind.wrt = graph, wrt
+    kind.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    inputs = set(kind.placeholders)
+    started = False
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op != "call_function":
+            return f"its graph reads an attribute ({n.target})"
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return f"it writes to a tensor ({n.target})"
+        if meta.module(n) is not None:
+            if kind.backward:
+                return "its forward and backward interleave"
+            started = True
+            kind.forward.append(n)
+        elif started:
+            kind.backward.append(n)
+        elif n.target is torch.ops.aten.detach.default and n.args[0] in inputs:
+            kind.prelude.append(n)
+        else:
+            return f"its trace ran {n.target} before the block"
+    (values,) = next(iter(reversed(graph.nodes))).args
+    kind.outputs, kind.grads = list(values[:n_outputs]), list(values[n_outputs:])
+    if not all(isinstance(o, fx.Node) for o in kind.outputs):
+        return "a result is not a tensor of its graph"
+    return None
+
+
+def _base_name(graph: fx.Graph, n: fx.Node) -> str:
+    """The name make_fx gives a node of this target, before its count."""
+    if isinstance(n.target, torch._ops.OpOverload):
+        return graph._target_to_str(n.target.overloadpacket.__name__)
+    return graph._target_to_str(n.target)
+
+
+def inline(graph: fx.Graph, stamper: Stamper) -> tuple[fx.Graph, dict[fx.Node, Any]]:
+    """The graph with each stamp op replaced by its kind's nodes (step 4), every node named as make_fx
+    names it; and where each node of `graph` went."""
+    new = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    copies: dict[int, dict[fx.Node, Any]] = {}  # a call -> its kind's nodes -> their copies
+    stamp_op, grad_op = torch.ops.fbmt.stamp.default, torch.ops.fbmt.stamp_grad.default
+
+    def copy(n: fx.Node, local: dict[fx.Node, Any], module: str | None = None) -> fx.Node:
+        args, kwargs = fx.map_arg((n.args, n.kwargs), local.__getitem__)
+        c = new.create_node(n.op, n.target, args, kwargs, name=_base_name(new, n))
+        c.meta = dict(n.meta)
+        if module is not None:
+            meta.tag(c, module=module)
+        return c
+
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            env[n] = new.placeholder(n.name, type_expr=n.type)
+            env[n].meta = dict(n.meta)
+        elif n.op == "output":
+            new.output(fx.map_arg(n.args[0], env.__getitem__)).meta = dict(n.meta)
+        elif n.target is operator.getitem and getattr(n.args[0], "target", None) in (stamp_op, grad_op):
+            env[n] = env[n.args[0]][n.args[1]]
+        elif n.target is stamp_op:
+            kind_id, call, inputs = n.args
+            kind = _KINDS[kind_id]
+            local: dict[fx.Node, Any] = {p: env[x] for p, x in zip(kind.placeholders, inputs)}
+            for kn in kind.prelude:  # the detaches of its inputs that the kind's trace made
+                local[kn] = local[kn.args[0]]
+            src, dst = kind.block, stamper.calls[call].block
+            for kn in kind.forward:
+                path = meta.module(kn)
+                moved = dst + path[len(src) :] if path == src or path.startswith(src + ".") else path
+                local[kn] = copy(kn, local, moved)
+            copies[call] = local
+            env[n] = [local[o] for o in kind.outputs]
+        elif n.target is grad_op:
+            kind_id, call, grads = n.args
+            kind, local = _KINDS[kind_id], copies[call]
+            local.update({t: env[g] for t, g in zip(kind.placeholders[kind.n_inputs :], grads)})
+            for kn in kind.backward:
+                local[kn] = copy(kn, local)
+            env[n] = [local[g] for g in kind.grads if g is not None]
+        else:
+            env[n] = copy(n, env)
+    return new, env

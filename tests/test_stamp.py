@@ -1,0 +1,304 @@
+"""Stamped blocks (NOTE: [Stamped blocks] in fbmt/compiler/stamp.py): a kind of block traced once and
+copied for its other calls gives the program tracing every block gives, node for node, names and
+every fact of fbmt's included, for every pass; blocks that are not alike, or that meet what their
+kind's trace did not see, are traced as code or traced again. The same program computes the same
+values: the equivalence tests (tests/test_equivalence.py) train stamped GPTs against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fbmt
+from fbmt.models.gpt import GPT, GPTConfig
+
+KEYS = ("fbmt_phase", "fbmt_module", "fbmt_block", "fbmt_recompute", "fbmt_group", "fbmt_bucket")
+
+
+def _program(monkeypatch: pytest.MonkeyPatch, stamp: bool, build, args: tuple, kwargs: dict | None = None, **options):
+    monkeypatch.setenv("FBMT_STAMP", "1" if stamp else "0")
+    torch.manual_seed(0)
+    options = {"world_size": 2, "device": "meta", **options}
+    compiled = fbmt.compile(build(), cache_dir=False, **options)
+    return compiled.trace(*args, device="cpu", **(kwargs or {}))
+
+
+def _facts(program) -> list[tuple]:
+    return [
+        (n.name, n.op, str(n.target), str(n.args), str(n.kwargs), *(n.meta.get(k) for k in KEYS))
+        for n in program.graph.nodes
+    ]
+
+
+def _trace_line(program) -> str:
+    return next((str(r.stats) for r in program.history if r.name == "trace"), "")
+
+
+def _same(monkeypatch, build, args, kwargs=None, **options) -> str:
+    """Both programs are one program, pass by pass; what the stamped trace said of itself."""
+    whole = _program(monkeypatch, False, build, args, kwargs, **options)
+    stamped = _program(monkeypatch, True, build, args, kwargs, **options)
+    assert _facts(stamped) == _facts(whole)
+    texts = {r.name: r.text for r in whole.history}
+    for r in stamped.history:
+        if r.name in texts:
+            assert r.text == texts[r.name], f"pass {r.name} differs"
+    assert "stamped" not in _trace_line(whole)
+    return _trace_line(stamped)
+
+
+def _tokens(n: int = 16, vocab: int = 64) -> tuple:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, vocab, (2, n), generator=g), torch.randint(0, vocab, (2, n), generator=g))
+
+
+def _gpt(n_layer: int = 3):
+    return lambda: GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, d_model=32))
+
+
+def test_gpt_blocks_are_stamped_into_the_program_a_whole_trace_gives(monkeypatch):
+    said = _same(monkeypatch, _gpt(4), _tokens())
+    assert "traced 1 block kind(s) once and stamped their calls (h.0's x4)" in said
+
+
+@pytest.mark.parametrize("options", [{"remat": "none", "zero": 2}, {"remat": "selective", "fp8": "tensorwise"}])
+def test_options_do_not_change_what_stamping_gives(monkeypatch, options):
+    assert "stamped" in _same(monkeypatch, _gpt(3), _tokens(), **options)
+
+
+def test_a_trace_without_gradients_is_stamped_too(monkeypatch):
+    def build():
+        model = _gpt(3)()
+        model.eval()
+        return model
+
+    assert "stamped" in _same(monkeypatch, build, (_tokens()[0],))
+
+
+class _Switch(nn.Module):
+    """A block whose code path depends on an attribute that differs between blocks."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.i = i
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return x + (F.gelu(y) if self.i % 2 == 0 else torch.tanh(y))
+
+
+class _Index(nn.Module):
+    """A block that keeps its index (as Hugging Face's layer_idx) without using it."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.layer_idx = i
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + F.silu(self.fc(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, block, n: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)  # every block's input requires grad, the first's too
+        self.layers = nn.ModuleList(block(i) for i in range(n))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+def _x():
+    return (torch.randn(4, 16),)
+
+
+def test_blocks_whose_attributes_change_what_runs_are_kinds_of_their_own(monkeypatch):
+    said = _same(monkeypatch, lambda: _Stack(_Switch), _x())
+    assert "traced 2 block kind(s) once and stamped their calls (layers.0's x2, layers.1's x2)" in said
+
+
+def test_an_attribute_that_changes_nothing_does_not_split_a_kind(monkeypatch):
+    said = _same(monkeypatch, lambda: _Stack(_Index), _x())
+    assert "(layers.0's x4)" in said
+
+
+class _Aux(nn.Module):
+    """A block of two results; the model uses the second of the last block only."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return x + y, y.sum()
+
+
+class _AuxStack(_Stack):
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x, aux = layer(x)
+        return self.head(x).square().mean() + aux  # the other blocks' aux get no gradient
+
+
+def test_a_result_its_kind_gave_a_gradient_that_gets_none_makes_the_trace_run_again_whole(monkeypatch):
+    said = _same(monkeypatch, lambda: _AuxStack(_Aux), _x())
+    assert "stamped" not in said  # the first call's aux got none: traced again, every block as code
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.shared = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_Index(i) for i in range(3))
+        self.layers[1].fc = self.shared  # a block's parameter read outside it too
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.shared(x).square().mean()
+
+
+def test_blocks_with_a_parameter_tied_outside_are_traced_as_code(monkeypatch):
+    said = _same(monkeypatch, _Tied, _x())
+    assert "(layers.0's x2)" in said  # layers.0 and layers.2
+
+
+class _Norm(nn.Module):
+    def __init__(self, i: int):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return x + self.bn(self.fc(x))
+
+
+def test_blocks_that_update_a_buffer_are_traced_as_code(monkeypatch):
+    said = _same(monkeypatch, lambda: _Stack(_Norm), _x(), world_size=1, device="cpu")
+    assert "stamped" not in said
+
+
+class _Pair(nn.Module):
+    """A block holding a list of two sub-blocks of one class: candidates within a candidate."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.inner = nn.ModuleList(_Index(j) for j in range(2))
+
+    def forward(self, x, scale: float = 1.0):
+        for layer in self.inner:
+            x = layer(x) * scale
+        return x
+
+
+def test_blocks_within_stamped_blocks(monkeypatch):
+    said = _same(monkeypatch, lambda: _Stack(_Pair, n=3), _x())
+    assert "(layers.0's x3)" in said  # the sub-blocks' calls go with the blocks that make them
+
+
+class _Keyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_Pair(i) for i in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, scale=0.5 if i == 1 else 1.0)  # a plain argument that differs: another kind
+        return x.square().mean()
+
+
+def test_calls_with_different_plain_arguments_are_not_one_kind(monkeypatch):
+    said = _same(monkeypatch, _Keyword, _x())
+    # layers.1 is traced as code; its sub-blocks are stamped from their own kind
+    assert "(layers.0's x2, layers.0.inner.0's x2)" in said
+
+
+def test_hugging_face_llama_programs_are_the_same(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+
+    def build():
+        return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+
+    ids = _tokens(16, 64)[0]
+    _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids, "use_cache": False})
+    _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids})
+
+
+def _hooked(where: str):
+    def build():
+        model = _Stack(_Index)
+        # on the first block, whose call is its kind's traced one
+        if where == "forward":
+            model.layers[0].register_forward_hook(lambda m, i, o: o * 2.0)
+        elif where == "pre":
+            model.layers[0].register_forward_pre_hook(lambda m, args: (args[0] * 3.0,))
+        else:  # inside the block: its forward runs other ops than the others'
+            model.layers[0].fc.register_forward_hook(lambda m, i, o: o - 1.0)
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize("where", ["forward", "pre", "inside"])
+def test_a_hook_on_one_block_runs_for_that_block_alone(monkeypatch, where):
+    said = _same(monkeypatch, _hooked(where), _x())
+    if where == "inside":
+        assert "(layers.1's x3)" in said  # layers.0 is a kind of its own, of one call: traced as code
+    else:
+        assert "(layers.0's x4)" in said  # the block's own hooks run around its stamped call
+
+
+class _InPlace(nn.Module):
+    """torch's RMSNorm adds its epsilon in place: the kind's graph is functionalized, as the model's is."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class _IntoInput(nn.Module):
+    def __init__(self, i: int):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x.mul_(0.5)  # writes to its argument: a copy of its graph would write to its exemplar's
+        return x + self.fc(x)
+
+
+def test_blocks_with_in_place_ops_on_their_own_values_are_stamped(monkeypatch):
+    assert "(layers.0's x4)" in _same(monkeypatch, lambda: _Stack(_InPlace), _x())
+
+
+def test_blocks_that_write_to_an_argument_are_traced_as_code(monkeypatch):
+    said = _same(monkeypatch, lambda: _Stack(_IntoInput), _x())
+    # traced alone, the argument is a leaf that autograd will not let it write to; any other
+    # writer to an input is refused after functionalization ("it writes to one of its inputs")
+    assert "blocks traced as code: layers.0's kind:" in said and "stamped" not in said
