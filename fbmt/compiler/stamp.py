@@ -147,30 +147,34 @@ def _(kind: int, call: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_empty_like(k.inputs[i][0]) for i, g in zip(k.wrt, k.grads) if g is not None]
 
 
-def _setup(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
-    kind, call, _ = inputs
-    ctx.kind, ctx.call = kind, call
-    k = _KINDS[kind]
-    ctx.mark_non_differentiable(*[o for i, o in enumerate(output) if i not in k.differentiable])
-    ctx.set_materialize_grads(False)
+class _Stamped(torch.autograd.Function):
+    """A stamped call for autograd: `fbmt::stamp` forward, `fbmt::stamp_grad` backward (a Function of
+    its own rather than the op's registered autograd, which wraps every call in pytree work that
+    cost more than the copy it stands for)."""
 
+    @staticmethod
+    def forward(ctx: Any, kind: int, call: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.kind, ctx.call = kind, call
+        k = _KINDS[kind]
+        out = tuple(torch.ops.fbmt.stamp(kind, call, list(inputs)))
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(out) if i not in k.differentiable])
+        ctx.set_materialize_grads(False)
+        return out
 
-def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
-    k = _KINDS[ctx.kind]
-    got = [i for i, g in enumerate(grads) if g is not None]
-    if got != k.differentiable:
-        raise Refused(
-            f"a call of {k.block}'s kind got gradients for its outputs {got}, its traced kind for {k.differentiable}"
-        )
-    out = iter(torch.ops.fbmt.stamp_grad(ctx.kind, ctx.call, [grads[i] for i in got]))
-    per_input: list[torch.Tensor | None] = [None] * k.n_inputs
-    for i, g in zip(k.wrt, k.grads):
-        if g is not None:
-            per_input[i] = next(out)
-    return None, None, per_input
-
-
-_stamp.register_autograd(_backward, setup_context=_setup)
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        k = _KINDS[ctx.kind]
+        got = [i for i, g in enumerate(grads) if g is not None]
+        if got != k.differentiable:
+            raise Refused(
+                f"a call of {k.block}'s kind got gradients for its outputs {got}, its traced kind for {k.differentiable}"
+            )
+        out = iter(torch.ops.fbmt.stamp_grad(ctx.kind, ctx.call, [grads[i] for i in got]))
+        per_input: list[torch.Tensor | None] = [None] * k.n_inputs
+        for i, g in zip(k.wrt, k.grads):
+            if g is not None:
+                per_input[i] = next(out)
+        return None, None, *per_input
 
 
 class _Signature(TorchDispatchMode):
@@ -402,7 +406,7 @@ class Stamper:
             for _ in range(self.calls[call].nested):  # the calls within it are stamped with it
                 next(counter, None)
             inputs = [*_local_tensors(block, kind.params), *_local_tensors(block, kind.buffers), *tensors]
-            outs = iter(torch.ops.fbmt.stamp(kind.id, call, inputs))
+            outs = iter(_Stamped.apply(kind.id, call, *inputs))
             self.stamped[kind.block] = self.stamped.get(kind.block, 0) + 1
             return pytree.tree_unflatten(
                 [next(outs) if isinstance(x, _Tensor) else x for x in kind.out_leaves], kind.out_spec
