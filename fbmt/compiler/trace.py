@@ -255,9 +255,6 @@ def trace(
     def joint(*flat: torch.Tensor) -> list:
         ps, bs = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
         xs, ts = list(flat[n_p + n_b : n_p + n_b + n_x]), list(flat[n_p + n_b + n_x :])
-        if needs_grad:
-            ps = [p.detach().requires_grad_(rg) for p, rg in zip(ps, param_rg)]
-            xs = [x.detach().requires_grad_(rg) for x, rg in zip(xs, input_rg)]
         with torch.enable_grad() if needs_grad else torch.no_grad():
             out, copies = call(ps, bs, xs)
         tensors = results.tensors(pytree.tree_leaves(out), copies)
@@ -267,6 +264,9 @@ def trace(
         grads = torch.autograd.grad([tensors[i] for i in diff_pos], wrt, ts, allow_unused=True)
         return [*tensors, *grads]
 
+    if needs_grad:  # leaves that require grad as they come in: a detach of each inside would cost a traced op
+        fake_params = [p.requires_grad_(rg) for p, rg in zip(fake_params, param_rg)]
+        fake_inputs = [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)]
     flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
     table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
     if stamper is not None:
