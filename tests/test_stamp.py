@@ -227,9 +227,10 @@ def test_calls_with_different_plain_arguments_are_not_one_kind(monkeypatch):
     assert "(layers.0's x2, layers.0.inner.0's x2)" in said
 
 
-def test_hugging_face_llama_programs_are_the_same(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "mistral_window", "qwen2"])
+def test_hugging_face_decoders_are_stamped_into_the_same_programs(monkeypatch, family):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+    sizes = dict(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -238,13 +239,31 @@ def test_hugging_face_llama_programs_are_the_same(monkeypatch):
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
+    config, model_class = {
+        "llama": (lambda: transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM),
+        # a window narrower than the sequence: its mask is not causal, and stays
+        "mistral_window": (
+            lambda: transformers.MistralConfig(sliding_window=4, **sizes),
+            transformers.MistralForCausalLM,
+        ),
+        "qwen2": (lambda: transformers.Qwen2Config(**sizes), transformers.Qwen2ForCausalLM),
+    }[family]
 
     def build():
-        return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        return model_class._from_config(config(), attn_implementation="sdpa")
 
     ids = _tokens(16, 64)[0]
-    _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids, "use_cache": False})
-    _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids})
+    # use_cache=False: the causal mask is built from sizes and given to every layer (NOTE: [Causal masks])
+    said = _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids, "use_cache": False})
+    assert "(model.layers.0's x3)" in said, said
+    # a padding mask, from an input: the layers get a mask that depends on an input, as their kind
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0
+    said = _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids, "attention_mask": pad, "use_cache": False})
+    assert "(model.layers.0's x3)" in said, said
+    # called as Hugging Face documents: each layer gets the cache object, so each is traced as code
+    said = _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids})
+    assert "stamped" not in said
 
 
 def _hooked(where: str):

@@ -41,14 +41,30 @@ class CausalMasks(TorchFunctionMode):
     """Within (while make_fx traces): SDPA calls given a mask that is provably causal, or attends
     everywhere, run without it (NOTE: [Causal masks]). `said(decided)` lists each mask's decision."""
 
-    def __init__(self, decided: dict[fx.Node, str], checks: list[MaskCheck] | None = None) -> None:
+    _active: list[CausalMasks] = []  # the innermost decides: a kind of block traced within a model's trace
+
+    def __init__(
+        self,
+        decided: dict[fx.Node, str],
+        checks: list[MaskCheck] | None = None,
+        known: dict[fx.Node, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.decided = decided  # the mask's node -> "causal", "all" or why it is kept; shared by a trace's calls
         self.checks = checks  # a symbolic trace's: each rewritten mask, to prove again at every size it admits
+        self.known = known or {}  # nodes of inputs whose value is known (NOTE: [Stamped blocks])
+
+    def __enter__(self) -> CausalMasks:
+        CausalMasks._active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        CausalMasks._active.remove(self)
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
-        if func is not F.scaled_dot_product_attention or len(args) < 3:
+        if func is not F.scaled_dot_product_attention or len(args) < 3 or CausalMasks._active[-1] is not self:
             return func(*args, **kwargs)
         q, k, v = args[:3]
         kwargs.update(zip(_SDPA_ARGS, args[3:]))
@@ -87,7 +103,7 @@ class CausalMasks(TorchFunctionMode):
             if symbolic and self.checks is None:
                 self.decided[node] = "symbolic sizes"
             else:
-                self.decided[node], check = _decide(node, mode.tracer.root, q_len, kv_len)
+                self.decided[node], check = _decide(node, mode.tracer.root, q_len, kv_len, self.known)
                 if symbolic and check is not None:
                     self.checks.append(check)
         return self.decided[node]
@@ -107,14 +123,20 @@ def drop_dead(decided: dict[fx.Node, str]) -> None:
         todo.extend(inputs)
 
 
-def _decide(node: fx.Node, root: Any, q_len: Any, kv_len: Any) -> tuple[str, MaskCheck | None]:
-    """ "causal", "all", or why the mask is kept; for a mask rewritten at symbolic sizes, its check."""
+def _decide(
+    node: fx.Node, root: Any, q_len: Any, kv_len: Any, known: dict[fx.Node, torch.Tensor] | None = None
+) -> tuple[str, MaskCheck | None]:
+    """ "causal", "all", or why the mask is kept; for a mask rewritten at symbolic sizes, its check.
+    `known`: nodes whose values are given (a kind of block's inputs that its calls get from constants)."""
+    known = known or {}
     needed, sizes, todo = set(), [], [node]
     while todo:
         n = todo.pop()
         if n in needed:
             continue
         needed.add(n)
+        if n in known:
+            continue
         if n.op == "call_function" and isinstance(n.meta.get("val"), torch.SymInt) and _reads_a_size(n):
             sizes.append(n)  # a size of an input: a number of the program's, the mask's input here
             continue
@@ -129,11 +151,34 @@ def _decide(node: fx.Node, root: Any, q_len: Any, kv_len: Any) -> tuple[str, Mas
     # real tensors, outside the trace: nothing here is recorded
     with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
         try:
-            check = MaskCheck.of(node, needed, sorted(sizes, key=_order(node.graph)), root, q_len, kv_len)
+            check = MaskCheck.of(node, needed, sorted(sizes, key=_order(node.graph)), root, q_len, kv_len, known)
             kind = check.kind_at(check.traced_values())
         except Exception as e:  # an op that will not run on the host as traced: keep the mask, as eager has it
             return f"evaluating it failed: {type(e).__name__}", None
     return kind, (check if kind in ("causal", "all") and check.sizes else None)
+
+
+def constant_value(node: fx.Node, root: Any) -> torch.Tensor | None:
+    """The value of a node of a fixed-size program that derives from no input (a mask built from sizes),
+    computed on the host; None where it reads an input or will not run there."""
+    needed, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if n.op not in ("call_function", "get_attr") or isinstance(n.meta.get("val"), torch.SymInt):
+            return None
+        todo.extend(n.all_input_nodes)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
+        try:
+            with torch.no_grad():
+                return MaskCheck.of(node, needed, [], root, 0, 0).graph()
+        except Exception:  # an op that will not run on the host as traced
+            return None
 
 
 def _reads_a_size(n: fx.Node) -> bool:
@@ -163,13 +208,25 @@ class MaskCheck:
 
     @classmethod
     def of(
-        cls, node: fx.Node, needed: set[fx.Node], sizes: list[fx.Node], root: Any, q_len: Any, kv_len: Any
+        cls,
+        node: fx.Node,
+        needed: set[fx.Node],
+        sizes: list[fx.Node],
+        root: Any,
+        q_len: Any,
+        kv_len: Any,
+        known: dict[fx.Node, torch.Tensor] | None = None,
     ) -> MaskCheck:
         g, env, owner = fx.Graph(), {}, torch.nn.Module()
         for n in sizes:
             env[n] = g.placeholder(f"size{len(env)}")
         for n in node.graph.nodes:  # in graph order: every input before its user
             if n not in needed or n in env:
+                continue
+            if n in (known or {}):
+                name = f"_known{len(owner._buffers)}"
+                owner.register_buffer(name, known[n].detach().to("cpu").clone())
+                env[n] = g.get_attr(name)
                 continue
             if n.op == "get_attr":
                 owner.register_buffer(n.target, getattr(root, n.target).detach().to("cpu").clone())

@@ -38,6 +38,7 @@ Programs of symbolic sizes (NOTE: [Dynamic sizes]) are traced whole for now.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import operator
 from collections.abc import Callable, Iterator
@@ -49,6 +50,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fbmt.compiler import meta
@@ -100,7 +103,26 @@ class Kind:
     wrt: list[int] = field(default_factory=list)  # which inputs get a gradient
     grads: list[fx.Node | None] = field(default_factory=list)  # per input of `wrt`, its gradient's node
     differentiable: list[int] = field(default_factory=list)  # which outputs receive a gradient (the tangents)
-    notes: list[str] = field(default_factory=list)  # what its trace says of itself (masks it decided)
+    known: dict[int, torch.Tensor] = field(default_factory=dict)  # argument -> its value, where constant
+    decided: dict[fx.Node, str] = field(default_factory=dict)  # the attention masks its trace decided
+
+    def variant(self, known: dict[int, torch.Tensor]) -> Kind:
+        """This kind for calls that get these arguments from constants (their values decide masks)."""
+        return Kind(
+            id=next(_ids),
+            block=self.block,
+            module=self.module,
+            params=self.params,
+            buffers=self.buffers,
+            inputs=self.inputs,
+            in_spec=self.in_spec,
+            in_leaves=self.in_leaves,
+            out_spec=self.out_spec,
+            out_leaves=self.out_leaves,
+            grad_mode=self.grad_mode,
+            calls=self.calls,
+            known=known,
+        )
 
     @property
     def n_inputs(self) -> int:
@@ -167,7 +189,8 @@ class _Stamped(torch.autograd.Function):
         got = [i for i, g in enumerate(grads) if g is not None]
         if got != k.differentiable:
             raise Refused(
-                f"a call of {k.block}'s kind got gradients for its outputs {got}, its traced kind for {k.differentiable}"
+                f"a call of {k.block}'s kind got gradients for its outputs {got}, "
+                f"its traced kind for {k.differentiable}"
             )
         out = iter(torch.ops.fbmt.stamp_grad(ctx.kind, ctx.call, [grads[i] for i in got]))
         per_input: list[torch.Tensor | None] = [None] * k.n_inputs
@@ -209,6 +232,13 @@ class _Signature(TorchDispatchMode):
                 self.index[id(t)] = len(self.held)
                 self.held.append(t)
         return out
+
+
+def _digest(t: torch.Tensor) -> tuple:
+    """A tensor's value, as a key (a mask of a few million elements hashes in milliseconds)."""
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():  # a real tensor, read within a trace
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return (tuple(t.shape), t.dtype, hashlib.sha1(data).hexdigest())
 
 
 def _plain(leaves: list[Any]) -> bool:
@@ -256,6 +286,8 @@ class Stamper:
         self.calls: list[_Call] = []
         self.kinds: list[Kind] = []
         self.of_call: dict[int, Kind] = {}
+        self.variants: dict[tuple, tuple[Kind | None, str]] = {}  # a kind for constant arguments, by their values
+        self.pauses = 0
         self.stamped: dict[str, int] = {}  # a kind's exemplar block -> its calls stamped in the trace
         self.not_stamped: list[str] = []  # why a call of a traced kind was traced as code after all
 
@@ -273,12 +305,19 @@ class Stamper:
 
     @contextmanager
     def _wrapped(self, wrapper: Callable) -> Iterator[None]:
-        """Each candidate's forward runs through `wrapper(path, block, forward, *args, **kwargs)`."""
+        """Each candidate's forward runs through `wrapper(path, block, forward, *args, **kwargs)`, but
+        while `paused` (a kind traced within the model's trace)."""
         before: list[tuple[nn.Module, Any]] = []
+
+        def unless_paused(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+            if self.pauses:
+                return forward(*args, **kwargs)
+            return wrapper(path, block, forward, *args, **kwargs)
+
         try:
             for path, block in self.candidates.items():
                 before.append((block, vars(block).get("forward")))
-                block.forward = _Bound(wrapper, path, block, block.forward)
+                block.forward = _Bound(unless_paused, path, block, block.forward)
             yield
         finally:
             for block, forward in before:
@@ -374,13 +413,20 @@ class Stamper:
 
     def release(self) -> None:
         """Forget the kinds (after inlining: the stamp ops are gone from the graph)."""
-        for kind in self.kinds:
+        for kind in [*self.kinds, *(k for k, _ in self.variants.values() if k is not None)]:
             _KINDS.pop(kind.id, None)
 
     @contextmanager
-    def stamping(self, from_constants: Callable[[torch.Tensor], bool]) -> Iterator[None]:
+    def stamping(
+        self,
+        from_constants: Callable[[torch.Tensor], bool],
+        value: Callable[[torch.Tensor], torch.Tensor | None],
+        trace_variant: Callable[[Kind], str | None],
+    ) -> Iterator[None]:
         """The trace of the model: each call of an adopted kind runs as `fbmt::stamp` (step 3).
-        `from_constants(t)`: whether tensor t, in the graph being traced, derives from no input."""
+        `from_constants(t)`: whether tensor t, in the graph being traced, derives from no input;
+        `value(t)`: such a tensor's value; `trace_variant(kind)`: trace a kind for calls given some
+        arguments from constants, there and then (`kind.known`), and why not, or None."""
         counter = iter(range(len(self.calls)))
 
         def stamp(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -400,9 +446,12 @@ class Stamper:
             if not same:
                 self.not_stamped.append(f"{path}: its arguments differ from the fake forward's")
                 return forward(*args, **kwargs)
-            if any(from_constants(x) for x in tensors):
-                self.not_stamped.append(f"{path}: an argument is computed from constants alone (a mask)")
-                return forward(*args, **kwargs)
+            known = {i: value(x) for i, x in enumerate(tensors) if from_constants(x)}
+            if known:
+                kind, why = self._variant(kind, known, trace_variant)
+                if kind is None:
+                    self.not_stamped.append(f"{path}: {why}")
+                    return forward(*args, **kwargs)
             for _ in range(self.calls[call].nested):  # the calls within it are stamped with it
                 next(counter, None)
             inputs = [*_local_tensors(block, kind.params), *_local_tensors(block, kind.buffers), *tensors]
@@ -415,13 +464,38 @@ class Stamper:
         with self._wrapped(stamp):
             yield
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Blocks run their own forward within: a kind traced while the model's trace runs."""
+        self.pauses += 1
+        try:
+            yield
+        finally:
+            self.pauses -= 1
+
+    def _variant(
+        self, kind: Kind, known: dict[int, torch.Tensor | None], trace_variant: Callable[[Kind], str | None]
+    ) -> tuple[Kind | None, str]:
+        """The kind for calls given these constants, traced on its first call; or None and why."""
+        if any(v is None for v in known.values()):
+            return None, "an argument computed from constants alone could not be evaluated"
+        key = (kind.id, tuple((i, _digest(v)) for i, v in sorted(known.items())))
+        if key not in self.variants:
+            variant = kind.variant(known)
+            why = trace_variant(variant)
+            self.variants[key] = (
+                (variant, "") if why is None else (None, f"its kind, for its constant arguments: {why}")
+            )
+            if why is None:
+                _KINDS[variant.id] = variant
+        return self.variants[key]
+
     def said(self) -> list[str]:
         """What the program's summary says about stamping (the trace's line)."""
         lines = []
         if self.stamped:
             kinds = ", ".join(f"{b}'s x{n}" for b, n in self.stamped.items())
             lines.append(f"traced {len(self.stamped)} block kind(s) once and stamped their calls ({kinds})")
-            lines += [note for k in self.kinds if k.block in self.stamped for note in k.notes]
         if self.not_stamped:
             lines.append(f"blocks traced as code: {'; '.join(dict.fromkeys(self.not_stamped))}")
         return lines
@@ -483,11 +557,13 @@ def _base_name(graph: fx.Graph, n: fx.Node) -> str:
     return graph._target_to_str(n.target)
 
 
-def inline(graph: fx.Graph, stamper: Stamper) -> tuple[fx.Graph, dict[fx.Node, Any]]:
+def inline(graph: fx.Graph, stamper: Stamper) -> tuple[fx.Graph, dict[fx.Node, Any], dict[fx.Node, str]]:
     """The graph with each stamp op replaced by its kind's nodes (step 4), every node named as make_fx
-    names it; and where each node of `graph` went."""
+    names it; where each node of `graph` went; and the attention masks the kinds decided, as copied
+    (the trace drops the dead ones after, as it does its own: the names stay make_fx's)."""
     new = fx.Graph()
     env: dict[fx.Node, Any] = {}
+    decided: dict[fx.Node, str] = {}
     copies: dict[int, dict[fx.Node, Any]] = {}  # a call -> its kind's nodes -> their copies
     stamp_op, grad_op = torch.ops.fbmt.stamp.default, torch.ops.fbmt.stamp_grad.default
 
@@ -519,6 +595,7 @@ def inline(graph: fx.Graph, stamper: Stamper) -> tuple[fx.Graph, dict[fx.Node, A
                 moved = dst + path[len(src) :] if path == src or path.startswith(src + ".") else path
                 local[kn] = copy(kn, local, moved)
             copies[call] = local
+            decided.update({local[m]: d for m, d in kind.decided.items()})
             env[n] = [local[o] for o in kind.outputs]
         elif n.target is grad_op:
             kind_id, call, grads = n.args
@@ -529,4 +606,4 @@ def inline(graph: fx.Graph, stamper: Stamper) -> tuple[fx.Graph, dict[fx.Node, A
             env[n] = [local[g] for g in kind.grads if g is not None]
         else:
             env[n] = copy(n, env)
-    return new, env
+    return new, env, decided

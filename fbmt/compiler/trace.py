@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, functionalize
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot, make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fbmt import flags, logs
@@ -277,7 +277,13 @@ def trace(
             else:
                 stamper.not_stamped.append(f"{kind.block}'s kind: {why}")
     try:
-        stamping = stamper.stamping(_from_constants()) if stamper is not None else contextlib.nullcontext()
+        stamping = (
+            stamper.stamping(
+                *_constants(), lambda kind: _trace_variant(stamper, module, kind, fake_mode, table, needs_grad)
+            )
+            if stamper is not None
+            else contextlib.nullcontext()
+        )
         with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), stamping:
             first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
     except stamp.Refused as e:  # a surprise in the backward: the trace again, every block as code
@@ -296,9 +302,12 @@ def trace(
             )
         graph = gm.graph
     if stamper is not None and stamper.of_call:
-        graph, moved = stamp.inline(graph, stamper)
-        if not dropped:  # the masks' nodes as inlining copied them (and named them, as make_fx had)
+        graph, moved, kinds_decided = stamp.inline(graph, stamper)
+        if dropped:
+            masks.drop_dead(kinds_decided)
+        else:  # the masks' nodes as inlining copied them (and named them, as make_fx had)
             decided = {moved[n]: kind for n, kind in decided.items()}
+        decided.update(kinds_decided)
         stamper.release()
     if not dropped:
         masks.drop_dead(decided)
@@ -342,7 +351,12 @@ def _trace_kind(
     module: nn.Module, kind: stamp.Kind, fake_mode: FakeTensorMode, table: dict, needs_grad: bool
 ) -> str | None:
     """Trace one call of a kind of block alone, forward and backward, as `trace` traces the model (NOTE:
-    [Stamped blocks], step 2); why its calls cannot be stamped, or None."""
+    [Stamped blocks], step 2); why its calls cannot be stamped, or None. A kind for calls given
+    arguments from constants (`kind.known`) is traced within the model's trace, at its first call,
+    and its masks decided by those values, as the model's trace decides them (NOTE: [Causal masks])."""
+    if get_proxy_mode() is not None:
+        with disable_proxy_modes_tracing():
+            return _trace_kind(module, kind, fake_mode, table, needs_grad)
     n, n_pb = kind.n_inputs, len(kind.params) + len(kind.buffers)
     rg = [r for _, r in kind.inputs]
     outs = kind.out_tensors()
@@ -360,10 +374,12 @@ def _trace_kind(
 
     def joint(*flat: torch.Tensor) -> list:
         ins = [x.detach().requires_grad_(r) for x, r in zip(flat[:n], rg)]
+        tracer = get_proxy_mode().tracer
+        known = {get_proxy_slot(ins[n_pb + i], tracer).proxy.node: v for i, v in kind.known.items()}
         with torch.enable_grad() if kind.grad_mode else torch.no_grad():
             args, kwargs = kind.arguments(ins[n_pb:])
             tensors = {f"block.{k}": v for k, v in zip(kind.params + kind.buffers, ins[:n_pb])}
-            with masks.CausalMasks(decided):
+            with masks.CausalMasks(decided, known=known):
                 out = functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
         tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
         if not diff:
@@ -389,16 +405,40 @@ def _trace_kind(
             return f"its functionalization failed ({str(e).splitlines()[0]})"
         if _mutates(gm.graph):
             return "it writes to one of its inputs"
-    masks.drop_dead(decided)
-    kind.notes = [f"{kind.block}'s kind: {line}" for line in masks.CausalMasks.said(decided)]
+    kind.decided = decided  # dropped from each copy, as the model's trace drops its own (stamp.inline)
     kind.differentiable = diff
     return stamp.split_kind(kind, gm.graph, n_outputs=len(outs), wrt=wrt)
 
 
-def _from_constants() -> Callable[[torch.Tensor], bool]:
-    """A test, during a trace: whether a tensor's node in the graph derives from no placeholder (a mask
-    built from sizes; NOTE: [Causal masks]). Memoized: a trace asks it of every block's arguments."""
+def _trace_variant(
+    stamper: stamp.Stamper,
+    module: nn.Module,
+    kind: stamp.Kind,
+    fake_mode: FakeTensorMode,
+    table: dict,
+    needs_grad: bool,
+) -> str | None:
+    """`_trace_kind` within the model's trace: the blocks run their own forward while it does."""
+    with stamper.paused():
+        return _trace_kind(module, kind, fake_mode, table, needs_grad)
+
+
+def _constants() -> tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor | None]]:
+    """Two questions, during a trace: whether a tensor's node in the graph derives from no placeholder
+    (a mask built from sizes; NOTE: [Causal masks]); and such a tensor's value. Memoized: a trace asks
+    them of every block's arguments."""
     reaches: dict[fx.Node, bool] = {}
+    values: dict[fx.Node, torch.Tensor | None] = {}
+
+    def value(t: torch.Tensor) -> torch.Tensor | None:
+        mode = get_proxy_mode()
+        slot = get_proxy_slot(t, mode.tracer, None) if mode is not None else None
+        if slot is None:
+            return None
+        node = slot.proxy.node
+        if node not in values:
+            values[node] = masks.constant_value(node, mode.tracer.root)
+        return values[node]
 
     def test(t: torch.Tensor) -> bool:
         mode = get_proxy_mode()
@@ -419,7 +459,7 @@ def _from_constants() -> Callable[[torch.Tensor], bool]:
             todo.pop()
         return not reaches[slot.proxy.node]
 
-    return test
+    return test, value
 
 
 @dataclass(frozen=True)
