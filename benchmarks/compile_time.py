@@ -4,6 +4,7 @@
     python benchmarks/compile_time.py --layers 4,16,64,128 --profile 64
     python benchmarks/compile_time.py --cache /tmp/c; python benchmarks/compile_time.py --cache /tmp/c
     PYTHONPATH=.base python benchmarks/compile_time.py --package fbmt_base   # an older commit's tree
+    FBMT_STAMP=0 python benchmarks/compile_time.py --hf --d-model 256   # HF's Llama, no stamping
 
 Nothing runs: the model is built on meta, compiled for `--world` ranks and traced on CPU fakes, as
 `fbmt.simulate` does, so the numbers are the compiler's own time, without Inductor or a device.
@@ -26,19 +27,43 @@ import torch
 
 
 def compile_once(
-    layers: int, d_model: int, world: int, remat: str, package: str = "fbmt", cache_dir: str | bool = False
+    layers: int,
+    d_model: int,
+    world: int,
+    remat: str,
+    package: str = "fbmt",
+    cache_dir: str | bool = False,
+    hf: bool = False,
 ) -> tuple[float, dict[str, float], int]:
     fbmt = importlib.import_module(package)
-    gpt = importlib.import_module(f"{package}.models.gpt")
-    GPT, GPTConfig = gpt.GPT, gpt.GPTConfig
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=32000, seq_len=1024, n_layer=layers, n_head=16, d_model=d_model))
+    ids = torch.zeros(2, 1024, dtype=torch.long)
+    # Hugging Face's Llama is built on the host (its rotary buffer has no initializer on meta): give it
+    # a width the host holds (--d-model 256)
+    with torch.device("cpu" if hf else "meta"):
+        if hf:  # Hugging Face's Llama, called with use_cache=False (its layers get a causal mask)
+            import transformers
+
+            config = transformers.LlamaConfig(
+                vocab_size=32000,
+                hidden_size=d_model,
+                intermediate_size=4 * d_model,
+                num_hidden_layers=layers,
+                num_attention_heads=16,
+                max_position_embeddings=1024,
+            )
+            model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+            args, kwargs = (), {"input_ids": ids, "labels": ids, "use_cache": False}
+        else:
+            gpt = importlib.import_module(f"{package}.models.gpt")
+            GPT, GPTConfig = gpt.GPT, gpt.GPTConfig
+            model = GPT(GPTConfig(vocab_size=32000, seq_len=1024, n_layer=layers, n_head=16, d_model=d_model))
+            args, kwargs = (ids,), {}
     started = time.perf_counter()
     try:  # without --cache, no cache at all: a default folder filled by an earlier run would load
         compiled = fbmt.compile(model, world_size=world, device="meta", remat=remat, cache_dir=cache_dir)
     except TypeError:  # an older tree, from before the compile cache
         compiled = fbmt.compile(model, world_size=world, device="meta", remat=remat)
-    program = compiled.trace(torch.zeros(2, 1024, dtype=torch.long), device="cpu")
+    program = compiled.trace(*args, device="cpu", **kwargs)
     total = time.perf_counter() - started
     # a program loaded from the cache took no pass time in this run
     loaded = getattr(program, "origin", "").startswith("loaded")
@@ -55,18 +80,19 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="profile this depth instead")
     ap.add_argument("--package", default="fbmt", help="the package to time (fbmt_base: an older tree)")
     ap.add_argument("--cache", default="", help="compile with this cache folder (run twice: cold, then warm)")
+    ap.add_argument("--hf", action="store_true", help="transformers' LlamaForCausalLM (use_cache=False), not GPT")
     args = ap.parse_args()
     if args.profile:
         prof = cProfile.Profile()
         prof.runcall(
-            compile_once, args.profile, args.d_model, args.world, args.remat, args.package, args.cache or False
+            compile_once, args.profile, args.d_model, args.world, args.remat, args.package, args.cache or False, args.hf
         )
         pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
         return
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
         total, passes, nodes = compile_once(
-            layers, args.d_model, args.world, args.remat, args.package, args.cache or False
+            layers, args.d_model, args.world, args.remat, args.package, args.cache or False, args.hf
         )
         rows.append((layers, total, passes, nodes))
         print(f"L={layers}: {total:.2f} s, {nodes} nodes", flush=True)

@@ -19,21 +19,27 @@ for the others:
    signature shows whether they changed what ran. A call given an object (a Hugging Face cache) is
    never stamped: the object's state after it is a side effect a copy of a graph cannot repeat.
 2. **One trace per kind** (`trace._trace_kind`): the first call of the kind, alone, through the
-   same make_fx, module tags and decompositions as the whole trace, forward and backward.
+   same make_fx, module tags and decompositions as the whole trace, forward and backward. It calls
+   the block's `forward`, not the block: the block's own hooks run around every call of it in the
+   model's trace, the stamped ones too. A kind whose graph writes to one of its inputs (after the
+   functionalization the model's trace would give it too) is traced as code.
 3. **The trace of the model** (`Stamper.stamping`) runs each stamped call as one op, `fbmt::stamp`,
    whose fake kernel gives the kind's output metadata and whose backward is `fbmt::stamp_grad`;
-   the autograd engine places the backward where the block's own backward would run.
+   the autograd engine places the backward where the block's own backward would run. A call given
+   a tensor computed from constants alone (Hugging Face's causal mask with `use_cache=False`, which
+   the trace rewrites by its value: NOTE: [Causal masks]) gets a kind of its own for that value,
+   traced there and then (the model's trace paused), whose masks are decided by it.
 4. **Inlining** (`inline`) replaces each op by a copy of the kind's forward (its module paths moved to
    the block's), and each backward op by a copy of the kind's backward reading that copy's values.
-   The graph is then rebuilt with the names make_fx gives (an op's name and a count), so a stamped
-   program is the program tracing every block gives, names included (tests/passes/test_stamp.py).
+   The graph is then rebuilt with the names make_fx gives (an op's name and a count), and the masks
+   the kinds decided are dropped from the copies as the trace drops its own, so a stamped program is
+   the program tracing every block gives, names included (tests/test_stamp.py, and the golden
+   programs, which stamping left unchanged).
 
-Where a stamped call meets something the kind's trace did not see (an output that got no gradient
-in the model, an argument computed from constants only, as a causal mask built from sizes is, which
-the trace rewrites by its value: NOTE: [Causal masks]), it either runs as traced code (the argument
-case, decided in the forward) or, in the backward, the whole trace is made again without stamping
-(`Refused`), so a surprise costs time, never a different program. `FBMT_STAMP=0` turns it off.
-Programs of symbolic sizes (NOTE: [Dynamic sizes]) are traced whole for now.
+A stamped call whose outputs get other gradients than its kind's (an output the model does not use)
+makes the whole trace run again without stamping (`Refused`): a surprise costs time, never a
+different program. `FBMT_STAMP=0` turns stamping off. Programs of symbolic sizes (NOTE: [Dynamic
+sizes]) are traced whole for now.
 """
 
 from __future__ import annotations
