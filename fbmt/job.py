@@ -9,6 +9,7 @@ of fbmt but `flags`. BMTrain's `bmt.distributed` (its `config`, differentiable c
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import random
@@ -96,7 +97,24 @@ def init_distributed(
             f"{world} ranks were started, that MASTER_ADDR/MASTER_PORT agree and are reachable, or raise "
             "FBMT_INIT_TIMEOUT."
         ) from e
+    if backend == "gloo" and not _exit_handler:
+        _exit_handler.append(atexit.register(_destroy_gloo_group))
     seed_everything(seed)
+
+
+_exit_handler: list = []
+
+
+def _destroy_gloo_group() -> None:
+    """At exit, while the interpreter still runs: a gloo group left to the interpreter's teardown can
+    abort the process after a finished run ("terminate called without an active exception": gloo's
+    threads release tensors that need the GIL; pytorch/pytorch#190489). Python has joined the threads of
+    background saves before atexit handlers run, so no collective is under way."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # exiting anyway: say it, never mask the run's own exit status
+            log.warning("fbmt: destroying the process group at exit failed: %s", e)
 
 
 def _job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
