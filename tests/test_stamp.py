@@ -321,3 +321,24 @@ def test_blocks_that_write_to_an_argument_are_traced_as_code(monkeypatch):
     # traced alone, the argument is a leaf that autograd will not let it write to; any other
     # writer to an input is refused after functionalization ("it writes to one of its inputs")
     assert "blocks traced as code: layers.0's kind:" in said and "stamped" not in said
+
+
+class _MaskInside(nn.Module):
+    """A block that builds a causal mask from sizes itself (decided while its kind is traced) and whose
+    RMSNorm writes in place (its kind's graph is functionalized, as the model's is)."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(16)
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.unsqueeze(1) for t in self.qkv(self.norm(x)).split(d, -1))  # one head
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=causal).squeeze(1)
+
+
+def test_a_mask_a_block_builds_itself_is_decided_in_its_kind(monkeypatch):
+    said = _same(monkeypatch, lambda: _Stack(_MaskInside), (torch.randn(2, 8, 16),))
+    assert "(layers.0's x4)" in said and "is causal" in said, said

@@ -111,6 +111,7 @@ class Kind:
     differentiable: list[int] = field(default_factory=list)  # which outputs receive a gradient (the tangents)
     known: dict[int, torch.Tensor] = field(default_factory=dict)  # argument -> its value, where constant
     decided: dict[fx.Node, str] = field(default_factory=dict)  # the attention masks its trace decided
+    notes: list[str] = field(default_factory=list)  # those it dropped itself (a kind it functionalized)
 
     def variant(self, known: dict[int, torch.Tensor]) -> Kind:
         """This kind for calls that get these arguments from constants (their values decide masks)."""
@@ -502,6 +503,8 @@ class Stamper:
         if self.stamped:
             kinds = ", ".join(f"{b}'s x{n}" for b, n in self.stamped.items())
             lines.append(f"traced {len(self.stamped)} block kind(s) once and stamped their calls ({kinds})")
+            traced = [*self.kinds, *(k for k, _ in self.variants.values() if k is not None)]
+            lines += list(dict.fromkeys(note for k in traced if k.block in self.stamped for note in k.notes))
         if self.not_stamped:
             lines.append(f"blocks traced as code: {'; '.join(dict.fromkeys(self.not_stamped))}")
         return lines

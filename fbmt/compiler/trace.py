@@ -396,6 +396,9 @@ def _trace_kind(
         return f"its trace failed ({str(e).splitlines()[0]})"
     if _mutates(gm.graph):  # as the model's trace does (NOTE: [Functional already]); it must then write
         first = gm  # to no input: its copy would write to its exemplar's
+        masks.drop_dead(decided)  # before the second trace, as the model's trace drops its own
+        kind.notes = [f"{kind.block}'s kind: {line}" for line in masks.CausalMasks.said(decided)]
+        decided = {}  # nodes of the first graph: nothing of them is copied
         try:
             with _translate_errors(module):
                 gm = make_fx(
