@@ -160,9 +160,12 @@ def _stamp(kind: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tenso
     raise RuntimeError("fbmt::stamp exists only while a model is traced (NOTE: [Stamped blocks])")
 
 
+# The stamp ops' results are shaped and strided as the kind's graph computes them (not as the fake
+# forward did): the ops traced around a stamped call (a view of its result, the next block's backward)
+# then decompose as they do around the inlined nodes.
 @_stamp.register_fake
 def _(kind: int, call: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [_empty_like(t.fake) for t in _KINDS[kind].out_tensors()]
+    return [_empty_like(o.meta["val"]) for o in _KINDS[kind].outputs]
 
 
 @torch.library.custom_op("fbmt::stamp_grad", mutates_args=())
@@ -172,8 +175,7 @@ def _stamp_grad(kind: int, call: int, grads: list[torch.Tensor]) -> list[torch.T
 
 @_stamp_grad.register_fake
 def _(kind: int, call: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    k = _KINDS[kind]
-    return [_empty_like(k.inputs[i][0]) for i, g in zip(k.wrt, k.grads) if g is not None]
+    return [_empty_like(g.meta["val"]) for g in _KINDS[kind].grads if g is not None]
 
 
 class _Stamped(torch.autograd.Function):
