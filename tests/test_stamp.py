@@ -342,3 +342,42 @@ class _MaskInside(nn.Module):
 def test_a_mask_a_block_builds_itself_is_decided_in_its_kind(monkeypatch):
     said = _same(monkeypatch, lambda: _Stack(_MaskInside), (torch.randn(2, 8, 16),))
     assert "(layers.0's x4)" in said and "is causal" in said, said
+
+
+class _Repeated(nn.Module):
+    """One layer object repeated in the list: it is no block of its own, and is left as it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        act = nn.Tanh()
+        self.layers = nn.ModuleList([act, act, act])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def _no_wrapper_left(model: nn.Module) -> bool:
+    from fbmt.compiler.stamp import _Bound
+
+    return not any(isinstance(vars(m).get("forward"), _Bound) for m in model.modules())
+
+
+def test_a_layer_repeated_in_its_list_is_not_stamped_and_keeps_its_forward(monkeypatch):
+    built = []
+
+    def build():
+        built.append(_Repeated())
+        return built[-1]
+
+    assert "stamped" not in _same(monkeypatch, build, _x())
+    assert all(_no_wrapper_left(m) for m in built)
+
+
+def test_no_block_keeps_a_wrapper_after_a_trace(monkeypatch):
+    model = _Stack(_Index)
+    assert "stamped" in _trace_line(_program(monkeypatch, True, lambda: model, _x()))
+    assert _no_wrapper_left(model)

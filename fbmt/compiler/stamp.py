@@ -309,6 +309,11 @@ class Stamper:
             if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
                 for i, child in enumerate(mod):
                     candidates[f"{path}.{i}" if path else str(i)] = child
+        seen: dict[int, int] = {}
+        for child in candidates.values():
+            seen[id(child)] = seen.get(id(child), 0) + 1
+        # a module under two paths (one layer repeated in the list) is no block of its own
+        candidates = {p: c for p, c in candidates.items() if seen[id(c)] == 1}
         stamper = cls(module, candidates)
         return stamper if stamper.candidates else None
 
@@ -329,7 +334,7 @@ class Stamper:
                 block.forward = _Bound(unless_paused, path, block, block.forward)
             yield
         finally:
-            for block, forward in before:
+            for block, forward in reversed(before):
                 if forward is None:
                     del block.forward  # the instance's attribute: the class's forward shows again
                 else:
