@@ -344,6 +344,7 @@ class Stamper:
     def recording(self) -> Iterator[None]:
         """The fake forward: every candidate block call records its signature (step 1)."""
         self.calls = []
+        held: list[list[torch.Tensor]] = []
 
         def record(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
             at = len(self.calls)
@@ -361,6 +362,7 @@ class Stamper:
             grad_mode = torch.is_grad_enabled()
             with signature:
                 out = forward(*args, **kwargs)
+            held.append(signature.held)  # alive until the calls are grouped: no id is another's
             call.nested = len(self.calls) - at - 1
             out_leaves, out_spec = pytree.tree_flatten(out)
             if not _plain(out_leaves):
@@ -389,6 +391,7 @@ class Stamper:
         with self._wrapped(record):
             yield
         self._group()
+        held.clear()
 
     def _group(self) -> None:
         """Calls alike become kinds; a kind of one call is traced as code."""
