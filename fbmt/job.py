@@ -115,6 +115,7 @@ def _destroy_gloo_group() -> None:
             dist.destroy_process_group()
         except Exception as e:  # exiting anyway: say it, never mask the run's own exit status
             log.warning("fbmt: destroying the process group at exit failed: %s", e)
+    _agreement.update(store=None, group=None)  # the job's store too (a client with a thread of its own)
 
 
 def _job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
