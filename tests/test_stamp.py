@@ -383,3 +383,21 @@ def test_no_block_keeps_a_wrapper_after_a_trace(monkeypatch):
     model = _Stack(_Index)
     assert "stamped" in _trace_line(_program(monkeypatch, True, lambda: model, _x()))
     assert _no_wrapper_left(model)
+
+
+class _Scaled(nn.Module):
+    """Blocks whose ops are the same but for a scalar each keeps (a per-layer scale)."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.scale = 1.0 + i % 2
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x) * self.scale
+
+
+def test_a_scalar_that_differs_between_blocks_splits_their_kind(monkeypatch):
+    # a kind of layers 0 and 2 and one of 1 and 3: a copy with another block's scalar would train wrong
+    said = _same(monkeypatch, lambda: _Stack(_Scaled), _x())
+    assert "(layers.0's x2, layers.1's x2)" in said, said
