@@ -5,6 +5,7 @@
     python benchmarks/compile_time.py --cache /tmp/c; python benchmarks/compile_time.py --cache /tmp/c
     PYTHONPATH=.base python benchmarks/compile_time.py --package fbmt_base   # an older commit's tree
     FBMT_STAMP=0 python benchmarks/compile_time.py --hf --d-model 256   # HF's Llama, no stamping
+    python benchmarks/compile_time.py --hf --hf-call default --d-model 256   # called as HF documents it
 
 Nothing runs: the model is built on meta, compiled for `--world` ranks and traced on CPU fakes, as
 `fbmt.simulate` does, so the numbers are the compiler's own time, without Inductor or a device.
@@ -34,13 +35,15 @@ def compile_once(
     package: str = "fbmt",
     cache_dir: str | bool = False,
     hf: bool = False,
+    hf_call: str = "no-cache",
 ) -> tuple[float, dict[str, float], int]:
     fbmt = importlib.import_module(package)
     ids = torch.zeros(2, 1024, dtype=torch.long)
     # Hugging Face's Llama is built on the host (its rotary buffer has no initializer on meta): give it
     # a width the host holds (--d-model 256)
     with torch.device("cpu" if hf else "meta"):
-        if hf:  # Hugging Face's Llama, called with use_cache=False (its layers get a causal mask)
+        if hf:  # Hugging Face's Llama: with use_cache=False its layers get a causal mask; called as Hugging
+            # Face documents it (`--hf-call default`), they write to the cache the forward built
             import transformers
 
             config = transformers.LlamaConfig(
@@ -52,7 +55,9 @@ def compile_once(
                 max_position_embeddings=1024,
             )
             model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-            args, kwargs = (), {"input_ids": ids, "labels": ids, "use_cache": False}
+            args, kwargs = (), {"input_ids": ids, "labels": ids}
+            if hf_call == "no-cache":
+                kwargs["use_cache"] = False
         else:
             gpt = importlib.import_module(f"{package}.models.gpt")
             GPT, GPTConfig = gpt.GPT, gpt.GPTConfig
@@ -81,18 +86,32 @@ def main() -> None:
     ap.add_argument("--package", default="fbmt", help="the package to time (fbmt_base: an older tree)")
     ap.add_argument("--cache", default="", help="compile with this cache folder (run twice: cold, then warm)")
     ap.add_argument("--hf", action="store_true", help="transformers' LlamaForCausalLM (use_cache=False), not GPT")
+    ap.add_argument(
+        "--hf-call",
+        choices=("no-cache", "default"),
+        default="no-cache",
+        help="with --hf: use_cache=False, or not given",
+    )
     args = ap.parse_args()
     if args.profile:
         prof = cProfile.Profile()
         prof.runcall(
-            compile_once, args.profile, args.d_model, args.world, args.remat, args.package, args.cache or False, args.hf
+            compile_once,
+            args.profile,
+            args.d_model,
+            args.world,
+            args.remat,
+            args.package,
+            args.cache or False,
+            args.hf,
+            args.hf_call,
         )
         pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
         return
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
         total, passes, nodes = compile_once(
-            layers, args.d_model, args.world, args.remat, args.package, args.cache or False, args.hf
+            layers, args.d_model, args.world, args.remat, args.package, args.cache or False, args.hf, args.hf_call
         )
         rows.append((layers, total, passes, nodes))
         print(f"L={layers}: {total:.2f} s, {nodes} nodes", flush=True)

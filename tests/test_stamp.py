@@ -263,9 +263,13 @@ def test_hugging_face_decoders_are_stamped_into_the_same_programs(monkeypatch, f
     pad[0, :5] = 0
     said = _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids, "attention_mask": pad, "use_cache": False})
     assert "(model.layers.0's x3)" in said, said
-    # called as Hugging Face documents: each layer gets the cache object, so each is traced as code
+    # called as Hugging Face documents: each layer writes its keys and values to the cache the forward
+    # built (its own slot); the copies write theirs, and its empty start is a constant of each copy
     said = _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids})
-    assert "stamped" not in said
+    assert "(model.layers.0's x3)" in said, said
+    # ...and kept, the cache's tensors are outputs, and the layers' writes to it reach them
+    said = _same(monkeypatch, build, (), {"input_ids": ids, "labels": ids, "use_cache": True})
+    assert "(model.layers.0's x3)" in said or "stamped" not in said, said
 
 
 def _hooked(where: str):
@@ -401,3 +405,65 @@ def test_a_scalar_that_differs_between_blocks_splits_their_kind(monkeypatch):
     # a kind of layers 0 and 2 and one of 1 and 3: a copy with another block's scalar would train wrong
     said = _same(monkeypatch, lambda: _Stack(_Scaled), _x())
     assert "(layers.0's x2, layers.1's x2)" in said, said
+
+
+class _Notes:
+    """An object the blocks write to, as Hugging Face's layers write to the cache the forward built."""
+
+    def __init__(self, n: int):
+        self.slots = [None] * n
+        self.count = 0
+
+
+class _Noting(nn.Module):
+    """Writes a tensor to its own slot and counts; `share`: adds a tensor the forward put in the object
+    (as models that share keys and values across layers read another layer's)."""
+
+    def __init__(self, i: int, share: bool = False):
+        super().__init__()
+        self.i, self.share = i, share
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, notes):
+        y = x + F.silu(self.fc(x))
+        if self.share:
+            y = y + notes.base
+        notes.slots[self.i] = y * 2
+        notes.count += 1
+        return y
+
+
+class _NotingStack(nn.Module):
+    def __init__(self, share: bool = False, read: bool = False, n: int = 4):
+        super().__init__()
+        self.read = read
+        self.inp = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_Noting(i, share) for i in range(n))
+
+    def forward(self, x):
+        notes = _Notes(len(self.layers))
+        x = self.inp(x)
+        notes.base = x.tanh()
+        for layer in self.layers:
+            x = layer(x, notes)
+        loss = x.square().mean()
+        if self.read:  # what the blocks wrote reaches the loss: their copies' writes need a gradient
+            loss = loss + sum(s.mean() for s in notes.slots)
+        return loss + notes.count
+
+
+def test_blocks_that_write_to_an_object_the_forward_built_are_stamped(monkeypatch):
+    assert "(layers.0's x4)" in _same(monkeypatch, _NotingStack, _x())
+
+
+def test_what_stamped_blocks_wrote_to_an_object_keeps_its_gradient(monkeypatch):
+    # a copy's writes get a gradient its kind's trace did not give them: the trace runs again whole
+    # (were they cut from the graph, the loss would lose their part of the gradient without a word)
+    said = _same(monkeypatch, lambda: _NotingStack(read=True), _x())
+    assert "stamped" not in said, said
+
+
+def test_blocks_that_read_a_tensor_an_object_holds_are_traced_as_code(monkeypatch):
+    # a copy of the object would hold another tensor than the one each call read
+    said = _same(monkeypatch, lambda: _NotingStack(share=True), _x())
+    assert "stamped" not in said, said

@@ -15,6 +15,9 @@ treats such an object as its tensors plus a template:
 - `rebuild(template, tensors)`: a deep copy of `template` with its tensors (in `tensors_in`
   order) replaced by `tensors`: what tracing calls the forward with (fake tensors, so the caller's
   object is never touched), and what the compiled model returns (the program's real outputs).
+- `state(obj)`, `changes(before, after)`, `put(obj, path, value)`: what a call did to an object,
+  leaf by leaf, and doing it again elsewhere (a stamped block's writes to a cache, NOTE: [Stamped
+  blocks]).
 """
 
 from __future__ import annotations
@@ -143,3 +146,99 @@ class DroppedCache:
 
     def __repr__(self) -> str:
         return f"<{self._what} not kept by fbmt in a training call: pass use_cache=True to keep it>"
+
+
+# A leaf of `state`: a tensor is itself; anything else one of these, compared by value.
+_MISSING = ("missing",)
+
+
+def state(obj: Any) -> dict[tuple, Any]:
+    """Every leaf reachable from `obj`, by path (("attr", name), ("item", i), ("key", k) steps): a tensor
+    (itself), ("plain", type, value), ("opaque", id), and for each container or object on the way
+    ("node", type, size, id), so a container replaced, resized or shared anew shows as a change."""
+    out: dict[tuple, Any] = {}
+    seen: set[int] = set()
+
+    def walk(x: Any, path: tuple) -> None:
+        if isinstance(x, torch.Tensor):
+            out[path] = x
+        elif isinstance(x, (*_PLAIN, numbers.Number)):
+            out[path] = ("plain", type(x), x)
+        elif isinstance(x, _OPAQUE):
+            out[path] = ("opaque", id(x))
+        elif id(x) in seen:
+            out[path] = ("seen", id(x))
+        else:
+            seen.add(id(x))
+            if isinstance(x, dict):
+                out[path] = ("node", type(x), tuple(x), id(x))
+                for k, v in x.items():
+                    walk(v, (*path, ("key", k)))
+            elif isinstance(x, (list, tuple)):
+                out[path] = ("node", type(x), len(x), id(x))
+                for i, v in enumerate(x):
+                    walk(v, (*path, ("item", i)))
+            elif is_object(x):
+                out[path] = ("node", type(x), None, id(x))
+                for k, v in vars(x).items():
+                    walk(v, (*path, ("attr", k)))
+            else:
+                out[path] = ("other", id(x))
+
+    walk(obj, ())
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == is not a bool
+        return False
+
+
+def changes(before: dict[tuple, Any], after: dict[tuple, Any]) -> list[tuple[tuple, Any]] | None:
+    """The leaves of `after` that `before` did not hold, by path, in `after`'s order: a tensor, or
+    ("plain", type, value). None where more changed than leaves of the objects already there (a path
+    gone, a container or object replaced, resized or added, an opaque value changed)."""
+    if any(p not in after for p in before):
+        return None
+    out = []
+    for path, leaf in after.items():
+        old = before.get(path, _MISSING)
+        if _same(old, leaf):
+            continue
+        if not (isinstance(leaf, torch.Tensor) or leaf[0] == "plain"):
+            return None
+        if old is not _MISSING and not (isinstance(old, torch.Tensor) or old[0] == "plain"):
+            return None
+        out.append((path, leaf))
+    return out
+
+
+def _step(x: Any, step: tuple) -> Any:
+    how, k = step
+    return getattr(x, k) if how == "attr" else x[k]
+
+
+def put(obj: Any, path: tuple, leaf: Any) -> None:
+    """Set the leaf at `path` (a tensor, or ("plain", type, value)) in `obj`."""
+    *head, (how, k) = path
+    for step in head:
+        obj = _step(obj, step)
+    value = leaf if isinstance(leaf, torch.Tensor) else leaf[2]
+    if how == "attr":
+        setattr(obj, k, value)
+    else:
+        obj[k] = value
+
+
+def get(obj: Any, path: tuple) -> Any:
+    """The leaf at `path` in `obj`, as `state` gives it (`_MISSING` where there is none)."""
+    try:
+        for step in path:
+            obj = _step(obj, step)
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return _MISSING
+    return obj if isinstance(obj, torch.Tensor) else state(obj)[()]

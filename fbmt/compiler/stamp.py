@@ -16,8 +16,12 @@ for the others:
    equal are one kind: they ran the same ops on tensors of the same metadata, so their joint graphs
    (the backward being the autograd formulas of those ops) are the same up to which parameters they
    read. Attributes that differ between blocks (Hugging Face's `layer_idx`) need not be equal: the
-   signature shows whether they changed what ran. A call given an object (a Hugging Face cache) is
-   never stamped: the object's state after it is a side effect a copy of a graph cannot repeat.
+   signature shows whether they changed what ran. A call given an object (Hugging Face's cache, which
+   each layer writes its keys and values to) also records what it wrote there: each leaf of the
+   object that changed (`objects.state`), by path, a tensor as which of its values it is, a plain
+   value as itself. It must read no tensor the object held (a copy of the object would hold another),
+   nor replace or resize a container in it; a tensor made from Python values (the cache's empty
+   start) is recorded by its value, as each call makes its own.
 2. **One trace per kind** (`trace._trace_kind`): the first call of the kind, alone, through the
    same make_fx, module tags and decompositions as the whole trace, forward and backward. It calls
    the block's `forward`, not the block: the block's own hooks run around every call of it in the
@@ -28,10 +32,16 @@ for the others:
    the autograd engine places the backward where the block's own backward would run. A call given
    a tensor computed from constants alone (Hugging Face's causal mask with `use_cache=False`, which
    the trace rewrites by its value: NOTE: [Causal masks]) gets a kind of its own for that value,
-   traced there and then (the model's trace paused), whose masks are decided by it.
+   traced there and then (the model's trace paused), whose masks are decided by it. A call's writes
+   to its objects are done again after the op, at the paths the fake forward saw it write: the
+   tensors are results of the op after the block's own (its kind's trace returns what it wrote to
+   its copy of the object), the plain values are the fake forward's. They keep their history: a
+   gradient one of them gets (a loss that reads the cache) is a surprise, and makes the trace run
+   again (below); cut from the graph, it would have been lost without a word.
 4. **Inlining** (`inline`) replaces each op by a copy of the kind's forward (its module paths moved to
    the block's), and each backward op by a copy of the kind's backward reading that copy's values.
-   The graph is then rebuilt with the names make_fx gives (an op's name and a count), and the masks
+   The graph is then rebuilt with the names make_fx gives (an op's name and a count; a tensor constant
+   of each copy its own `_tensor_constantN`, numbered in order), and the masks
    the kinds decided are dropped from the copies as the trace drops its own, so a stamped program is
    the program tracing every block gives, names included (tests/test_stamp.py, and the golden
    programs, which stamping left unchanged).
@@ -60,12 +70,13 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fbmt.compiler import meta
+from fbmt.compiler import meta, objects
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 _ARG = object()  # where a tensor goes among a call's argument leaves
+_OBJ = object()  # where an object goes (a Hugging Face cache)
 
 
 class Refused(Exception):
@@ -100,6 +111,9 @@ class Kind:
     out_leaves: list[Any]  # the exemplar's result leaves: a `_Tensor` where a tensor, else the value
     grad_mode: bool
     calls: list[int]  # the calls (in the forward's order) of this kind
+    objects: dict[int, Any] = field(default_factory=dict)  # argument leaf -> the exemplar's object as it got it
+    effects: list[tuple] = field(default_factory=list)  # the exemplar's writes to them (`_Call.effects`)
+    written_rg: list[bool] = field(default_factory=list)  # per tensor written: whether it requires grad
     graph: fx.Graph | None = None  # the kind's joint graph (`trace._trace_kind`)
     prelude: list[fx.Node] = field(default_factory=list)  # the detaches of its inputs its trace made first
     forward: list[fx.Node] = field(default_factory=list)  # its forward nodes, in order
@@ -110,6 +124,7 @@ class Kind:
     grads: list[fx.Node | None] = field(default_factory=list)  # per input of `wrt`, its gradient's node
     differentiable: list[int] = field(default_factory=list)  # which outputs receive a gradient (the tangents)
     known: dict[int, torch.Tensor] = field(default_factory=dict)  # argument -> its value, where constant
+    constants: dict[fx.Node, torch.Tensor] = field(default_factory=dict)  # tensors its forward made from values
     decided: dict[fx.Node, str] = field(default_factory=dict)  # the attention masks its trace decided
     notes: list[str] = field(default_factory=list)  # those it dropped itself (a kind it functionalized)
 
@@ -128,6 +143,9 @@ class Kind:
             out_leaves=self.out_leaves,
             grad_mode=self.grad_mode,
             calls=self.calls,
+            objects=self.objects,
+            effects=self.effects,
+            written_rg=self.written_rg,
             known=known,
         )
 
@@ -138,10 +156,18 @@ class Kind:
     def out_tensors(self) -> list[_Tensor]:
         return [x for x in self.out_leaves if isinstance(x, _Tensor)]
 
-    def arguments(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
-        """The call's (args, kwargs) with these tensors where the exemplar had its own."""
+    def arguments(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict, dict[int, Any]]:
+        """The call's (args, kwargs) with these tensors where the exemplar had its own, and a copy of
+        each object it got (by argument leaf), as it got it."""
         it = iter(tensors)
-        return pytree.tree_unflatten([next(it) if x is _ARG else x for x in self.in_leaves], self.in_spec)
+        copies = {i: objects.rebuild(o, objects.tensors_in(o)) for i, o in self.objects.items()}
+        leaves = [next(it) if x is _ARG else copies[i] if x is _OBJ else x for i, x in enumerate(self.in_leaves)]
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
+        return args, kwargs, copies
+
+    def n_effects(self) -> int:
+        """The tensors its calls write to their objects: results of the stamp op after the block's own."""
+        return len(self.written_rg)
 
     def arg_metas(self) -> list[tuple]:
         return [_tensor_meta(t, rg) for t, rg in self.inputs[len(self.params) + len(self.buffers) :]]
@@ -188,7 +214,10 @@ class _Stamped(torch.autograd.Function):
         ctx.kind, ctx.call = kind, call
         k = _KINDS[kind]
         out = tuple(torch.ops.fbmt.stamp(kind, call, list(inputs)))
-        ctx.mark_non_differentiable(*[o for i, o in enumerate(out) if i not in k.differentiable])
+        # a tensor written to an object (a cache) keeps its history: a gradient it gets is a surprise
+        n = len(k.out_tensors())
+        may = {n + j for j, rg in enumerate(k.written_rg) if rg}
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(out) if i not in k.differentiable and i not in may])
         ctx.set_materialize_grads(False)
         return out
 
@@ -212,15 +241,20 @@ class _Stamped(torch.autograd.Function):
 class _Signature(TorchDispatchMode):
     """Records the ops a block call runs (NOTE: [Stamped blocks], step 1)."""
 
-    def __init__(self, inputs: list[torch.Tensor]) -> None:
+    def __init__(self, inputs: list[torch.Tensor], held_by_objects: list[torch.Tensor] = ()) -> None:
         super().__init__()
         self.index = {id(t): i for i, t in enumerate(inputs)}
         self.held = list(inputs)  # every tensor indexed stays alive while recording, so ids stay theirs
         self.ops: list[tuple] = []
+        self.in_objects = {id(t) for t in held_by_objects if id(t) not in self.index}
+        self.read_object = False  # whether an op read a tensor an argument object held
 
     def key(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             i = self.index.get(id(x))
+            if i is None and id(x) in self.in_objects:  # its copy of the object would hold another tensor
+                self.read_object = True
+                return ("object", id(x))
             if i is None:  # a tensor from outside the block: equal signatures read the same one
                 self.held.append(x)
                 return ("outside", id(x))
@@ -234,7 +268,12 @@ class _Signature(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         grad = torch.is_grad_enabled()
-        self.ops.append((func, self.key(args), tuple((k, self.key(v)) for k, v in kwargs.items()), grad))
+        if func is torch.ops.aten.lift_fresh.default:  # a tensor made from Python values: each call makes its own
+            self.ops.append((func, ("constant", _digest(args[0])), grad))
+        elif func is torch.ops.prim.device.default and id(args[0]) in self.in_objects:  # its metadata alone
+            self.ops.append((func, ("object", _tensor_meta(args[0])), grad))
+        else:
+            self.ops.append((func, self.key(args), tuple((k, self.key(v)) for k, v in kwargs.items()), grad))
         out = func(*args, **kwargs)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -263,6 +302,64 @@ def _local_tensors(block: nn.Module, names: list[str]) -> list[torch.Tensor]:
     return out
 
 
+def _effects(
+    objs: dict[int, Any], before: dict[int, dict], signature: _Signature, out_leaves: list[Any]
+) -> list[tuple] | None:
+    """What a call wrote to its argument objects: (leaf, path, the signature's index of the tensor
+    written or ("plain", type, value), what the path held before, whether the tensor requires grad);
+    None where a copy of its kind's graph could not write the same (a container replaced or resized, a
+    tensor from outside the call, one tensor written twice or also returned: a copy would write two)."""
+    out: list[tuple] = []
+    returned = {id(x) for x in out_leaves if isinstance(x, torch.Tensor)}
+    written: set[int] = set()
+    for i, x in objs.items():
+        changed = objects.changes(before[i], objects.state(x))
+        if changed is None:
+            return None
+        for path, leaf in changed:
+            if isinstance(leaf, torch.Tensor):
+                k = signature.key(leaf)
+                if not isinstance(k, int) or id(leaf) in returned or id(leaf) in written:
+                    return None
+                written.add(id(leaf))
+                out.append((i, path, k, before[i].get(path, objects._MISSING), leaf.requires_grad))
+            else:
+                out.append((i, path, leaf, before[i].get(path, objects._MISSING), False))
+    return out
+
+
+def _as_recorded(objs: dict[int, Any], call: _Call) -> bool:
+    """Whether the paths the call wrote in the fake forward hold what they held there (their copy
+    writes there; what it read is its signature's)."""
+    for (i, where, _), old in zip(call.effects, call.before):
+        now = objects.get(objs[i], where)
+        if isinstance(old, torch.Tensor) or isinstance(now, torch.Tensor):
+            if not (isinstance(old, torch.Tensor) and isinstance(now, torch.Tensor)):
+                return False
+            if _tensor_meta(old) != _tensor_meta(now):
+                return False
+        elif old != now:
+            return False
+    return True
+
+
+def _as_before(obj: Any, before: dict[tuple, Any], effects: list[tuple], leaf: int) -> Any:
+    """A copy of `obj` (after a call wrote to it) as the call got it."""
+    copy = objects.rebuild(obj, objects.tensors_in(obj))
+    for i, path, _ in effects:
+        if i == leaf:
+            old = before.get(path, objects._MISSING)
+            if old is objects._MISSING:
+                *head, (_, name) = path
+                holder = copy
+                for step in head:
+                    holder = objects._step(holder, step)
+                delattr(holder, name)
+            else:
+                objects.put(copy, path, old)
+    return copy
+
+
 @dataclass
 class _Call:
     """A block call of the fake forward, and what it proved (its signature)."""
@@ -275,6 +372,12 @@ class _Call:
     in_leaves: list[Any] = field(default_factory=list)
     out_spec: Any = None
     out_leaves: list[Any] = field(default_factory=list)
+    # per write to an argument object: (its leaf, the path written, the signature's index of the tensor
+    # written or ("plain", type, value)), and what the path held before
+    effects: list[tuple] = field(default_factory=list)
+    before: list[Any] = field(default_factory=list)
+    written_rg: list[bool] = field(default_factory=list)  # per tensor written: whether it requires grad
+    objects: dict[int, Any] = field(default_factory=dict)  # the objects as the call got them (exemplars only)
 
 
 class Stamper:
@@ -345,36 +448,55 @@ class Stamper:
         """The fake forward: every candidate block call records its signature (step 1)."""
         self.calls = []
         held: list[list[torch.Tensor]] = []
+        exemplars: set[tuple] = set()
 
         def record(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
             at = len(self.calls)
             call = _Call(path, 0)
             self.calls.append(call)
             leaves, in_spec = pytree.tree_flatten((args, kwargs))
-            if not _plain(leaves):
+            objs = {i: x for i, x in enumerate(leaves) if objects.is_object(x)}
+            if not _plain([x for i, x in enumerate(leaves) if i not in objs]):
                 out = forward(*args, **kwargs)
                 call.nested = len(self.calls) - at - 1
                 return out
             params, buffers = self.locals[path]
             tensors = [*_local_tensors(block, params), *_local_tensors(block, buffers)]
             tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
-            signature = _Signature(tensors)
+            before = {i: objects.state(x) for i, x in objs.items()}
+            signature = _Signature(
+                tensors, [t for b in before.values() for t in b.values() if isinstance(t, torch.Tensor)]
+            )
             grad_mode = torch.is_grad_enabled()
             with signature:
                 out = forward(*args, **kwargs)
             held.append(signature.held)  # alive until the calls are grouped: no id is another's
             call.nested = len(self.calls) - at - 1
             out_leaves, out_spec = pytree.tree_flatten(out)
-            if not _plain(out_leaves):
+            if not _plain(out_leaves) or signature.read_object:
                 return out
-            ops = (*signature.ops, ("out", tuple(signature.key(x) for x in out_leaves)))
+            effects = _effects(objs, before, signature, out_leaves)
+            if effects is None:
+                return out
+            call.effects = [(i, p, v) for i, p, v, _, _ in effects]
+            call.before = [b for _, _, _, b, _ in effects]
+            call.written_rg = [rg for *_, v, _, rg in effects if isinstance(v, int)]
+            ops = (
+                *signature.ops,
+                ("out", tuple(signature.key(x) for x in out_leaves)),
+                ("writes", tuple((i, v if isinstance(v, int) else "plain", rg) for i, _, v, _, rg in effects)),
+            )
             call.key = (
                 type(block),
                 tuple(params),
                 tuple(buffers),
                 tuple(_tensor_meta(t) for t in tensors),
                 in_spec,
-                tuple((type(x), x) for x in leaves if not isinstance(x, torch.Tensor)),
+                tuple(
+                    (type(x), "object" if i in objs else x)
+                    for i, x in enumerate(leaves)
+                    if not isinstance(x, torch.Tensor)
+                ),
                 out_spec,
                 tuple(_tensor_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in out_leaves),
                 grad_mode,
@@ -382,10 +504,15 @@ class Stamper:
             )
             call.inputs = [(t.detach(), t.requires_grad) for t in tensors]
             call.in_spec, call.out_spec = in_spec, out_spec
-            call.in_leaves = [_ARG if isinstance(x, torch.Tensor) else x for x in leaves]
+            call.in_leaves = [
+                _ARG if isinstance(x, torch.Tensor) else _OBJ if i in objs else x for i, x in enumerate(leaves)
+            ]
             call.out_leaves = [
                 _Tensor(x.detach(), x.requires_grad) if isinstance(x, torch.Tensor) else x for x in out_leaves
             ]
+            if objs and call.key not in exemplars:  # the objects as this call got them, for its kind's trace
+                exemplars.add(call.key)
+                call.objects = {i: _as_before(x, before[i], call.effects, i) for i, x in objs.items()}
             return out
 
         with self._wrapped(record):
@@ -419,6 +546,9 @@ class Stamper:
                     out_leaves=c.out_leaves,
                     grad_mode=c.key[-2],
                     calls=calls,
+                    objects=c.objects,
+                    effects=c.effects,
+                    written_rg=c.written_rg,
                 )
             )
 
@@ -453,12 +583,15 @@ class Stamper:
                 return forward(*args, **kwargs)
             leaves, in_spec = pytree.tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            objs = {i: x for i, x in enumerate(leaves) if kind.in_leaves[i] is _OBJ} if in_spec == kind.in_spec else {}
             same = (
                 in_spec == kind.in_spec
-                and _plain(leaves)
+                and _plain([x for i, x in enumerate(leaves) if i not in objs])
                 and torch.is_grad_enabled() == kind.grad_mode
                 and [_tensor_meta(x) for x in tensors] == kind.arg_metas()
-                and [_ARG if isinstance(x, torch.Tensor) else x for x in leaves] == kind.in_leaves
+                and [_ARG if isinstance(x, torch.Tensor) else _OBJ if i in objs else x for i, x in enumerate(leaves)]
+                == kind.in_leaves
+                and _as_recorded(objs, self.calls[call])
             )
             if not same:
                 self.not_stamped.append(f"{path}: its arguments differ from the fake forward's")
@@ -474,9 +607,12 @@ class Stamper:
             inputs = [*_local_tensors(block, kind.params), *_local_tensors(block, kind.buffers), *tensors]
             outs = iter(_Stamped.apply(kind.id, call, *inputs))
             self.stamped[kind.block] = self.stamped.get(kind.block, 0) + 1
-            return pytree.tree_unflatten(
+            result = pytree.tree_unflatten(
                 [next(outs) if isinstance(x, _Tensor) else x for x in kind.out_leaves], kind.out_spec
             )
+            for i, where, leaf in self.calls[call].effects:  # its writes, as the fake forward saw them
+                objects.put(objs[i], where, next(outs) if isinstance(leaf, int) else leaf)
+            return result
 
         with self._wrapped(stamp):
             yield
@@ -544,8 +680,13 @@ def split_kind(kind: Kind, graph: fx.Graph, n_outputs: int, wrt: list[int]) -> s
     kind.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     inputs = set(kind.placeholders)
     started = False
+    owner = graph.owning_module
     for n in graph.nodes:
         if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "get_attr" and isinstance(getattr(owner, n.target, None), torch.Tensor):
+            kind.constants[n] = getattr(owner, n.target)  # a tensor its forward made (a cache's empty start)
+            (kind.backward if kind.backward else kind.forward).append(n)
             continue
         if n.op != "call_function":
             return f"its graph reads an attribute ({n.target})"
@@ -576,19 +717,28 @@ def _base_name(graph: fx.Graph, n: fx.Node) -> str:
     return graph._target_to_str(n.target)
 
 
-def inline(graph: fx.Graph, stamper: Stamper) -> tuple[fx.Graph, dict[fx.Node, Any], dict[fx.Node, str]]:
+def inline(
+    graph: fx.Graph, stamper: Stamper, owner: nn.Module
+) -> tuple[fx.Graph, dict[fx.Node, Any], dict[fx.Node, str], dict[str, torch.Tensor]]:
     """The graph with each stamp op replaced by its kind's nodes (step 4), every node named as make_fx
-    names it; where each node of `graph` went; and the attention masks the kinds decided, as copied
-    (the trace drops the dead ones after, as it does its own: the names stay make_fx's)."""
+    names it; where each node of `graph` went; the attention masks the kinds decided, as copied
+    (the trace drops the dead ones after, as it does its own: the names stay make_fx's); and the
+    tensor constants its `get_attr` nodes read (`owner`'s for the graph's own), by their new names."""
     new = fx.Graph()
     env: dict[fx.Node, Any] = {}
     decided: dict[fx.Node, str] = {}
     copies: dict[int, dict[fx.Node, Any]] = {}  # a call -> its kind's nodes -> their copies
+    constants: dict[str, torch.Tensor] = {}
     stamp_op, grad_op = torch.ops.fbmt.stamp.default, torch.ops.fbmt.stamp_grad.default
 
-    def copy(n: fx.Node, local: dict[fx.Node, Any], module: str | None = None) -> fx.Node:
-        args, kwargs = fx.map_arg((n.args, n.kwargs), local.__getitem__)
-        c = new.create_node(n.op, n.target, args, kwargs, name=_base_name(new, n))
+    def copy(n: fx.Node, local: dict[fx.Node, Any], module: str | None = None, kind: Kind | None = None) -> fx.Node:
+        if n.op == "get_attr":  # each copy of a constant is one of its own, named in order as make_fx names them
+            name = f"_tensor_constant{len(constants)}"
+            constants[name] = kind.constants[n] if kind is not None else getattr(owner, n.target)
+            c = new.create_node("get_attr", name, name=name)
+        else:
+            args, kwargs = fx.map_arg((n.args, n.kwargs), local.__getitem__)
+            c = new.create_node(n.op, n.target, args, kwargs, name=_base_name(new, n))
         c.meta = dict(n.meta)
         if module is not None:
             meta.tag(c, module=module)
@@ -612,7 +762,7 @@ def inline(graph: fx.Graph, stamper: Stamper) -> tuple[fx.Graph, dict[fx.Node, A
             for kn in kind.forward:
                 path = meta.module(kn)
                 moved = dst + path[len(src) :] if path == src or path.startswith(src + ".") else path
-                local[kn] = copy(kn, local, moved)
+                local[kn] = copy(kn, local, moved, kind)
             copies[call] = local
             decided.update({local[m]: d for m, d in kind.decided.items()})
             env[n] = [local[o] for o in kind.outputs]
@@ -621,8 +771,8 @@ def inline(graph: fx.Graph, stamper: Stamper) -> tuple[fx.Graph, dict[fx.Node, A
             kind, local = _KINDS[kind_id], copies[call]
             local.update({t: env[g] for t, g in zip(kind.placeholders[kind.n_inputs :], grads)})
             for kn in kind.backward:
-                local[kn] = copy(kn, local)
+                local[kn] = copy(kn, local, kind=kind)
             env[n] = [local[g] for g in kind.grads if g is not None]
         else:
             env[n] = copy(n, env)
-    return new, env, decided
+    return new, env, decided, constants

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -301,8 +302,10 @@ def trace(
                 *flat_in
             )
         graph = gm.graph
+    owner: Any = gm  # where the graph's get_attr nodes find their tensors
     if stamper is not None and stamper.of_call:
-        graph, moved, kinds_decided = stamp.inline(graph, stamper)
+        graph, moved, kinds_decided, held = stamp.inline(graph, stamper, gm)
+        owner = types.SimpleNamespace(**held)
         if dropped:
             masks.drop_dead(kinds_decided)
         else:  # the masks' nodes as inlining copied them (and named them, as make_fx had)
@@ -312,7 +315,7 @@ def trace(
     if not dropped:
         masks.drop_dead(decided)
 
-    constants = _lift_constants(graph, gm, before=n_p + n_b + n_x)
+    constants = _lift_constants(graph, owner, before=n_p + n_b + n_x)
     inputs = (
         [Role("param", p[0]) for p in params]
         + [Role("buffer", b) for b in buffers]
@@ -377,17 +380,21 @@ def _trace_kind(
         tracer = get_proxy_mode().tracer
         known = {get_proxy_slot(ins[n_pb + i], tracer).proxy.node: v for i, v in kind.known.items()}
         with torch.enable_grad() if kind.grad_mode else torch.no_grad():
-            args, kwargs = kind.arguments(ins[n_pb:])
+            args, kwargs, copies = kind.arguments(ins[n_pb:])
+            before = {i: objects.state(o) for i, o in copies.items()}
             tensors = {f"block.{k}": v for k, v in zip(kind.params + kind.buffers, ins[:n_pb])}
             with masks.CausalMasks(decided, known=known):
                 out = functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
         tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        written = _written(kind, copies, before)
+        if written is None:  # refuses the kind (below)
+            raise TraceError("traced alone, it wrote to its argument objects otherwise than in the forward")
         if not diff:
-            return tensors
+            return [*tensors, *written]
         grads = torch.autograd.grad(
             [tensors[i] for i in diff], [ins[i] for i in wrt], list(flat[n:]), allow_unused=True
         )
-        return [*tensors, *grads]
+        return [*tensors, *written, *grads]
 
     try:
         with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
@@ -410,7 +417,29 @@ def _trace_kind(
             return "it writes to one of its inputs"
     kind.decided = decided  # dropped from each copy, as the model's trace drops its own (stamp.inline)
     kind.differentiable = diff
-    return stamp.split_kind(kind, gm.graph, n_outputs=len(outs), wrt=wrt)
+    return stamp.split_kind(kind, gm.graph, n_outputs=len(outs) + kind.n_effects(), wrt=wrt)
+
+
+def _written(kind: stamp.Kind, copies: dict[int, Any], before: dict[int, dict]) -> list[torch.Tensor] | None:
+    """The tensors a kind's trace wrote to its copies of the objects, in the order of the exemplar's
+    writes in the fake forward; None where it wrote anything else, or elsewhere."""
+    done = []
+    for i, o in copies.items():
+        changed = objects.changes(before[i], objects.state(o))
+        if changed is None:
+            return None
+        done += [(i, path, leaf) for path, leaf in changed]
+    if [(i, path) for i, path, _ in done] != [(i, path) for i, path, _ in kind.effects]:
+        return None
+    written = []
+    for (_, _, leaf), (_, _, recorded) in zip(done, kind.effects):
+        if isinstance(recorded, int) != isinstance(leaf, torch.Tensor):
+            return None
+        if isinstance(leaf, torch.Tensor):
+            written.append(leaf)
+        elif leaf != recorded:
+            return None
+    return written
 
 
 def _trace_variant(
@@ -551,7 +580,7 @@ def _mutates(graph: fx.Graph) -> bool:
     )
 
 
-def _lift_constants(graph: fx.Graph, owner: nn.Module, before: int) -> dict[str, torch.Tensor]:
+def _lift_constants(graph: fx.Graph, owner: Any, before: int) -> dict[str, torch.Tensor]:
     """Tensors the forward makes from Python values (`torch.tensor([])` in a cache's set-up, the
     scalar of `x[:, 0] = 1.0`) are attributes of the traced module (`_tensor_constant0`); the
     program is a graph alone, so each becomes an input of kind "constant" (placed before the
