@@ -284,8 +284,8 @@ class _Signature(TorchDispatchMode):
 
 def _digest(t: torch.Tensor) -> tuple:
     """A tensor's value, as a key (a mask of a few million elements hashes in milliseconds)."""
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():  # a real tensor, read within a trace
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():  # a real tensor (a GPU's too), read within a trace
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return (tuple(t.shape), t.dtype, hashlib.sha1(data).hexdigest())
 
 
