@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from fbmt import logs
+from fbmt.compiler import stamp
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.passes import (
     Pass,
@@ -145,6 +146,8 @@ def compile_program(
             entry=entry,
         )
         said["done"] = f"{len(program.graph.nodes)} nodes"
+        trace_notes = next((r.stats.notes for r in program.history if r.name == "trace"), ())
+        said["done"] += "".join(f"; {n}" for n in trace_notes if stamp.STAMPED in n)  # which kinds, how many calls
     # 2. the passes: blocks, recompute, merged products, ZeRO sharding, overlap, checks
     if plan.remat == "auto":
         if search is None:

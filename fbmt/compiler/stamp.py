@@ -75,6 +75,7 @@ from fbmt.compiler import meta, objects
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
+STAMPED = "block kind(s) once and stamped their calls"  # the trace's line on it (the progress line repeats it)
 _ARG = object()  # where a tensor goes among a call's argument leaves
 _OBJ = object()  # where an object goes (a Hugging Face cache)
 
@@ -648,7 +649,7 @@ class Stamper:
         lines = []
         if self.stamped:
             kinds = ", ".join(f"{b}'s x{n}" for b, n in self.stamped.items())
-            lines.append(f"traced {len(self.stamped)} block kind(s) once and stamped their calls ({kinds})")
+            lines.append(f"traced {len(self.stamped)} {STAMPED} ({kinds})")
             traced = [*self.kinds, *(k for k, _ in self.variants.values() if k is not None)]
             lines += list(dict.fromkeys(note for k in traced if k.block in self.stamped for note in k.notes))
         if self.not_stamped:
