@@ -139,6 +139,10 @@ class Program:
     sizes: Any = None
     # the submodule a call of it alone runs, "" for the model (NOTE: [Submodules through the program])
     entry: str = ""
+    # Not fields: set by the pass runner for one pass (`copy`). _owned: no one else holds this program
+    # (the pass before made it), so the pass may write to it; _written: the pass did.
+    _owned = False
+    _written = False
 
     # ---- structure helpers passes share -------------------------------------------------
     def placeholders(self) -> list[fx.Node]:
@@ -168,11 +172,17 @@ class Program:
 
     def copy(self, shared: bool = False) -> Program:
         """A deep copy of the graph (node metadata included) with the same layout. `shared=True`: the
-        same graph, for a pass that changes nothing (every pass copies before it writes)."""
+        same graph, for a pass that changes nothing (every pass copies before it writes). Within the
+        pass runner, a program that an earlier pass made and no one else holds is given to the pass
+        that writes to it instead of copied: a copy of a graph of tens of thousands of nodes cost
+        more than some of the passes."""
         if shared:
             return dataclasses.replace(
                 self, inputs=list(self.inputs), outputs=list(self.outputs), history=list(self.history)
             )
+        if self._owned:
+            self._owned, self._written = False, True
+            return self
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         graph.output(graph.graph_copy(self.graph, env))  # graph_copy returns the mapped outputs

@@ -72,3 +72,34 @@ def test_a_pass_returns_a_new_program_and_leaves_its_input_as_it_was():
     nodes_before = [(n.name, dict(n.meta)) for n in program.graph.nodes]
     run_passes(program, [("blocks", assign_blocks)], checks=True)
     assert [(n.name, dict(n.meta)) for n in program.graph.nodes] == nodes_before and not program.history
+
+
+def test_passes_after_the_first_write_in_place_and_each_record_is_its_own_program():
+    # the caller's program is copied once; after that each pass writes to the program the pass before
+    # made (no one else holds it), and each record's text is still the program after its own pass
+    from fbmt.compiler import pipeline
+    from fbmt.compiler.options import CompileOptions
+    from fbmt.compiler.plan import Plan
+
+    program = traced(MLP(), torch.randn(2, 12), world_size=2)
+    before = str(program.graph)
+    copies = []
+
+    def copying(fn):
+        def run(p):
+            graph = p.graph
+            out, stats = fn(p)
+            copies.append(out.graph is not graph)
+            return out, stats
+
+        return run
+
+    passes = [(name, copying(fn)) for name, fn in pipeline.passes(Plan.of(CompileOptions(), 2))]
+    done = run_passes(program, passes, dump_dir=None)
+    assert str(program.graph) == before and not program.history
+    assert copies.count(True) == 1, copies  # blocks copied the trace's graph; the rest wrote to it
+    texts = {r.name: r.text for r in done.history}
+    assert (
+        texts["blocks"] != texts["shard"] and "all_gather(" in texts["shard"] and "all_gather(" not in texts["blocks"]
+    )
+    assert not done._owned and done.copy().graph is not done.graph  # outside the runner, copy() copies

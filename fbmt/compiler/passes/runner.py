@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.fx as fx
+
 from fbmt import logs
 from fbmt.compiler.passes.verify import check
 from fbmt.compiler.program import Note, Program
@@ -34,15 +36,21 @@ def run_passes(
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         _dump(dump_dir, 0, "trace", program)
+    made: set[fx.Graph] = set()  # graphs a pass made: the first pass that writes copies the caller's
     for i, (name, fn) in enumerate(passes, 1):
         started = time.perf_counter()
-        given = program.graph
+        before, given = program, program.graph
+        before._owned = given in made  # a pass writing to it writes in place (Program.copy)
         if name in disable:
             program, stats = program.copy(shared=True), Note("disabled by the user")
         else:
             program, stats = fn(program)
+        written = program.graph is not given or program._written
+        before._owned = before._written = program._owned = program._written = False
+        if written:
+            made.add(program.graph)
         # a pass that changed nothing (copy(shared=True)) leaves the text of the program as it was
-        program.record(name, time.perf_counter() - started, stats, unchanged=program.graph is given)
+        program.record(name, time.perf_counter() - started, stats, unchanged=not written)
         logs.log.debug("pass %s: %.2fs: %s", name, program.history[-1].seconds, program.history[-1].summary)
         if checks and name != "verify" and name not in disable:
             check(program, after=name)
