@@ -6,6 +6,10 @@ values: the equivalence tests (tests/test_equivalence.py) train stamped GPTs aga
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from typing import Any
+
 import pytest
 import torch
 import torch.nn as nn
@@ -410,9 +414,11 @@ def test_a_scalar_that_differs_between_blocks_splits_their_kind(monkeypatch):
 class _Notes:
     """An object the blocks write to, as Hugging Face's layers write to the cache the forward built."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, lock: bool = False):
         self.slots = [None] * n
         self.count = 0
+        if lock:  # what copy.deepcopy refuses
+            self.lock = threading.Lock()
 
 
 class _Noting(nn.Module):
@@ -434,14 +440,14 @@ class _Noting(nn.Module):
 
 
 class _NotingStack(nn.Module):
-    def __init__(self, share: bool = False, read: bool = False, n: int = 4):
+    def __init__(self, share: bool = False, read: bool = False, lock: bool = False, n: int = 4):
         super().__init__()
-        self.read = read
+        self.read, self.lock = read, lock
         self.inp = nn.Linear(16, 16)
         self.layers = nn.ModuleList(_Noting(i, share) for i in range(n))
 
     def forward(self, x):
-        notes = _Notes(len(self.layers))
+        notes = _Notes(len(self.layers), self.lock)
         x = self.inp(x)
         notes.base = x.tanh()
         for layer in self.layers:
@@ -466,4 +472,44 @@ def test_what_stamped_blocks_wrote_to_an_object_keeps_its_gradient(monkeypatch):
 def test_blocks_that_read_a_tensor_an_object_holds_are_traced_as_code(monkeypatch):
     # a copy of the object would hold another tensor than the one each call read
     said = _same(monkeypatch, lambda: _NotingStack(share=True), _x())
+    assert "stamped" not in said, said
+
+
+def test_blocks_given_an_object_that_cannot_be_copied_are_traced_as_code(monkeypatch):
+    # the kind's trace needs a copy of the object as its exemplar got it
+    said = _same(monkeypatch, lambda: _NotingStack(lock=True), _x())
+    assert "stamped" not in said, said
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    slot: Any = None
+
+
+class _IntoFrozen(nn.Module):
+    def __init__(self, i: int):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, box):
+        y = x + self.fc(x)
+        object.__setattr__(box, "slot", y * 2)  # a write setattr would refuse
+        return y
+
+
+class _FrozenStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_IntoFrozen(i) for i in range(3))
+
+    def forward(self, x):
+        box = _Frozen()
+        for layer in self.layers:
+            x = layer(x, box)
+        return x.square().mean()
+
+
+def test_blocks_writing_to_an_object_that_refuses_setattr_are_traced_as_code(monkeypatch):
+    # a copy of the object as the exemplar got it, and each copy's write, go through setattr
+    said = _same(monkeypatch, _FrozenStack, _x())
     assert "stamped" not in said, said

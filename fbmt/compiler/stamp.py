@@ -269,8 +269,8 @@ class _Signature(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         grad = torch.is_grad_enabled()
-        if func is torch.ops.aten.lift_fresh.default:  # a tensor made from Python values: each call makes its own
-            self.ops.append((func, ("constant", _digest(args[0])), grad))
+        if func is torch.ops.aten.lift_fresh.default and (value := _digest_or_none(args[0])) is not None:
+            self.ops.append((func, ("constant", value), grad))  # made from Python values: each call makes its own
         elif func is torch.ops.prim.device.default and id(args[0]) in self.in_objects:  # its metadata alone
             self.ops.append((func, ("object", _tensor_meta(args[0])), grad))
         else:
@@ -288,6 +288,13 @@ def _digest(t: torch.Tensor) -> tuple:
     with unset_fake_temporarily(), disable_proxy_modes_tracing():  # a real tensor (a GPU's too), read within a trace
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return (tuple(t.shape), t.dtype, hashlib.sha1(data).hexdigest())
+
+
+def _digest_or_none(t: torch.Tensor) -> tuple | None:
+    try:
+        return _digest(t)
+    except (RuntimeError, TypeError):  # a dtype numpy cannot take: the constant is then equal only to itself
+        return None
 
 
 def _plain(leaves: list[Any]) -> bool:
@@ -450,6 +457,7 @@ class Stamper:
         self.calls = []
         held: list[list[torch.Tensor]] = []
         exemplars: set[tuple] = set()
+        uncopied: set[tuple] = set()
 
         def record(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
             at = len(self.calls)
@@ -511,9 +519,16 @@ class Stamper:
             call.out_leaves = [
                 _Tensor(x.detach(), x.requires_grad) if isinstance(x, torch.Tensor) else x for x in out_leaves
             ]
-            if objs and call.key not in exemplars:  # the objects as this call got them, for its kind's trace
+            if objs and call.key in uncopied:
+                call.key = None
+            elif objs and call.key not in exemplars:  # the objects as this call got them, for its kind's trace
+                try:
+                    call.objects = {i: _as_before(x, before[i], call.effects, i) for i, x in objs.items()}
+                except Exception:  # an object copy.deepcopy refuses (a lock in it): its calls are traced as code
+                    uncopied.add(call.key)
+                    call.key = None
+                    return out
                 exemplars.add(call.key)
-                call.objects = {i: _as_before(x, before[i], call.effects, i) for i, x in objs.items()}
             return out
 
         with self._wrapped(record):
@@ -612,7 +627,10 @@ class Stamper:
                 [next(outs) if isinstance(x, _Tensor) else x for x in kind.out_leaves], kind.out_spec
             )
             for i, where, leaf in self.calls[call].effects:  # its writes, as the fake forward saw them
-                objects.put(objs[i], where, next(outs) if isinstance(leaf, int) else leaf)
+                try:
+                    objects.put(objs[i], where, next(outs) if isinstance(leaf, int) else leaf)
+                except Exception as e:  # an object that will not take the write from outside (frozen)
+                    raise Refused(f"{path} could not write {where} of its {type(objs[i]).__name__}: {e}") from e
             return result
 
         with self._wrapped(stamp):
