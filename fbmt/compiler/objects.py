@@ -148,8 +148,7 @@ class DroppedCache:
         return f"<{self._what} not kept by fbmt in a training call: pass use_cache=True to keep it>"
 
 
-# A leaf of `state`: a tensor is itself; anything else one of these, compared by value.
-_MISSING = ("missing",)
+MISSING = ("missing",)  # what `get` gives for a path that holds nothing; `put` of it deletes the attribute
 
 
 def state(obj: Any) -> dict[tuple, Any]:
@@ -206,12 +205,12 @@ def changes(before: dict[tuple, Any], after: dict[tuple, Any]) -> list[tuple[tup
         return None
     out = []
     for path, leaf in after.items():
-        old = before.get(path, _MISSING)
+        old = before.get(path, MISSING)
         if _same(old, leaf):
             continue
         if not (isinstance(leaf, torch.Tensor) or leaf[0] == "plain"):
             return None
-        if old is not _MISSING and not (isinstance(old, torch.Tensor) or old[0] == "plain"):
+        if old is not MISSING and not (isinstance(old, torch.Tensor) or old[0] == "plain"):
             return None
         out.append((path, leaf))
     return out
@@ -223,10 +222,14 @@ def _step(x: Any, step: tuple) -> Any:
 
 
 def put(obj: Any, path: tuple, leaf: Any) -> None:
-    """Set the leaf at `path` (a tensor, or ("plain", type, value)) in `obj`."""
+    """Set the leaf at `path` (a tensor, or ("plain", type, value)) in `obj`; `MISSING`: delete the
+    attribute there."""
     *head, (how, k) = path
     for step in head:
         obj = _step(obj, step)
+    if leaf is MISSING:
+        delattr(obj, k)
+        return
     value = leaf if isinstance(leaf, torch.Tensor) else leaf[2]
     if how == "attr":
         setattr(obj, k, value)
@@ -235,10 +238,10 @@ def put(obj: Any, path: tuple, leaf: Any) -> None:
 
 
 def get(obj: Any, path: tuple) -> Any:
-    """The leaf at `path` in `obj`, as `state` gives it (`_MISSING` where there is none)."""
+    """The leaf at `path` in `obj`, as `state` gives it (`MISSING` where there is none)."""
     try:
         for step in path:
             obj = _step(obj, step)
     except (AttributeError, KeyError, IndexError, TypeError):
-        return _MISSING
+        return MISSING
     return obj if isinstance(obj, torch.Tensor) else state(obj)[()]

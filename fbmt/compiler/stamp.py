@@ -96,6 +96,16 @@ class _Tensor(NamedTuple):
     requires_grad: bool
 
 
+class _Write(NamedTuple):
+    """A call's write to one of its argument objects, as the fake forward saw it."""
+
+    leaf: int  # which argument leaf the object is
+    path: tuple  # where in it (`objects.state`'s paths)
+    value: Any  # the signature's index of the tensor written, or ("plain", type, value)
+    before: Any  # what the path held before (`objects.MISSING`: nothing)
+    requires_grad: bool  # the tensor written's
+
+
 @dataclass
 class Kind:
     """One kind of block call: what its trace needs, and its graph once traced."""
@@ -113,8 +123,7 @@ class Kind:
     grad_mode: bool
     calls: list[int]  # the calls (in the forward's order) of this kind
     objects: dict[int, Any] = field(default_factory=dict)  # argument leaf -> the exemplar's object as it got it
-    effects: list[tuple] = field(default_factory=list)  # the exemplar's writes to them (`_Call.effects`)
-    written_rg: list[bool] = field(default_factory=list)  # per tensor written: whether it requires grad
+    writes: list[_Write] = field(default_factory=list)  # the exemplar's writes to them
     graph: fx.Graph | None = None  # the kind's joint graph (`trace._trace_kind`)
     prelude: list[fx.Node] = field(default_factory=list)  # the detaches of its inputs its trace made first
     forward: list[fx.Node] = field(default_factory=list)  # its forward nodes, in order
@@ -145,8 +154,7 @@ class Kind:
             grad_mode=self.grad_mode,
             calls=self.calls,
             objects=self.objects,
-            effects=self.effects,
-            written_rg=self.written_rg,
+            writes=self.writes,
             known=known,
         )
 
@@ -166,9 +174,9 @@ class Kind:
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         return args, kwargs, copies
 
-    def n_effects(self) -> int:
-        """The tensors its calls write to their objects: results of the stamp op after the block's own."""
-        return len(self.written_rg)
+    def written(self) -> list[_Write]:
+        """Its calls' writes of tensors to their objects: results of the stamp op after the block's own."""
+        return [w for w in self.writes if isinstance(w.value, int)]
 
     def arg_metas(self) -> list[tuple]:
         return [_tensor_meta(t, rg) for t, rg in self.inputs[len(self.params) + len(self.buffers) :]]
@@ -217,7 +225,7 @@ class _Stamped(torch.autograd.Function):
         out = tuple(torch.ops.fbmt.stamp(kind, call, list(inputs)))
         # a tensor written to an object (a cache) keeps its history: a gradient it gets is a surprise
         n = len(k.out_tensors())
-        may = {n + j for j, rg in enumerate(k.written_rg) if rg}
+        may = {n + j for j, w in enumerate(k.written()) if w.requires_grad}
         ctx.mark_non_differentiable(*[o for i, o in enumerate(out) if i not in k.differentiable and i not in may])
         ctx.set_materialize_grads(False)
         return out
@@ -310,14 +318,13 @@ def _local_tensors(block: nn.Module, names: list[str]) -> list[torch.Tensor]:
     return out
 
 
-def _effects(
+def _writes(
     objs: dict[int, Any], before: dict[int, dict], signature: _Signature, out_leaves: list[Any]
-) -> list[tuple] | None:
-    """What a call wrote to its argument objects: (leaf, path, the signature's index of the tensor
-    written or ("plain", type, value), what the path held before, whether the tensor requires grad);
-    None where a copy of its kind's graph could not write the same (a container replaced or resized, a
-    tensor from outside the call, one tensor written twice or also returned: a copy would write two)."""
-    out: list[tuple] = []
+) -> list[_Write] | None:
+    """What a call wrote to its argument objects; None where a copy of its kind's graph could not
+    write the same (a container replaced or resized, a tensor from outside the call, one tensor written
+    twice or also returned: a copy would write two)."""
+    out: list[_Write] = []
     returned = {id(x) for x in out_leaves if isinstance(x, torch.Tensor)}
     written: set[int] = set()
     for i, x in objs.items():
@@ -325,22 +332,23 @@ def _effects(
         if changed is None:
             return None
         for path, leaf in changed:
-            if isinstance(leaf, torch.Tensor):
-                k = signature.key(leaf)
-                if not isinstance(k, int) or id(leaf) in returned or id(leaf) in written:
-                    return None
-                written.add(id(leaf))
-                out.append((i, path, k, before[i].get(path, objects._MISSING), leaf.requires_grad))
-            else:
-                out.append((i, path, leaf, before[i].get(path, objects._MISSING), False))
+            old = before[i].get(path, objects.MISSING)
+            if not isinstance(leaf, torch.Tensor):
+                out.append(_Write(i, path, leaf, old, False))
+                continue
+            k = signature.key(leaf)
+            if not isinstance(k, int) or id(leaf) in returned or id(leaf) in written:
+                return None
+            written.add(id(leaf))
+            out.append(_Write(i, path, k, old, leaf.requires_grad))
     return out
 
 
 def _as_recorded(objs: dict[int, Any], call: _Call) -> bool:
     """Whether the paths the call wrote in the fake forward hold what they held there (their copy
     writes there; what it read is its signature's)."""
-    for (i, where, _), old in zip(call.effects, call.before):
-        now = objects.get(objs[i], where)
+    for w in call.writes:
+        now, old = objects.get(objs[w.leaf], w.path), w.before
         if isinstance(old, torch.Tensor) or isinstance(now, torch.Tensor):
             if not (isinstance(old, torch.Tensor) and isinstance(now, torch.Tensor)):
                 return False
@@ -351,20 +359,12 @@ def _as_recorded(objs: dict[int, Any], call: _Call) -> bool:
     return True
 
 
-def _as_before(obj: Any, before: dict[tuple, Any], effects: list[tuple], leaf: int) -> Any:
+def _as_before(obj: Any, writes: list[_Write], leaf: int) -> Any:
     """A copy of `obj` (after a call wrote to it) as the call got it."""
     copy = objects.rebuild(obj, objects.tensors_in(obj))
-    for i, path, _ in effects:
-        if i == leaf:
-            old = before.get(path, objects._MISSING)
-            if old is objects._MISSING:
-                *head, (_, name) = path
-                holder = copy
-                for step in head:
-                    holder = objects._step(holder, step)
-                delattr(holder, name)
-            else:
-                objects.put(copy, path, old)
+    for w in writes:
+        if w.leaf == leaf:
+            objects.put(copy, w.path, w.before)
     return copy
 
 
@@ -380,11 +380,7 @@ class _Call:
     in_leaves: list[Any] = field(default_factory=list)
     out_spec: Any = None
     out_leaves: list[Any] = field(default_factory=list)
-    # per write to an argument object: (its leaf, the path written, the signature's index of the tensor
-    # written or ("plain", type, value)), and what the path held before
-    effects: list[tuple] = field(default_factory=list)
-    before: list[Any] = field(default_factory=list)
-    written_rg: list[bool] = field(default_factory=list)  # per tensor written: whether it requires grad
+    writes: list[_Write] = field(default_factory=list)  # to its argument objects
     objects: dict[int, Any] = field(default_factory=dict)  # the objects as the call got them (exemplars only)
 
 
@@ -484,16 +480,17 @@ class Stamper:
             out_leaves, out_spec = pytree.tree_flatten(out)
             if not _plain(out_leaves) or signature.read_object:
                 return out
-            effects = _effects(objs, before, signature, out_leaves)
-            if effects is None:
+            writes = _writes(objs, before, signature, out_leaves)
+            if writes is None:
                 return out
-            call.effects = [(i, p, v) for i, p, v, _, _ in effects]
-            call.before = [b for _, _, _, b, _ in effects]
-            call.written_rg = [rg for *_, v, _, rg in effects if isinstance(v, int)]
+            call.writes = writes
             ops = (
                 *signature.ops,
                 ("out", tuple(signature.key(x) for x in out_leaves)),
-                ("writes", tuple((i, v if isinstance(v, int) else "plain", rg) for i, _, v, _, rg in effects)),
+                (
+                    "writes",
+                    tuple((w.leaf, w.value if isinstance(w.value, int) else "plain", w.requires_grad) for w in writes),
+                ),
             )
             call.key = (
                 type(block),
@@ -523,7 +520,7 @@ class Stamper:
                 call.key = None
             elif objs and call.key not in exemplars:  # the objects as this call got them, for its kind's trace
                 try:
-                    call.objects = {i: _as_before(x, before[i], call.effects, i) for i, x in objs.items()}
+                    call.objects = {i: _as_before(x, writes, i) for i, x in objs.items()}
                 except Exception:  # an object copy.deepcopy refuses (a lock in it): its calls are traced as code
                     uncopied.add(call.key)
                     call.key = None
@@ -563,8 +560,7 @@ class Stamper:
                     grad_mode=c.key[-2],
                     calls=calls,
                     objects=c.objects,
-                    effects=c.effects,
-                    written_rg=c.written_rg,
+                    writes=c.writes,
                 )
             )
 
@@ -626,11 +622,11 @@ class Stamper:
             result = pytree.tree_unflatten(
                 [next(outs) if isinstance(x, _Tensor) else x for x in kind.out_leaves], kind.out_spec
             )
-            for i, where, leaf in self.calls[call].effects:  # its writes, as the fake forward saw them
+            for w in self.calls[call].writes:  # its writes, as the fake forward saw them
                 try:
-                    objects.put(objs[i], where, next(outs) if isinstance(leaf, int) else leaf)
+                    objects.put(objs[w.leaf], w.path, next(outs) if isinstance(w.value, int) else w.value)
                 except Exception as e:  # an object that will not take the write from outside (frozen)
-                    raise Refused(f"{path} could not write {where} of its {type(objs[i]).__name__}: {e}") from e
+                    raise Refused(f"{path} could not write {w.path} of its {type(objs[w.leaf]).__name__}: {e}") from e
             return result
 
         with self._wrapped(stamp):

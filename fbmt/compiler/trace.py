@@ -417,7 +417,7 @@ def _trace_kind(
             return "it writes to one of its inputs"
     kind.decided = decided  # dropped from each copy, as the model's trace drops its own (stamp.inline)
     kind.differentiable = diff
-    return stamp.split_kind(kind, gm.graph, n_outputs=len(outs) + kind.n_effects(), wrt=wrt)
+    return stamp.split_kind(kind, gm.graph, n_outputs=len(outs) + len(kind.written()), wrt=wrt)
 
 
 def _written(kind: stamp.Kind, copies: dict[int, Any], before: dict[int, dict]) -> list[torch.Tensor] | None:
@@ -429,15 +429,15 @@ def _written(kind: stamp.Kind, copies: dict[int, Any], before: dict[int, dict]) 
         if changed is None:
             return None
         done += [(i, path, leaf) for path, leaf in changed]
-    if [(i, path) for i, path, _ in done] != [(i, path) for i, path, _ in kind.effects]:
+    if [(i, path) for i, path, _ in done] != [(w.leaf, w.path) for w in kind.writes]:
         return None
     written = []
-    for (_, _, leaf), (_, _, recorded) in zip(done, kind.effects):
-        if isinstance(recorded, int) != isinstance(leaf, torch.Tensor):
+    for (_, _, leaf), w in zip(done, kind.writes):
+        if isinstance(w.value, int) != isinstance(leaf, torch.Tensor):
             return None
         if isinstance(leaf, torch.Tensor):
             written.append(leaf)
-        elif leaf != recorded:
+        elif leaf != w.value:
             return None
     return written
 
