@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fbmt.models import GPT, GPTConfig
@@ -58,7 +59,9 @@ def test_main_job_trains_checkpoints_and_exports_a_plain_model(tmp_path):
     assert before == {f.name: f.stat().st_mtime_ns for f in (tmp_path / "step-00000030").iterdir()}
 
 
-def test_main_job_options_that_cannot_work_are_refused_before_anything_starts():
+def test_main_job_options_that_cannot_work_are_refused_before_anything_starts(capsys):
+    from fbmt.train import parse_args
+
     for bad, says in [
         (["--ranks", "0"], "at least one rank"),
         (["--heads", "3"], "--heads 3 does not divide --d-model 128"),
@@ -67,8 +70,14 @@ def test_main_job_options_that_cannot_work_are_refused_before_anything_starts():
         (["--schedule", "greedy:memory=1"], "unknown option(s) ['memory']; its options are: memory_bound=None"),
         (["--schedule", "nowhere.json"], "No such file"),
     ]:
-        run = subprocess.run([sys.executable, "-m", "fbmt.train", *bad], capture_output=True, text=True, timeout=120)
-        assert run.returncode == 2 and says in run.stderr, (bad, run.stderr[-500:])
+        with pytest.raises(SystemExit) as exited:
+            parse_args(bad)
+        assert exited.value.code == 2 and says in capsys.readouterr().err, bad
+    # and from the command line, before any rank is launched
+    run = subprocess.run(
+        [sys.executable, "-m", "fbmt.train", "--ranks", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2 and "at least one rank" in run.stderr and "launching" not in run.stdout, run.stderr
 
 
 def test_the_schedule_argument_takes_every_strategy_its_options_and_saved_schedules(tmp_path):
