@@ -68,10 +68,10 @@ case $stage in
   first-step)
     CUDA_VISIBLE_DEVICES=0 timeout 290 python3 benchmarks/first_step.py --config 1.36b --remat block \
       --fbmt fbmt-inductor --out "$out/first_step_1.36b.json" > "$out/first_step_1.36b.txt" 2>&1
-    tail -9 "$out/first_step_1.36b.txt"
+    tail -10 "$out/first_step_1.36b.txt"
     CUDA_VISIBLE_DEVICES=0 timeout 290 python3 benchmarks/first_step.py --config 0.89b --hf --batch 4 --remat mincut \
       --fbmt fbmt-inductor-mincut --out "$out/first_step_hf.json" > "$out/first_step_hf.txt" 2>&1
-    tail -9 "$out/first_step_hf.txt" ;;
+    tail -10 "$out/first_step_hf.txt" ;;
   lengths)
     CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tests/gpu/lengths_on_gpu.py > "$out/lengths_on_gpu.txt" 2>&1
     grep -v "Warning\|warn" "$out/lengths_on_gpu.txt" | tail -14
