@@ -23,6 +23,7 @@ See NOTE: [Phases] below for how forward and backward are told apart.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,6 +275,7 @@ def _fmt_val(node: fx.Node) -> str:
     return ""
 
 
+@functools.cache
 def _target_name(t: Any) -> str:
     if isinstance(t, torch._ops.OpOverload):
         return str(t).removeprefix("aten.").removesuffix(".default")
@@ -281,12 +283,16 @@ def _target_name(t: Any) -> str:
 
 
 def format_graph(program: Program) -> str:
-    """One line per node: `%name: dtype[shape] = op(args)   # phase block [recompute]`."""
+    """One line per node: `%name: dtype[shape] = op(args)   # phase block [recompute]`.
+
+    The runner formats the program after every pass (its history), so this is written for speed:
+    each node's value and target are formatted once."""
     roles = dict(zip(program.placeholders(), program.inputs))
     lines = []
     for n in program.graph.nodes:
+        value = _fmt_val(n)
         if n.op == "placeholder":
-            lines.append(f"%{n.name}: {_fmt_val(n)} = input {roles.get(n, '?')}")
+            lines.append(f"%{n.name}: {value} = input {roles.get(n, '?')}")
             continue
         if n.op == "output":
             outs = ", ".join(
@@ -294,14 +300,20 @@ def format_graph(program: Program) -> str:
             )
             lines.append(f"return {outs}")
             continue
-        args = [_fmt_arg(a) for a in n.args] + [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]
-        note = [meta.phase(n) or "?"]
-        if meta.block(n) is not None:
-            note.append(meta.block(n) or "<root>")
-        if meta.recompute(n):
-            note.append(f"recompute:{meta.recompute(n)}")
-        if meta.bucket(n) is not None:
-            note.append(f"bucket:{meta.bucket(n)}")
-        lhs = f"%{n.name}: {_fmt_val(n)}" if _fmt_val(n) else f"%{n.name}"
-        lines.append(f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {' '.join(note)}")
+        args = [_fmt_arg(a) for a in n.args]
+        if n.kwargs:
+            args += [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]
+        m = n.meta
+        note = m.get("fbmt_phase") or "?"
+        block = m.get("fbmt_block")
+        if block is not None:
+            note += " " + (block or "<root>")
+        recompute = m.get("fbmt_recompute")
+        if recompute:
+            note += f" recompute:{recompute}"
+        bucket = m.get("fbmt_bucket")
+        if bucket is not None:
+            note += f" bucket:{bucket}"
+        lhs = f"%{n.name}: {value}" if value else f"%{n.name}"
+        lines.append(f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {note}")
     return "\n".join(lines)
