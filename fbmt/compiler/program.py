@@ -303,15 +303,12 @@ def format_graph(program: Program) -> str:
         args = [_fmt_arg(a) for a in n.args]
         if n.kwargs:
             args += [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]
-        m = n.meta
-        note = m.get("fbmt_phase") or "?"
-        block = m.get("fbmt_block")
+        note = meta.phase(n) or "?"
+        block, recompute, bucket = meta.block(n), meta.recompute(n), meta.bucket(n)
         if block is not None:
             note += " " + (block or "<root>")
-        recompute = m.get("fbmt_recompute")
         if recompute:
             note += f" recompute:{recompute}"
-        bucket = m.get("fbmt_bucket")
         if bucket is not None:
             note += f" bucket:{bucket}"
         lhs = f"%{n.name}: {value}" if value else f"%{n.name}"
