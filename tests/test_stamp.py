@@ -6,6 +6,7 @@ values: the equivalence tests (tests/test_equivalence.py) train stamped GPTs aga
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 from typing import Any
@@ -352,6 +353,66 @@ class _MaskInside(nn.Module):
 def test_a_mask_a_block_builds_itself_is_decided_in_its_kind(monkeypatch):
     said = _same(monkeypatch, lambda: _Stack(_MaskInside), (torch.randn(2, 8, 16),))
     assert "(layers.0's x4)" in said and "is causal" in said, said
+
+
+class _WindowInside(nn.Module):
+    """A block that builds a sliding window of 10 from its input's length: causal up to 10 tokens."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.unsqueeze(1) for t in self.qkv(x).split(d, -1))  # one head
+        ones = torch.ones(s, s, dtype=torch.bool, device=x.device)
+        window = ones.tril() & ~ones.tril(-10)
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=window).squeeze(1)
+
+
+@pytest.mark.parametrize("block", [None, _WindowInside], ids=["gpt", "window-inside"])
+def test_a_program_of_symbolic_sizes_is_stamped_and_computes_what_the_whole_trace_does(monkeypatch, block):
+    """The second length makes a program of symbolic sizes (NOTE: [Dynamic sizes]), stamped as a fixed-size
+    one is; at every length, unseen ones included, losses and gradients are the whole trace's and eager's. A
+    window a block builds from its length is decided in its kind and proved again at every length the
+    program admits: at 24 tokens it is no longer causal, and that length gets a program of its own."""
+    build = _gpt(3) if block is None else (lambda: _Stack(block, 3))
+    lengths = (8, 9, 10, 24, 13) if block is _WindowInside else (8, 12, 16, 11)  # the GPT has 16 positions
+    ref = build()
+
+    def batch(n):
+        g = torch.Generator().manual_seed(n)
+        if block is None:
+            return (torch.randint(0, 64, (2, n), generator=g),), lambda out: out.float().square().mean()
+        return (torch.randn(2, n, 16, generator=g),), lambda out: out
+
+    got = {}
+    for stamp in (False, True):
+        monkeypatch.setenv("FBMT_STAMP", "1" if stamp else "0")
+        model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+        got[stamp] = []
+        for n in lengths:
+            args, loss_of = batch(n)
+            loss = loss_of(model(*args))
+            loss.backward()
+            got[stamp].append((loss.detach(), model.full_gradients()))
+            model.zero_grad()
+        symbolic = [p for p in model.programs.values() if p.sizes is not None]
+        assert symbolic and all(("stamped" in _trace_line(p)) == stamp for p in symbolic), [
+            _trace_line(p) for p in symbolic
+        ]
+        if block is _WindowInside:  # 8; 9, 10 and 13; 24
+            assert len(model.programs) == 3 and "is causal" in _trace_line(symbolic[0]), model.programs
+    for n, (loss, grads), (whole_loss, whole_grads) in zip(lengths, got[True], got[False]):
+        args, loss_of = batch(n)
+        want = loss_of(ref(*args))
+        want.backward()
+        torch.testing.assert_close(loss, whole_loss, rtol=1e-6, atol=1e-7, msg=f"length {n}")
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=f"length {n}")
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], whole_grads[name], rtol=1e-6, atol=1e-7, msg=f"{name} at {n}")
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=f"{name} at {n}")
+        ref.zero_grad()
 
 
 class _Repeated(nn.Module):

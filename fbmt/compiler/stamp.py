@@ -48,8 +48,19 @@ for the others:
 
 A stamped call whose outputs get other gradients than its kind's (an output the model does not use)
 makes the whole trace run again without stamping (`Refused`): a surprise costs time, never a
-different program. `FBMT_STAMP=0` turns stamping off. Programs of symbolic sizes (NOTE: [Dynamic
-sizes]) are traced whole for now.
+different program. `FBMT_STAMP=0` turns stamping off.
+
+A program of symbolic sizes (NOTE: [Dynamic sizes]) is stamped too. Its calls' sizes are expressions
+in the trace's symbols, so the signatures and metadata compare those expressions (`_size`), never the
+sizes themselves, which would add a guard for each pair that differs. A kind is traced in the same
+shape environment, keeping its products' sizes symbolic as the model's trace does; a mask it decides
+joins the program's checks, proved again at every size the program admits. A copy reads each size
+from the first node of the program that computes it, as the model's trace reads each symbol once
+(read from its own inputs, a backward would read sizes from forward values). A call given a tensor
+computed from the inputs' sizes alone (Hugging Face's causal mask at symbolic sizes) is traced as
+code: its kind would see the mask as an input and keep it, where the model's trace proves it causal.
+The program computes what the whole trace computes; it is not node for node the same (fewer size
+reads).
 """
 
 from __future__ import annotations
@@ -84,9 +95,17 @@ class Refused(Exception):
     """A stamped call met what its kind's trace did not see; trace the model again without stamping."""
 
 
+def _size(v: Any) -> Any:
+    """A size as a key: an int, or a symbolic size's expression (NOTE: [Stamped blocks]: in a program of
+    symbolic sizes every call's sizes are expressions in the trace's symbols, so equal expressions are
+    equal sizes; sympy compares expressions by their structure, where comparing the SymInts themselves
+    would add a guard to the trace for each pair that differs)."""
+    return ("sym", v.node.expr) if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) else v
+
+
 def _tensor_meta(t: torch.Tensor, requires_grad: bool | None = None) -> tuple:
     rg = t.requires_grad if requires_grad is None else requires_grad
-    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, rg)
+    return (tuple(map(_size, t.shape)), tuple(map(_size, t.stride())), t.dtype, t.device.type, rg)
 
 
 class _Tensor(NamedTuple):
@@ -272,6 +291,8 @@ class _Signature(TorchDispatchMode):
             return tuple(self.key(v) for v in x)
         if isinstance(x, _PLAIN):
             return x
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return _size(x)
         return ("value", type(x).__name__, id(x))  # anything else: equal only to itself
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -579,13 +600,15 @@ class Stamper:
     def stamping(
         self,
         from_constants: Callable[[torch.Tensor], bool],
+        from_sizes: Callable[[torch.Tensor], bool],
         value: Callable[[torch.Tensor], torch.Tensor | None],
         trace_variant: Callable[[Kind], str | None],
     ) -> Iterator[None]:
         """The trace of the model: each call of an adopted kind runs as `fbmt::stamp` (step 3).
         `from_constants(t)`: whether tensor t, in the graph being traced, derives from no input;
-        `value(t)`: such a tensor's value; `trace_variant(kind)`: trace a kind for calls given some
-        arguments from constants, there and then (`kind.known`), and why not, or None."""
+        `from_sizes(t)`: whether it derives from the inputs' sizes alone; `value(t)`: a tensor from
+        constants' value; `trace_variant(kind)`: trace a kind for calls given some arguments from
+        constants, there and then (`kind.known`), and why not, or None."""
         counter = iter(range(len(self.calls)))
 
         def stamp(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -607,6 +630,12 @@ class Stamper:
             )
             if not same:
                 self.not_stamped.append(f"{path}: its arguments differ from the fake forward's")
+                return forward(*args, **kwargs)
+            if any(from_sizes(x) for x in tensors):  # its kind would see the mask as an input, and keep it
+                self.not_stamped.append(
+                    f"{path}: an argument is computed from the input's sizes (a mask), which is decided where "
+                    "it is built"
+                )
                 return forward(*args, **kwargs)
             known = {i: value(x) for i, x in enumerate(tensors) if from_constants(x)}
             if known:
@@ -666,8 +695,13 @@ class Stamper:
             lines.append(f"traced {len(self.stamped)} {STAMPED} ({kinds})")
             traced = [*self.kinds, *(k for k, _ in self.variants.values() if k is not None)]
             lines += list(dict.fromkeys(note for k in traced if k.block in self.stamped for note in k.notes))
-        if self.not_stamped:
-            lines.append(f"blocks traced as code: {'; '.join(dict.fromkeys(self.not_stamped))}")
+        if self.not_stamped:  # "who: why", the blocks of one reason named together
+            by_why: dict[str, list[str]] = {}
+            for entry in self.not_stamped:
+                who, _, why = entry.partition(": ")
+                by_why.setdefault(why, []).append(who)
+            said = [f"{', '.join(dict.fromkeys(who))}: {why}" for why, who in by_why.items()]
+            lines.append(f"blocks traced as code: {'; '.join(said)}")
         return lines
 
 
@@ -725,9 +759,18 @@ def split_kind(kind: Kind, graph: fx.Graph, n_outputs: int, wrt: list[int]) -> s
     return None
 
 
+_SIZE_READS = {
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_storage_offset.default,
+    torch.ops.aten.sym_numel.default,
+}
+
+
 def _base_name(graph: fx.Graph, n: fx.Node) -> str:
-    """The name make_fx gives a node of this target, before its count."""
-    if isinstance(n.target, torch._ops.OpOverload):
+    """The name make_fx gives a node of this target, before its count: an op's packet ("mm"), but a
+    size read's whole overload ("sym_size_int"), which make_fx makes outside its op calls."""
+    if isinstance(n.target, torch._ops.OpOverload) and n.target not in _SIZE_READS:
         return graph._target_to_str(n.target.overloadpacket.__name__)
     return graph._target_to_str(n.target)
 
@@ -746,7 +789,15 @@ def inline(
     constants: dict[str, torch.Tensor] = {}
     stamp_op, grad_op = torch.ops.fbmt.stamp.default, torch.ops.fbmt.stamp_grad.default
 
+    sizes: dict[Any, fx.Node] = {}  # a symbolic size's expression -> the first node that computes it
+
     def copy(n: fx.Node, local: dict[fx.Node, Any], module: str | None = None, kind: Kind | None = None) -> fx.Node:
+        size = n.meta.get("val")
+        expr = size.node.expr if isinstance(size, torch.SymInt) else None
+        if kind is not None and expr in sizes:
+            # a copy reads a size the program computes already: the model's trace reads each symbol once
+            # too, and a backward that read it from a forward value would keep that value alive for it
+            return sizes[expr]
         if n.op == "get_attr":  # each copy of a constant is one of its own, named in order as make_fx names them
             name = f"_tensor_constant{len(constants)}"
             constants[name] = kind.constants[n] if kind is not None else getattr(owner, n.target)
@@ -757,6 +808,8 @@ def inline(
         c.meta = dict(n.meta)
         if module is not None:
             meta.tag(c, module=module)
+        if expr is not None:
+            sizes.setdefault(expr, c)
         return c
 
     for n in graph.nodes:

@@ -226,8 +226,7 @@ def trace(
     # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
     # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
     probe_ops = _Decompose(_SYMBOLIC_DECOMPOSITIONS) if dynamic else contextlib.nullcontext()
-    # NOTE: [Stamped blocks]; a program of symbolic sizes is traced whole for now
-    stamper = stamp.Stamper.for_module(module) if flags.STAMP.get() and not dynamic else None
+    stamper = stamp.Stamper.for_module(module) if flags.STAMP.get() else None  # NOTE: [Stamped blocks]
     recording = stamper.recording() if stamper is not None else contextlib.nullcontext()
     with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode, probe_ops, recording:
         with torch.enable_grad() if needs_grad else torch.no_grad():
@@ -272,7 +271,7 @@ def trace(
     table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
     if stamper is not None:
         for kind in stamper.kinds:
-            why = _trace_kind(module, kind, fake_mode, table, needs_grad)
+            why = _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
             if why is None:
                 stamper.adopt(kind)
             else:
@@ -280,7 +279,7 @@ def trace(
     try:
         stamping = (
             stamper.stamping(
-                *_constants(), lambda kind: _trace_variant(stamper, module, kind, fake_mode, table, needs_grad)
+                *_constants(), lambda kind: _trace_variant(stamper, module, kind, fake_mode, table, needs_grad, checks)
             )
             if stamper is not None
             else contextlib.nullcontext()
@@ -351,7 +350,12 @@ def trace(
 
 
 def _trace_kind(
-    module: nn.Module, kind: stamp.Kind, fake_mode: FakeTensorMode, table: dict, needs_grad: bool
+    module: nn.Module,
+    kind: stamp.Kind,
+    fake_mode: FakeTensorMode,
+    table: dict,
+    needs_grad: bool,
+    checks: list[masks.MaskCheck] | None = None,
 ) -> str | None:
     """Trace one call of a kind of block alone, forward and backward, as `trace` traces the model (NOTE:
     [Stamped blocks], step 2); why its calls cannot be stamped, or None. A kind for calls given
@@ -359,7 +363,7 @@ def _trace_kind(
     and its masks decided by those values, as the model's trace decides them (NOTE: [Causal masks])."""
     if get_proxy_mode() is not None:
         with disable_proxy_modes_tracing():
-            return _trace_kind(module, kind, fake_mode, table, needs_grad)
+            return _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
     n, n_pb = kind.n_inputs, len(kind.params) + len(kind.buffers)
     rg = [r for _, r in kind.inputs]
     outs = kind.out_tensors()
@@ -383,7 +387,10 @@ def _trace_kind(
             args, kwargs, copies = kind.arguments(ins[n_pb:])
             before = {i: objects.state(o) for i, o in copies.items()}
             tensors = {f"block.{k}": v for k, v in zip(kind.params + kind.buffers, ins[:n_pb])}
-            with masks.CausalMasks(decided, known=known):
+            # as the model's trace calls it (`trace.call`): a symbolic one keeps its products' sizes, and
+            # proves its rewritten masks again at each size it admits
+            keeping = sizes.matmul_keeping_sizes() if checks is not None else contextlib.nullcontext()
+            with keeping, masks.CausalMasks(decided, checks, known=known):
                 out = functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
         tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
         written = _written(kind, copies, before)
@@ -449,49 +456,65 @@ def _trace_variant(
     fake_mode: FakeTensorMode,
     table: dict,
     needs_grad: bool,
+    checks: list[masks.MaskCheck] | None = None,
 ) -> str | None:
     """`_trace_kind` within the model's trace: the blocks run their own forward while it does."""
     with stamper.paused():
-        return _trace_kind(module, kind, fake_mode, table, needs_grad)
+        return _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
 
 
-def _constants() -> tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor | None]]:
-    """Two questions, during a trace: whether a tensor's node in the graph derives from no placeholder
-    (a mask built from sizes; NOTE: [Causal masks]); and such a tensor's value. Memoized: a trace asks
-    them of every block's arguments."""
-    reaches: dict[fx.Node, bool] = {}
+def _constants() -> tuple[
+    Callable[[torch.Tensor], bool], Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor | None]
+]:
+    """Three questions, during a trace: whether a tensor's node in the graph derives from no placeholder
+    (a mask built from sizes; NOTE: [Causal masks]); whether it derives from the placeholders' sizes
+    alone (such a mask in a program of symbolic sizes); and a tensor of the first kind's value.
+    Memoized: a trace asks them of every block's arguments."""
+    reaches: dict[fx.Node, bool] = {}  # whether a node derives from a placeholder
+    reads: dict[fx.Node, bool] = {}  # whether it derives from a placeholder's values, not only its sizes
     values: dict[fx.Node, torch.Tensor | None] = {}
 
-    def value(t: torch.Tensor) -> torch.Tensor | None:
+    def node_of(t: torch.Tensor) -> fx.Node | None:
         mode = get_proxy_mode()
         slot = get_proxy_slot(t, mode.tracer, None) if mode is not None else None
-        if slot is None:
-            return None
-        node = slot.proxy.node
-        if node not in values:
-            values[node] = masks.constant_value(node, mode.tracer.root)
-        return values[node]
+        return slot.proxy.node if slot is not None else None
 
-    def test(t: torch.Tensor) -> bool:
-        mode = get_proxy_mode()
-        slot = get_proxy_slot(t, mode.tracer, None) if mode is not None else None
-        if slot is None:
-            return True  # a tensor the graph does not hold: a constant
-        todo = [slot.proxy.node]
+    def derives(node: fx.Node, memo: dict[fx.Node, bool], sizes_count: bool) -> bool:
+        todo = [node]
         while todo:
             n = todo[-1]
-            if n in reaches:
+            if n in memo:
                 todo.pop()
                 continue
-            pending = [a for a in n.all_input_nodes if a not in reaches]
+            if not sizes_count and isinstance(n.meta.get("val"), torch.SymInt):
+                memo[n] = False  # a size: what it was read from does not flow through it
+                todo.pop()
+                continue
+            pending = [a for a in n.all_input_nodes if a not in memo]
             if pending and n.op != "placeholder":
                 todo += pending
                 continue
-            reaches[n] = n.op == "placeholder" or any(reaches[a] for a in n.all_input_nodes)
+            memo[n] = n.op == "placeholder" or any(memo[a] for a in n.all_input_nodes)
             todo.pop()
-        return not reaches[slot.proxy.node]
+        return memo[node]
 
-    return test, value
+    def value(t: torch.Tensor) -> torch.Tensor | None:
+        node = node_of(t)
+        if node is None:
+            return None
+        if node not in values:
+            values[node] = masks.constant_value(node, get_proxy_mode().tracer.root)
+        return values[node]
+
+    def constant(t: torch.Tensor) -> bool:
+        node = node_of(t)
+        return node is None or not derives(node, reaches, sizes_count=True)  # no node: a constant
+
+    def of_sizes(t: torch.Tensor) -> bool:
+        node = node_of(t)
+        return node is not None and derives(node, reaches, True) and not derives(node, reads, sizes_count=False)
+
+    return constant, of_sizes, value
 
 
 @dataclass(frozen=True)
