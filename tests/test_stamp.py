@@ -370,21 +370,46 @@ class _WindowInside(nn.Module):
         return x + F.scaled_dot_product_attention(q, k, v, attn_mask=window).squeeze(1)
 
 
-@pytest.mark.parametrize("block", [None, _WindowInside], ids=["gpt", "window-inside"])
-def test_a_program_of_symbolic_sizes_is_stamped_and_computes_what_the_whole_trace_does(monkeypatch, block):
+def _hf_llama(window: int | None = None) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+    sizes.update(num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    if window is None:
+        config = transformers.LlamaConfig(**sizes)
+        return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    config = transformers.MistralConfig(sliding_window=window, **sizes)
+    return transformers.MistralForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("case", ["gpt", "window-inside", "hf-no-cache", "hf-window", "hf-default"], ids=lambda c: c)
+def test_a_program_of_symbolic_sizes_is_stamped_and_computes_what_the_whole_trace_does(monkeypatch, case):
     """The second length makes a program of symbolic sizes (NOTE: [Dynamic sizes]), stamped as a fixed-size
     one is; at every length, unseen ones included, losses and gradients are the whole trace's and eager's. A
-    window a block builds from its length is decided in its kind and proved again at every length the
-    program admits: at 24 tokens it is no longer causal, and that length gets a program of its own."""
-    build = _gpt(3) if block is None else (lambda: _Stack(block, 3))
-    lengths = (8, 9, 10, 24, 13) if block is _WindowInside else (8, 12, 16, 11)  # the GPT has 16 positions
+    window built from the length, in a block or by the model for its layers (Hugging Face's mask at
+    symbolic sizes, which each copy gets as an input), is decided in the kind and proved again at every
+    length the program admits: at 24 tokens a window of 10 is no longer causal, and that length gets a
+    program of its own."""
+    window = case in ("window-inside", "hf-window")
+    build = {
+        "gpt": _gpt(3),
+        "window-inside": lambda: _Stack(_WindowInside, 3),
+        "hf-no-cache": _hf_llama,
+        "hf-window": lambda: _hf_llama(window=10),
+        "hf-default": _hf_llama,
+    }[case]
+    lengths = (8, 9, 10, 24, 13) if window else (8, 12, 16, 11)  # the GPT has 16 positions
     ref = build()
 
     def batch(n):
         g = torch.Generator().manual_seed(n)
-        if block is None:
-            return (torch.randint(0, 64, (2, n), generator=g),), lambda out: out.float().square().mean()
-        return (torch.randn(2, n, 16, generator=g),), lambda out: out
+        if case == "gpt":
+            return (torch.randint(0, 64, (2, n), generator=g),), {}, lambda out: out.float().square().mean()
+        if case.startswith("hf"):
+            ids = torch.randint(0, 64, (2, n), generator=g)
+            call = {} if case == "hf-default" else {"use_cache": False}
+            return (), {"input_ids": ids, "labels": ids, **call}, lambda out: out.loss
+        return (torch.randn(2, n, 16, generator=g),), {}, lambda out: out
 
     got = {}
     for stamp in (False, True):
@@ -392,8 +417,8 @@ def test_a_program_of_symbolic_sizes_is_stamped_and_computes_what_the_whole_trac
         model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
         got[stamp] = []
         for n in lengths:
-            args, loss_of = batch(n)
-            loss = loss_of(model(*args))
+            args, kwargs, loss_of = batch(n)
+            loss = loss_of(model(*args, **kwargs))
             loss.backward()
             got[stamp].append((loss.detach(), model.full_gradients()))
             model.zero_grad()
@@ -401,11 +426,11 @@ def test_a_program_of_symbolic_sizes_is_stamped_and_computes_what_the_whole_trac
         assert symbolic and all(("stamped" in _trace_line(p)) == stamp for p in symbolic), [
             _trace_line(p) for p in symbolic
         ]
-        if block is _WindowInside:  # 8; 9, 10 and 13; 24
+        if window:  # 8; 9, 10 and 13; 24
             assert len(model.programs) == 3 and "is causal" in _trace_line(symbolic[0]), model.programs
     for n, (loss, grads), (whole_loss, whole_grads) in zip(lengths, got[True], got[False]):
-        args, loss_of = batch(n)
-        want = loss_of(ref(*args))
+        args, kwargs, loss_of = batch(n)
+        want = loss_of(ref(*args, **kwargs))
         want.backward()
         torch.testing.assert_close(loss, whole_loss, rtol=1e-6, atol=1e-7, msg=f"length {n}")
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=f"length {n}")

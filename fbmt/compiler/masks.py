@@ -21,7 +21,10 @@ is made at the traced sizes, and the mask's subgraph is kept as a `MaskCheck` (a
 inputs are those sizes) in the program's `SymbolicSizes`: a size the program would admit is admitted
 only where the check gives the same answer again (a host computation of one mask per new size), and
 another size gets a program of its own that keeps the mask. The checks travel with the program into
-the compile cache. Each decision is listed in the program's summary (the `trace` pass line).
+the compile cache. A stamped kind of block given such a mask as an argument (NOTE: [Stamped blocks])
+knows it as the graph of sizes that computes it (`of_sizes`), and the check of a mask it decides
+inlines that graph, so it reads the program's sizes as the whole trace's would. Each decision is listed
+in the program's summary (the `trace` pass line).
 """
 
 from __future__ import annotations
@@ -47,12 +50,13 @@ class CausalMasks(TorchFunctionMode):
         self,
         decided: dict[fx.Node, str],
         checks: list[MaskCheck] | None = None,
-        known: dict[fx.Node, torch.Tensor] | None = None,
+        known: dict[fx.Node, Any] | None = None,
     ) -> None:
         super().__init__()
         self.decided = decided  # the mask's node -> "causal", "all" or why it is kept; shared by a trace's calls
         self.checks = checks  # a symbolic trace's: each rewritten mask, to prove again at every size it admits
-        self.known = known or {}  # nodes of inputs whose value is known (NOTE: [Stamped blocks])
+        # nodes of inputs whose value is known, or computed from sizes (a `MaskCheck`; NOTE: [Stamped blocks])
+        self.known = known or {}
 
     def __enter__(self) -> CausalMasks:
         CausalMasks._active.append(self)
@@ -124,11 +128,32 @@ def drop_dead(decided: dict[fx.Node, str]) -> None:
 
 
 def _decide(
-    node: fx.Node, root: Any, q_len: Any, kv_len: Any, known: dict[fx.Node, torch.Tensor] | None = None
+    node: fx.Node, root: Any, q_len: Any, kv_len: Any, known: dict[fx.Node, Any] | None = None
 ) -> tuple[str, MaskCheck | None]:
     """ "causal", "all", or why the mask is kept; for a mask rewritten at symbolic sizes, its check.
-    `known`: nodes whose values are given (a kind of block's inputs that its calls get from constants)."""
+    `known`: nodes whose values are given (a kind of block's inputs that its calls get from constants), or
+    computed from sizes (a `MaskCheck` of them: the inputs its calls get from the program's sizes)."""
     known = known or {}
+    found = _of_sizes(node, known)
+    if isinstance(found, str):
+        return found, None
+    needed, sizes = found
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    # real tensors, outside the trace: nothing here is recorded
+    with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
+        try:
+            check = MaskCheck.of(node, needed, sorted(sizes, key=_order(node.graph)), root, q_len, kv_len, known)
+            kind = check.kind_at(check.traced_values())
+        except Exception as e:  # an op that will not run on the host as traced: keep the mask, as eager has it
+            return f"evaluating it failed: {type(e).__name__}", None
+    return kind, (check if kind in ("causal", "all") and check.sizes else None)
+
+
+def _of_sizes(node: fx.Node, known: dict[fx.Node, Any]) -> tuple[set[fx.Node], list[fx.Node]] | str:
+    """The nodes `node` is computed from and the size reads among them; or why it is not computed from
+    sizes, constants and `known` nodes alone."""
     needed, sizes, todo = set(), [], [node]
     while todo:
         n = todo.pop()
@@ -141,21 +166,33 @@ def _decide(
             sizes.append(n)  # a size of an input: a number of the program's, the mask's input here
             continue
         if n.op == "placeholder":
-            return "it depends on an input of the program", None
+            return "it depends on an input of the program"
         if n.op not in ("call_function", "get_attr"):
-            return f"it depends on a {n.op} node", None
+            return f"it depends on a {n.op} node"
         todo.extend(n.all_input_nodes)
+    return needed, sizes
+
+
+def of_sizes(node: fx.Node, root: Any) -> MaskCheck | None:
+    """A tensor of a program of symbolic sizes that is computed from the inputs' sizes alone (a mask
+    built for the length), as a graph of those sizes (a `MaskCheck` that decides nothing: a kind of
+    block given it computes it from the sizes it runs at, NOTE: [Stamped blocks]); None where it
+    reads an input's values or will not run on the host."""
+    found = _of_sizes(node, {})
+    if isinstance(found, str) or not found[1]:
+        return None
+    needed, sizes = found
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    # real tensors, outside the trace: nothing here is recorded
     with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
         try:
-            check = MaskCheck.of(node, needed, sorted(sizes, key=_order(node.graph)), root, q_len, kv_len, known)
-            kind = check.kind_at(check.traced_values())
-        except Exception as e:  # an op that will not run on the host as traced: keep the mask, as eager has it
-            return f"evaluating it failed: {type(e).__name__}", None
-    return kind, (check if kind in ("causal", "all") and check.sizes else None)
+            graph = MaskCheck.of(node, needed, sorted(sizes, key=_order(node.graph)), root, None, None)
+            with torch.no_grad():
+                graph.graph(*[_value(e, graph.hints) for e in graph.sizes])
+        except Exception:  # an op that will not run on the host as traced
+            return None
+    return graph
 
 
 def constant_value(node: fx.Node, root: Any) -> torch.Tensor | None:
@@ -215,15 +252,27 @@ class MaskCheck:
         root: Any,
         q_len: Any,
         kv_len: Any,
-        known: dict[fx.Node, torch.Tensor] | None = None,
+        known: dict[fx.Node, Any] | None = None,
     ) -> MaskCheck:
         g, env, owner = fx.Graph(), {}, torch.nn.Module()
+        known = known or {}
         for n in sizes:
             env[n] = g.placeholder(f"size{len(env)}")
+        exprs = [_expr(n.meta["val"]) for n in sizes]
+        hints: dict[Any, int] = {}
+        inner = {n: c for n, c in known.items() if n in needed and isinstance(c, MaskCheck)}
+        reads: dict[fx.Node, list[fx.Node]] = {}  # a known graph of sizes -> its inputs, as placeholders here
+        for n, check in inner.items():  # after the sizes read here: every placeholder first
+            reads[n] = [g.placeholder(f"size{len(exprs) + k}") for k in range(len(check.sizes))]
+            exprs += check.sizes
+            hints.update(check.hints)
         for n in node.graph.nodes:  # in graph order: every input before its user
             if n not in needed or n in env:
                 continue
-            if n in (known or {}):
+            if n in inner:  # a tensor computed from sizes (a mask the model built): its graph, inlined
+                env[n] = _inline(g, inner[n].graph, reads[n], owner)
+                continue
+            if n in known:
                 name = f"_known{len(owner._buffers)}"
                 owner.register_buffer(name, known[n].detach().to("cpu").clone())
                 env[n] = g.get_attr(name)
@@ -235,8 +284,6 @@ class MaskCheck:
             kwargs = {**n.kwargs, "device": torch.device("cpu")} if "device" in n.kwargs else n.kwargs
             env[n] = g.call_function(n.target, fx.map_arg(n.args, env.__getitem__), fx.map_arg(kwargs, env.__getitem__))
         g.output(env[node])
-        exprs = [_expr(n.meta["val"]) for n in sizes]
-        hints = {}
         for x in [*(n.meta["val"] for n in sizes), q_len, kv_len]:
             if isinstance(x, torch.SymInt):
                 env_ = x.node.shape_env
@@ -263,6 +310,25 @@ class MaskCheck:
             return self.kind_at(values) == self.kind
         except Exception:  # a size the mask's ops refuse: not proved, so not admitted
             return False
+
+
+def _inline(g: fx.Graph, sub: fx.GraphModule, inputs: list[fx.Node], owner: torch.nn.Module) -> fx.Node:
+    """Copy `sub`'s nodes into `g`, its placeholders being `inputs` and its buffers moved to `owner`;
+    the copy of its output."""
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = iter(inputs)
+    for n in sub.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = next(placeholders)
+        elif n.op == "get_attr":
+            name = f"_inlined{len(owner._buffers)}"
+            owner.register_buffer(name, getattr(sub, n.target))
+            env[n] = g.get_attr(name)
+        elif n.op == "output":
+            return fx.map_arg(n.args[0], env.__getitem__)
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+    raise AssertionError("a graph without an output")
 
 
 def _expr(x: Any) -> Any:

@@ -57,10 +57,11 @@ shape environment, keeping its products' sizes symbolic as the model's trace doe
 joins the program's checks, proved again at every size the program admits. A copy reads each size
 from the first node of the program that computes it, as the model's trace reads each symbol once
 (read from its own inputs, a backward would read sizes from forward values). A call given a tensor
-computed from the inputs' sizes alone (Hugging Face's causal mask at symbolic sizes) is traced as
-code: its kind would see the mask as an input and keep it, where the model's trace proves it causal.
-The program computes what the whole trace computes; it is not node for node the same (fewer size
-reads).
+computed from the inputs' sizes alone (Hugging Face's causal mask at symbolic sizes) gets a kind for
+that tensor, as a call given constants does, which knows it as its graph of the sizes
+(`masks.of_sizes`): a mask the kind decides from it is proved again, at each size the program
+admits, through that graph. The program computes what the whole trace computes, the same masks
+rewritten; it is not node for node the same (fewer size reads).
 """
 
 from __future__ import annotations
@@ -152,13 +153,15 @@ class Kind:
     wrt: list[int] = field(default_factory=list)  # which inputs get a gradient
     grads: list[fx.Node | None] = field(default_factory=list)  # per input of `wrt`, its gradient's node
     differentiable: list[int] = field(default_factory=list)  # which outputs receive a gradient (the tangents)
-    known: dict[int, torch.Tensor] = field(default_factory=dict)  # argument -> its value, where constant
+    # argument -> its value, where constant; its graph of the program's sizes, where computed from them alone
+    known: dict[int, Any] = field(default_factory=dict)
     constants: dict[fx.Node, torch.Tensor] = field(default_factory=dict)  # tensors its forward made from values
     decided: dict[fx.Node, str] = field(default_factory=dict)  # the attention masks its trace decided
     notes: list[str] = field(default_factory=list)  # those it dropped itself (a kind it functionalized)
 
-    def variant(self, known: dict[int, torch.Tensor]) -> Kind:
-        """This kind for calls that get these arguments from constants (their values decide masks)."""
+    def variant(self, known: dict[int, Any]) -> Kind:
+        """This kind for calls that get these arguments from constants or from sizes alone (their values
+        decide masks)."""
         return Kind(
             id=next(_ids),
             block=self.block,
@@ -600,15 +603,16 @@ class Stamper:
     def stamping(
         self,
         from_constants: Callable[[torch.Tensor], bool],
-        from_sizes: Callable[[torch.Tensor], bool],
+        from_sizes: Callable[[torch.Tensor], Any],
         value: Callable[[torch.Tensor], torch.Tensor | None],
         trace_variant: Callable[[Kind], str | None],
     ) -> Iterator[None]:
         """The trace of the model: each call of an adopted kind runs as `fbmt::stamp` (step 3).
         `from_constants(t)`: whether tensor t, in the graph being traced, derives from no input;
-        `from_sizes(t)`: whether it derives from the inputs' sizes alone; `value(t)`: a tensor from
-        constants' value; `trace_variant(kind)`: trace a kind for calls given some arguments from
-        constants, there and then (`kind.known`), and why not, or None."""
+        `from_sizes(t)`: where it derives from the inputs' sizes alone, its graph of them (a
+        `masks.MaskCheck`, or None where it cannot be evaluated), else False; `value(t)`: a tensor
+        from constants' value; `trace_variant(kind)`: trace a kind for calls given some arguments
+        from constants or sizes, there and then (`kind.known`), and why not, or None."""
         counter = iter(range(len(self.calls)))
 
         def stamp(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -631,13 +635,8 @@ class Stamper:
             if not same:
                 self.not_stamped.append(f"{path}: its arguments differ from the fake forward's")
                 return forward(*args, **kwargs)
-            if any(from_sizes(x) for x in tensors):  # its kind would see the mask as an input, and keep it
-                self.not_stamped.append(
-                    f"{path}: an argument is computed from the input's sizes (a mask), which is decided where "
-                    "it is built"
-                )
-                return forward(*args, **kwargs)
             known = {i: value(x) for i, x in enumerate(tensors) if from_constants(x)}
+            known.update({i: g for i, x in enumerate(tensors) if (g := from_sizes(x)) is not False})
             if known:
                 kind, why = self._variant(kind, known, trace_variant)
                 if kind is None:
@@ -671,12 +670,19 @@ class Stamper:
             self.pauses -= 1
 
     def _variant(
-        self, kind: Kind, known: dict[int, torch.Tensor | None], trace_variant: Callable[[Kind], str | None]
+        self, kind: Kind, known: dict[int, Any], trace_variant: Callable[[Kind], str | None]
     ) -> tuple[Kind | None, str]:
-        """The kind for calls given these constants, traced on its first call; or None and why."""
+        """The kind for calls given these constants (or tensors of sizes), traced on its first call; or
+        None and why."""
         if any(v is None for v in known.values()):
-            return None, "an argument computed from constants alone could not be evaluated"
-        key = (kind.id, tuple((i, _digest(v)) for i, v in sorted(known.items())))
+            return None, "an argument computed from constants or sizes alone could not be evaluated"
+        # a graph of sizes is one object per tensor of the trace: the calls given that tensor share a kind
+        key = (
+            kind.id,
+            tuple(
+                (i, _digest(v) if isinstance(v, torch.Tensor) else ("sizes", id(v))) for i, v in sorted(known.items())
+            ),
+        )
         if key not in self.variants:
             variant = kind.variant(known)
             why = trace_variant(variant)

@@ -464,15 +464,17 @@ def _trace_variant(
 
 
 def _constants() -> tuple[
-    Callable[[torch.Tensor], bool], Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor | None]
+    Callable[[torch.Tensor], bool], Callable[[torch.Tensor], Any], Callable[[torch.Tensor], torch.Tensor | None]
 ]:
     """Three questions, during a trace: whether a tensor's node in the graph derives from no placeholder
-    (a mask built from sizes; NOTE: [Causal masks]); whether it derives from the placeholders' sizes
-    alone (such a mask in a program of symbolic sizes); and a tensor of the first kind's value.
-    Memoized: a trace asks them of every block's arguments."""
+    (a mask built from sizes; NOTE: [Causal masks]); where it derives from the placeholders' sizes alone
+    (such a mask in a program of symbolic sizes), its graph of them (`masks.of_sizes`; None where that
+    will not run), else False; and a tensor of the first kind's value. Memoized: a trace asks them of
+    every block's arguments, and the calls given one tensor get one graph of it."""
     reaches: dict[fx.Node, bool] = {}  # whether a node derives from a placeholder
     reads: dict[fx.Node, bool] = {}  # whether it derives from a placeholder's values, not only its sizes
     values: dict[fx.Node, torch.Tensor | None] = {}
+    graphs: dict[fx.Node, Any] = {}
 
     def node_of(t: torch.Tensor) -> fx.Node | None:
         mode = get_proxy_mode()
@@ -510,9 +512,13 @@ def _constants() -> tuple[
         node = node_of(t)
         return node is None or not derives(node, reaches, sizes_count=True)  # no node: a constant
 
-    def of_sizes(t: torch.Tensor) -> bool:
+    def of_sizes(t: torch.Tensor) -> Any:
         node = node_of(t)
-        return node is not None and derives(node, reaches, True) and not derives(node, reads, sizes_count=False)
+        if node is None or not derives(node, reaches, True) or derives(node, reads, sizes_count=False):
+            return False
+        if node not in graphs:
+            graphs[node] = masks.of_sizes(node, get_proxy_mode().tracer.root)
+        return graphs[node]
 
     return constant, of_sizes, value
 
