@@ -276,14 +276,13 @@ def trace(
                 stamper.adopt(kind)
             else:
                 stamper.not_stamped.append(f"{kind.block}'s kind: {why}")
+
+    def trace_variant(kind: stamp.Kind) -> str | None:  # within the model's trace: blocks run their own forward
+        with stamper.paused():
+            return _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
+
     try:
-        stamping = (
-            stamper.stamping(
-                *_constants(), lambda kind: _trace_variant(stamper, module, kind, fake_mode, table, needs_grad, checks)
-            )
-            if stamper is not None
-            else contextlib.nullcontext()
-        )
+        stamping = stamper.stamping(*_constants(), trace_variant) if stamper is not None else contextlib.nullcontext()
         with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), stamping:
             first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
     except stamp.Refused as e:  # a surprise in the backward: the trace again, every block as code
@@ -359,8 +358,9 @@ def _trace_kind(
 ) -> str | None:
     """Trace one call of a kind of block alone, forward and backward, as `trace` traces the model (NOTE:
     [Stamped blocks], step 2); why its calls cannot be stamped, or None. A kind for calls given
-    arguments from constants (`kind.known`) is traced within the model's trace, at its first call,
-    and its masks decided by those values, as the model's trace decides them (NOTE: [Causal masks])."""
+    arguments from constants or from sizes alone (`kind.known`) is traced within the model's trace, at
+    its first call, and its masks decided by those values, as the model's trace decides them (NOTE:
+    [Causal masks]). `checks`: a program of symbolic sizes's, which the masks it decides join."""
     if get_proxy_mode() is not None:
         with disable_proxy_modes_tracing():
             return _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
@@ -447,20 +447,6 @@ def _written(kind: stamp.Kind, copies: dict[int, Any], before: dict[int, dict]) 
         elif leaf != w.value:
             return None
     return written
-
-
-def _trace_variant(
-    stamper: stamp.Stamper,
-    module: nn.Module,
-    kind: stamp.Kind,
-    fake_mode: FakeTensorMode,
-    table: dict,
-    needs_grad: bool,
-    checks: list[masks.MaskCheck] | None = None,
-) -> str | None:
-    """`_trace_kind` within the model's trace: the blocks run their own forward while it does."""
-    with stamper.paused():
-        return _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
 
 
 def _constants() -> tuple[
