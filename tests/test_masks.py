@@ -177,5 +177,8 @@ def test_a_symbolic_program_proves_its_causal_mask_again_at_every_size_it_admits
     assert [p.sizes is not None for p in programs] == [False, True, True]  # 8; 10 and 12 (and 14); 24
     causal, kept = programs[1], programs[2]
     assert "is causal" in causal.summary("trace") and "kept (not causal" in kept.summary("trace")
+    # its layers are stamped, each copy given the mask the model built (NOTE: [Stamped blocks]): the kind
+    # proves it through the mask's graph of the sizes
+    assert "stamped their calls (model.layers.0's x2)" in causal.summary("trace"), causal.summary("trace")
     at_24 = [torch.zeros(2, 24, dtype=torch.long)] * 2
     assert "attention mask" in causal.sizes.admits(at_24) and causal.sizes.admits([at_24[0][:, :14]] * 2) is None
