@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python benchmarks/lengths_cpu.py
     PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 24 --stream   # the stream alone, deeper
+    PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 16 --stream --model hf-no-cache   # HF's Llama
     FBMT_STAMP=0 PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 24 --stream   # every layer traced
 
 A GPT of 4 layers (width 64) trains on one rank on batches of 12 lengths from 16 to 128 (inputs and
@@ -23,28 +24,36 @@ import time
 
 import torch
 import torch.nn.functional as F
+import transformers
 
 import fbmt
 from fbmt.models.gpt import GPT, GPTConfig
 from tests.models import hf
 
 
-def stream(dynamic: bool, backend: str = "eager", layers: int = 4) -> tuple[int, float, float, object]:
+def stream(
+    dynamic: bool, backend: str = "eager", layers: int = 4, model: str = "gpt"
+) -> tuple[int, float, float, object]:
+    """`model`: "gpt", or the tiny HF Llama called with `use_cache=False` ("hf-no-cache") or as HF
+    documents it ("hf")."""
     torch.manual_seed(0)
-    m = fbmt.compile(
-        GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=layers, n_head=2, d_model=64)),
-        world_size=1,
-        cache_dir=False,
-        dynamic=dynamic,
-        backend=backend,
-    )
+    if model == "gpt":
+        built = GPT(GPTConfig(vocab_size=64, seq_len=128, n_layer=layers, n_head=2, d_model=64))
+    else:
+        config = hf.config("llama")
+        config.num_hidden_layers, config.max_position_embeddings = layers, 256
+        built = transformers.AutoModelForCausalLM.from_config(config)
+    m = fbmt.compile(built, world_size=1, cache_dir=False, dynamic=dynamic, backend=backend)
     lengths = [16, 24, 16, 40, 128, 57, 33, 96, 16, 71, 88, 20]
     t = time.perf_counter()
     for n in lengths:
         tok = torch.randint(0, 64, (4, n + 1))
         x, y = tok[:, :-1], tok[:, 1:]
         before = m.compile_seconds
-        F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+        if model == "gpt":
+            F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+        else:
+            m(input_ids=x, labels=y, **({"use_cache": False} if model == "hf-no-cache" else {})).loss.backward()
         if m.compile_seconds > before:
             m.__dict__.setdefault("each", []).append(round(m.compile_seconds - before, 2))
     return len(m.programs), m.compile_seconds, time.perf_counter() - t, m
@@ -63,11 +72,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4, help="the GPT's depth")
     ap.add_argument("--stream", action="store_true", help="the eager stream alone, dynamic=True")
+    ap.add_argument("--model", choices=("gpt", "hf-no-cache", "hf"), default="gpt", help="with --stream")
     args = ap.parse_args()
     if args.stream:
-        p, c, w, m = stream(True, layers=args.layers)
+        p, c, w, m = stream(True, layers=args.layers, model=args.model)
         print(
-            f"stream, GPT {args.layers} layers d64 | {p} programs | compile {c:.2f} s (each: {m.each}) | wall {w:.2f} s"
+            f"stream, {args.model} {args.layers} layers | {p} programs | compile {c:.2f} s (each: {m.each}) "
+            f"| wall {w:.2f} s"
         )
         return
     for name, f in (
