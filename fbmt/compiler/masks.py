@@ -177,7 +177,8 @@ def of_sizes(node: fx.Node, root: Any) -> MaskCheck | None:
     """A tensor of a program of symbolic sizes that is computed from the inputs' sizes alone (a mask
     built for the length), as a graph of those sizes (a `MaskCheck` that decides nothing: a kind of
     block given it computes it from the sizes it runs at, NOTE: [Stamped blocks]); None where it
-    reads an input's values or will not run on the host."""
+    reads an input's values or cannot be copied to the host. It is not run here: a mask decided from it
+    runs it, and keeps the mask where that fails (`_decide`)."""
     found = _of_sizes(node, {})
     if isinstance(found, str) or not found[1]:
         return None
@@ -187,12 +188,9 @@ def of_sizes(node: fx.Node, root: Any) -> MaskCheck | None:
 
     with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
         try:
-            graph = MaskCheck.of(node, needed, sorted(sizes, key=_order(node.graph)), root, None, None)
-            with torch.no_grad():
-                graph.graph(*[_value(e, graph.hints) for e in graph.sizes])
-        except Exception:  # an op that will not run on the host as traced
+            return MaskCheck.of(node, needed, sorted(sizes, key=_order(node.graph)), root, None, None)
+        except Exception:  # a constant it reads that will not copy to the host
             return None
-    return graph
 
 
 def constant_value(node: fx.Node, root: Any) -> torch.Tensor | None:
