@@ -11,7 +11,8 @@ targets sliced from one token tensor), and a tiny Hugging Face Llama generates 2
 default cache; the stream runs again with backend="inductor" (Inductor's caches in a fresh folder,
 so cold). Printed: programs compiled, fbmt's compile seconds, and the wall time of the loop; with
 Inductor also its region compiles and their seconds. `--stream`: the eager stream alone, with
-dynamic=True, and each program's compile seconds (`--layers`: the GPT's depth).
+dynamic=True, and each program's compile seconds (`--layers`: the model's depth; `--model`: the GPT,
+or the tiny HF Llama called with `use_cache=False` or as HF documents it).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def gen(dynamic: bool) -> tuple[int, float, float, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4, help="the GPT's depth")
+    ap.add_argument("--layers", type=int, default=4, help="the model's depth")
     ap.add_argument("--stream", action="store_true", help="the eager stream alone, dynamic=True")
     ap.add_argument("--model", choices=("gpt", "hf-no-cache", "hf"), default="gpt", help="with --stream")
     args = ap.parse_args()
