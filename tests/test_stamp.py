@@ -433,6 +433,60 @@ def test_a_program_of_symbolic_sizes_is_stamped_and_computes_what_the_whole_trac
         ref.zero_grad()
 
 
+class _Attention(nn.Module):
+    def __init__(self, i: int = 0):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).split(d, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        return x + self.out(a)
+
+
+class _TwoLengths(nn.Module):
+    """Layers of one class on two sequences whose lengths vary apart (an encoder's and a decoder's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inx, self.iny = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_Attention() for _ in range(4))
+
+    def forward(self, x, y):
+        x, y = self.inx(x), self.iny(y)
+        for i, layer in enumerate(self.layers):
+            if i % 2:
+                y = layer(y)
+            else:
+                x = layer(x)
+        return x.square().mean() + y.abs().mean()
+
+
+def test_layers_on_two_lengths_that_vary_apart_are_kinds_of_their_own():
+    """In a program of symbolic sizes the calls on each sequence have sizes in its own symbol: a copy of
+    the other's kind would compute at the other length. Every pair, equal lengths too, is eager's."""
+    torch.manual_seed(0)
+    ref = _TwoLengths()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for a, b in [(8, 12), (9, 14), (13, 7), (10, 10)]:
+        g = torch.Generator().manual_seed(100 * a + b)
+        x, y = torch.randn(2, a, 16, generator=g), torch.randn(2, b, 16, generator=g)
+        got, want = model(x, y), ref(x, y)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"lengths {a}, {b}")
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=f"{name} at {a}, {b}")
+        ref.zero_grad()
+        model.zero_grad()
+    symbolic = [p for p in model.programs.values() if p.sizes is not None]
+    assert len(model.programs) == 2 and "stamped their calls (layers.0's x2, layers.1's x2)" in _trace_line(
+        symbolic[0]
+    ), [_trace_line(p) for p in model.programs.values()]
+
+
 class _Repeated(nn.Module):
     """One layer object repeated in the list: it is no block of its own, and is left as it was."""
 
