@@ -216,3 +216,38 @@ def test_losses_sharing_their_logits_or_whose_log_probabilities_are_read_give_ea
     assert len(stats.chunked) == 2, str(stats)  # the two F.cross_entropy calls
     if return_log_probs:  # the log-probabilities read by a sum as well as a loss stay whole
         assert stats.kept == ("its log-probabilities are read by other ops than the loss",), str(stats)
+
+
+class _LossAndLogits(_Head):
+    """The loss and the logits, as Hugging Face's causal models return them: the logits get a gradient
+    from the caller too (zeros when only the loss is used)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(self.embed(x))
+        return F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1)), logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("use", ["loss", "both"])
+def test_the_logits_other_gradient_is_added_chunk_by_chunk_with_eagers_values(monkeypatch, dtype, use):
+    """NOTE: [The logits' other gradient]: each chunk adds its rows of the caller's gradient, so the
+    concatenation of the chunks is read by products alone; the gradients are eager's."""
+    monkeypatch.setattr(loss, "CHUNK_BYTES", 4096)
+    x, y = _batch()
+    torch.manual_seed(0)
+    model = _LossAndLogits(dtype)
+    ref = copy.deepcopy(model)
+    compiled = fbmt.compile(model, checks=True, cache_dir=False)
+    results = []
+    for m in (compiled, ref):
+        value, logits = m(x, y)
+        (value if use == "loss" else value + (logits.float() * torch.linspace(-1, 1, VOCAB)).sum() * 1e-3).backward()
+        results.append(value)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(results[0], results[1], **tol)
+    grads = compiled.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad.to(grads[name].dtype), **tol, msg=name)
+    (cat,) = [n for n in compiled.program.graph.nodes if n.target is aten.cat.default]
+    assert all(part.target is aten.add.Tensor for part in cat.args[0]), [part.target for part in cat.args[0]]
+    assert all(u.target is not aten.add.Tensor for u in cat.users), list(cat.users)
