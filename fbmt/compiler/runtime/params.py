@@ -312,7 +312,10 @@ class Placeholders:
         self.seen = self._flags(self.shards)
 
     def _flags(self, shards: list[nn.Parameter]) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-        return tuple(p.requires_grad for _, _, p, _, _ in self.held), tuple(p.requires_grad for p in shards)
+        # read past the placeholders' `__torch_function__`, which every call would otherwise enter once per
+        # parameter (most of the host's time before a step's first kernel, at a few hundred parameters)
+        with torch._C.DisableTorchFunctionSubclass():
+            return tuple(p.requires_grad for _, _, p, _, _ in self.held), tuple(p.requires_grad for p in shards)
 
     def check(self, current: list[nn.Parameter]) -> None:
         """The module's parameters are still the placeholders compile left, the flat shards (`current`)
