@@ -30,9 +30,9 @@ def _local(kwargs: dict, rank: int, world: int) -> dict:
     return {k: fbmt.local_part(v) if v.dim() else v for k, v in kwargs.items()}
 
 
-def _trains_as_eager(rank: int, world: int, name: str, dtype: torch.dtype) -> str:
+def _trains_as_eager(rank: int, world: int, name: str, dtype: torch.dtype, cache: bool = True) -> str:
     ref = hf.build(name).to(dtype)
-    model = fbmt.compile(copy.deepcopy(ref))
+    model = fbmt.compile(copy.deepcopy(ref), **({} if cache else {"cache_dir": False}))
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for step in range(3):
