@@ -39,6 +39,10 @@ class RunProgram(torch.autograd.Function):
         ctx.gradient_sync = gradient_sync
         diff = set(exe.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
+        # an output the caller does not differentiate gets no gradient, which backward makes (NOTE: [Unused
+        # outputs' gradients] in runtime/partition.py)
+        ctx.set_materialize_grads(False)
+        ctx.shapes = [(outs[i].shape, outs[i].dtype, outs[i].device) for i in exe.diff_outputs]
         return tuple(outs)
 
     @staticmethod
@@ -49,7 +53,15 @@ class RunProgram(torch.autograd.Function):
                 "fbmt: backward through the same compiled call twice is not supported "
                 "(its saved values were freed); run the forward again"
             )
-        tangents = [grads[i].contiguous() for i in exe.diff_outputs]
+        expand = exe.zero_tangents if ctx.runner is exe else None  # graphs copy their inputs into buffers
+        tangents = [
+            grads[i].contiguous()
+            if grads[i] is not None
+            else torch.zeros((), dtype=dtype, device=device).expand(shape)
+            if expand is not None and expand[k]
+            else torch.zeros(shape, dtype=dtype, device=device)
+            for k, (i, (shape, dtype, device)) in enumerate(zip(exe.diff_outputs, ctx.shapes))
+        ]
         saved, ctx.saved = ctx.saved, None  # the graph empties the list: each value dies at its last use
         with active(ctx.gradient_sync):  # NOTE: [Accumulation without sync]
             results = ctx.runner.run_backward(saved, *tangents)

@@ -63,6 +63,9 @@ class Executable:
     # the CUDA device whose copies to and from host memory must be done when a graph returns (NOTE:
     # [Offload] in passes/shard.py); None: the program copies nothing across, or its host is its device
     host_copies: torch.device | None = None
+    # per tangent: the backward reads it only as values (views, then pointwise ops), so an output the
+    # caller did not use may be given one zero, expanded (NOTE: [Unused outputs' gradients])
+    zero_tangents: list[bool] | None = None
 
     def run_forward(self, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
         """The user's outputs, and the values saved for the backward."""
@@ -141,6 +144,7 @@ def partition(program: Program) -> Executable:
         backward = _GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
 
     diff_keys = [roles[t].key for t in tangents]
+    zero_tangents = [_reads_values_only(benv[t]) for t in tangents] if program.needs_grad else []
     result_of = {r: i for i, (r, _) in enumerate(grad_out)}
     wants = {"shard": "shard_grad", "input": "input_grad"}
     grad_slots = [
@@ -156,6 +160,7 @@ def partition(program: Program) -> Executable:
         n_outputs=len(user_out),
         output_keys=output_keys,
         diff_outputs=[output_keys.index(k) for k in diff_keys],
+        zero_tangents=zero_tangents,
         grad_roles=[r for r, _ in grad_out],
         grad_slots=grad_slots,
         signature=program.collective_signature(),
@@ -166,6 +171,57 @@ def partition(program: Program) -> Executable:
             device if device.type == "cuda" and any(comm.kind_of(n).host for n in program.collectives()) else None
         ),
     )
+
+
+# Views whose result is a view of any strided input, one of stride 0 included, and ops that read any
+# strides: what the backward may do with an expanded zero (NOTE: [Unused outputs' gradients]).
+_STRIDE_FREE_VIEWS = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.squeeze.default,
+        aten.expand.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.alias.default,
+        aten.detach.default,
+    }
+)
+_READ_ANY_STRIDES = frozenset({aten._to_copy.default, aten.clone.default})
+
+
+def _reads_values_only(tangent: fx.Node) -> bool:
+    """Whether the backward reads this tangent only through views of any strides and then pointwise ops.
+
+    NOTE: [Unused outputs' gradients]
+    Autograd gives an output the caller did not differentiate (the logits a Hugging Face model returns
+    beside its loss) a gradient of zeros, allocated and filled: 0.5 GiB for a 32k vocabulary at 8k
+    tokens, 2 GiB at 128k, at the start of the backward, where the step's memory peaks. Such a tangent
+    is given instead as one zero expanded to the output's shape (stride 0), which costs nothing, where
+    the backward reads it only as values: views that give a view of any strides (never `as_strided`,
+    which would read past the one element) and pointwise ops, which read any strides. Anywhere else
+    (a product, an attention's backward, the output itself), and in CUDA graphs (whose inputs are
+    copied into fixed buffers), it gets autograd's zeros as before. A compiled region reading it is
+    compiled for that layout, as for any other."""
+    todo = [tangent]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            target = u.target
+            if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+                return False
+            if target in _STRIDE_FREE_VIEWS and u.args[0] is n:
+                todo.append(u)
+            elif not (torch.Tag.pointwise in target.tags or target in _READ_ANY_STRIDES):
+                return False
+    return True
 
 
 def _saved(bwd_nodes: list[fx.Node], bwd_set: set[fx.Node], tangents: set[fx.Node]) -> list[Any]:
