@@ -39,8 +39,8 @@ class RunProgram(torch.autograd.Function):
         ctx.gradient_sync = gradient_sync
         diff = set(exe.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
-        # an output the caller does not differentiate gets no gradient, which backward makes (NOTE: [Unused
-        # outputs' gradients] in runtime/partition.py)
+        # an output the caller does not differentiate gets no gradient here, but one that backward makes
+        # (NOTE: [Unused outputs' gradients] in runtime/partition.py)
         ctx.set_materialize_grads(False)
         ctx.shapes = [(outs[i].shape, outs[i].dtype, outs[i].device) for i in exe.diff_outputs]
         return tuple(outs)
