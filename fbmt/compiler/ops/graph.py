@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fbmt.compiler import meta
-from fbmt.compiler.ops.tables import hint, is_view
+from fbmt.compiler.ops.tables import hint, is_view, is_view_op
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -28,9 +28,53 @@ def emit(
         vals = fx.node.map_arg(args, lambda a: a.meta.get("val"))  # lists of nodes (a cat's) too
         fake = next((v for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
         if fake is not None:
-            with fake.fake_mode:
-                node.meta["val"] = target(*vals, **(kwargs or {}))
+            node.meta["val"] = _fake_value(fake.fake_mode, target, vals, kwargs or {})
     return node
+
+
+def _fake_value(mode: Any, target: torch._ops.OpOverload, vals: tuple, kwargs: dict[str, Any]) -> Any:
+    """`target`'s fake result on `vals`.
+
+    NOTE: [Views by their metadata]
+    A fake op costs a few hundred microseconds, and the shard pass makes two views (a slice and a view)
+    of each parameter from its group's gathered buffer, in each phase: thousands at a hundred layers,
+    most of that pass's time. A view's result is decided by its input's metadata (shape, strides,
+    offset, dtype, device, requires_grad) and its arguments, which are the same for every layer's
+    group, so a view op met again with equal metadata gets the fake result made the first time. That
+    fake is a view of another node's value; a value's metadata is all the passes read of it (never
+    its storage). Sizes that are symbols are not memoized."""
+    key = _view_key(target, vals, kwargs) if is_view_op(target) else None
+    if key is not None:
+        # kept on the mode itself: the fakes refer to their mode, so a table beside it would keep both alive
+        seen = mode.__dict__.setdefault("_fbmt_views_by_metadata", {})
+        if key in seen:
+            return seen[key]
+    with mode:
+        out = target(*vals, **kwargs)
+    if key is not None:
+        seen[key] = out
+    return out
+
+
+def _view_key(target: Any, vals: tuple, kwargs: dict[str, Any]) -> tuple | None:
+    parts: list[Any] = [target]
+    for a in [*vals, *kwargs.items()]:
+        if isinstance(a, torch.Tensor):
+            sizes = (*a.shape, *a.stride(), a.storage_offset())
+            if not all(isinstance(x, int) for x in sizes):
+                return None
+            parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad))
+        elif isinstance(a, (list, tuple)) and all(isinstance(x, int) for x in a):
+            parts.append(tuple(a))
+        elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str):  # a keyword argument
+            if not isinstance(a[1], (int, bool, type(None))):
+                return None
+            parts.append(a)
+        elif isinstance(a, (int, bool, type(None))):
+            parts.append(a)
+        else:
+            return None
+    return tuple(parts)
 
 
 def fake_like(val: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:

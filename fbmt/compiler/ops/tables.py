@@ -58,7 +58,11 @@ RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape
 
 def is_view(node: fx.Node) -> bool:
     """The node's output aliases its first input (view, slice, t, transpose, expand, ...), by its schema."""
-    t = node.target
+    return is_view_op(node.target)
+
+
+def is_view_op(t: Any) -> bool:
+    """`is_view` of an op."""
     if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
         return False
     returns = t._schema.returns
