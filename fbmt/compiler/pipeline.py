@@ -171,6 +171,9 @@ def lower(program: Program, plan: Plan, regions: RegionCache) -> Executable:
     if plan.backend == "inductor":
         exe.forward = split_regions(exe.forward, regions)
         if exe.backward is not None:
-            exe.backward = split_regions(exe.backward, regions)
+            # its tangents follow the saved values; those that may come as one expanded zero vary in layout
+            tangents = [n for n in exe.backward.graph.nodes if n.op == "placeholder"][1:]
+            varying = {n for n, zero in zip(tangents, exe.zero_tangents or ()) if zero}
+            exe.backward = split_regions(exe.backward, regions, varying=varying)
         logs.log.info("Inductor compiles each kind of region on the first call that runs it")
     return exe

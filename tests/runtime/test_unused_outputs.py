@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import fbmt
 from fbmt.compiler.passes import loss
 from fbmt.compiler.runtime import partition
+from tests.workers import gradients_match
 
 
 class _LossAndLogits(nn.Module):
@@ -52,21 +53,23 @@ def _tangents(monkeypatch) -> list[list[torch.Tensor]]:
     return seen
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
-def test_unused_logits_get_one_expanded_zero_and_eagers_gradients(monkeypatch, chunked):
+@pytest.mark.parametrize(
+    "chunked, backend", [(False, "eager"), (True, "eager"), (True, "inductor")], ids=["whole", "chunked", "inductor"]
+)
+def test_unused_logits_get_one_expanded_zero_and_eagers_gradients(monkeypatch, chunked, backend):
+    """With Inductor the regions reading the expanded zero are compiled for its layout, and again for
+    the caller's dense gradient when the logits are used."""
     if chunked:
         monkeypatch.setattr(loss, "CHUNK_BYTES", 1024)
     seen = _tangents(monkeypatch)
     torch.manual_seed(0)
     model = _LossAndLogits()
     ref = copy.deepcopy(model)
-    compiled = fbmt.compile(model, checks=True, cache_dir=False)
+    compiled = fbmt.compile(model, checks=True, cache_dir=False, backend=backend)
     x, y = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
     for m in (compiled, ref):
         m(x, y)[0].backward()
-    grads = compiled.full_gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    gradients_match(compiled, ref)
     (tangents,) = seen
     logits = [t for t in tangents if t.dim() == 3]
     assert len(logits) == 1 and logits[0].stride() == (0, 0, 0), [t.stride() for t in tangents]
@@ -76,10 +79,16 @@ def test_unused_logits_get_one_expanded_zero_and_eagers_gradients(monkeypatch, c
         m.zero_grad()
         value, out = m(x, y)
         (value + out.float().pow(2).mean()).backward()
-    grads = compiled.full_gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    gradients_match(compiled, ref)
     assert all(t.stride() != (0, 0, 0) for t in seen[0])
+    if backend == "inductor":  # new lengths (a program of symbolic sizes), the logits used and unused in turn
+        for step, length in enumerate((16, 20, 16, 20, 12)):
+            x, y = torch.randint(0, 50, (2, length)), torch.randint(0, 50, (2, length))
+            for m in (compiled, ref):
+                m.zero_grad()
+                value, out = m(x, y)
+                (value + out.float().pow(2).mean() if step % 2 else value).backward()
+            gradients_match(compiled, ref, f"length {length}, logits {'used' if step % 2 else 'unused'}: ")
 
 
 def test_an_unused_output_read_by_a_product_gets_real_zeros(monkeypatch):
@@ -91,7 +100,5 @@ def test_an_unused_output_read_by_a_product_gets_real_zeros(monkeypatch):
     x = torch.randn(4, 8)
     for m in (compiled, ref):
         m(x)[0].backward()
-    grads = compiled.full_gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    gradients_match(compiled, ref)
     assert all(0 not in t.stride() for t in seen[0]), [t.stride() for t in seen[0]]

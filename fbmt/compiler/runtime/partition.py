@@ -208,8 +208,9 @@ def _reads_values_only(tangent: fx.Node) -> bool:
     the backward reads it only as values: views that give a view of any strides (never `as_strided`,
     which would read past the one element) and pointwise ops, which read any strides. Anywhere else
     (a product, an attention's backward, the output itself), and in CUDA graphs (whose inputs are
-    copied into fixed buffers), it gets autograd's zeros as before. A compiled region reading it is
-    compiled for that layout, as for any other."""
+    copied into fixed buffers), it gets autograd's zeros as before. The same output may get the caller's
+    dense gradient in another call, so an Inductor region reading it finds its compile by the inputs'
+    layout on every call (`split_regions`' `varying`)."""
     todo = [tangent]
     while todo:
         n = todo.pop()

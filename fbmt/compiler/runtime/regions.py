@@ -80,15 +80,21 @@ class Region(nn.Module):
     assumptions admit (NOTE: [Symbolic regions])."""
 
     def __init__(
-        self, gm: fx.GraphModule, structure: str, cache: RegionCache, dims: list[tuple[int, ...]] | None = None
+        self,
+        gm: fx.GraphModule,
+        structure: str,
+        cache: RegionCache,
+        dims: list[tuple[int, ...]] | None = None,
+        recheck: bool = False,
     ):
         super().__init__()
         self.gm, self.structure, self.cache = gm, structure, cache
         self.dims = dims if dims and any(dims) else None
+        self.recheck = recheck  # an input's strides may change between calls: find its compile each call
         self.fn: Any = None
 
     def forward(self, *args: Any) -> Any:
-        if self.fn is None or self.dims is not None:
+        if self.fn is None or self.dims is not None or self.recheck:
             self._compile(args)
         return self.fn(*args)
 
@@ -432,8 +438,10 @@ def _size_arithmetic(n: fx.Node) -> bool:
     return ops.pure(n) and isinstance(n.meta.get("val"), torch.SymInt)
 
 
-def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
-    """`gm` with each run of pure compute replaced by a Region (see NOTE: [Regions])."""
+def split_regions(gm: fx.GraphModule, cache: RegionCache, varying: set[fx.Node] = frozenset()) -> fx.GraphModule:
+    """`gm` with each run of pure compute replaced by a Region (see NOTE: [Regions]). `varying`: inputs of
+    `gm` whose strides may differ between calls (a tangent given as one expanded zero, NOTE: [Unused
+    outputs' gradients]): a region reading one, or a view of one, checks its inputs' layout every call."""
     g = gm.graph
     order = ops.node_order(g)
     for n in list(g.nodes):  # unpacking stays next to its op, in its region, wherever a schedule put a collective
@@ -462,13 +470,18 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     start_of = {r[0]: r for r in runs}
     inside = {n for r in runs for n in r}
+    laid_out = set(varying)  # those inputs, and the views of them made outside a region
+    for n in g.nodes:
+        if n not in inside and ops.is_view(n) and n.args[0] in laid_out:
+            laid_out.add(n)
     root = nn.Module()
     for n in g.nodes:
         if n in start_of:
             run = start_of[n]
             ins, outs, sub, structure = _extract(run, cache)
             name = f"region{len(root._modules)}"
-            root.add_module(name, Region(sub, structure, cache, dims=[_varying(i) for i in ins]))
+            dims = [_varying(i) for i in ins]
+            root.add_module(name, Region(sub, structure, cache, dims, recheck=any(i in laid_out for i in ins)))
             call = out.call_module(name, tuple(env[i] for i in ins))
             for k, o in enumerate(outs):
                 env[o] = out.call_function(operator.getitem, (call, k))
