@@ -109,6 +109,24 @@ def lm_step_matches(model, ref, x: torch.Tensor, y: torch.Tensor) -> None:
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def gradients_match(model, ref, msg: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Every gathered gradient of a compiled model (one process) against its eager twin's `.grad`."""
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        want = p.grad.to(grads[name].dtype)  # a model of low precision: gathered in its compute dtype
+        torch.testing.assert_close(grads[name], want, rtol=rtol, atol=atol, msg=f"{msg}{name}")
+
+
+def step_matches(model, ref, *args, msg: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """One forward and backward of a compiled model whose output is a scalar loss against its eager
+    twin: the loss, and every gathered gradient."""
+    got, want = model(*args), ref(*args)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=msg)
+    gradients_match(model, ref, f"{msg}: " if msg else "", rtol=rtol, atol=atol)
+
+
 def equivalence(rank: int, world: int, name: str) -> list[str]:
     want = eager_reference(name)
     done = []

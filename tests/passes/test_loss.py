@@ -15,6 +15,7 @@ from fbmt.compiler.passes import chunk_losses, loss
 from tests.dist import run_ranks
 from tests.models import hf
 from tests.passes.helpers import apply, traced
+from tests.workers import gradients_match, step_matches
 
 aten = torch.ops.aten
 VOCAB, TOKENS = 200, 24  # 19.2 KB of fp32 logits: chunked into 5 under a 4 KB limit
@@ -49,13 +50,7 @@ def _batch(ignore: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
 def _compiled_matches_eager(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **tol: float) -> fbmt.CompiledModule:
     ref = copy.deepcopy(model)
     compiled = fbmt.compile(model, checks=True, cache_dir=False)
-    got, want = compiled(x, y), ref(x, y)
-    got.backward()
-    want.backward()
-    torch.testing.assert_close(got, want, **tol)
-    grads = compiled.full_gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **tol, msg=name)
+    step_matches(compiled, ref, x, y, **tol)
     return compiled
 
 
@@ -177,13 +172,7 @@ def test_a_program_of_symbolic_lengths_chunks_its_loss_and_equals_eager_at_new_l
         g = torch.Generator().manual_seed(step)
         x, y = torch.randint(0, VOCAB, (2, length), generator=g), torch.randint(0, VOCAB, (2, length), generator=g)
         y[0, :2] = -100
-        got, want = compiled(x, y), ref(x, y)
-        got.backward()
-        want.backward()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"length {length}")
-        grads = compiled.full_gradients()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=f"length {length}: {name}")
+        step_matches(compiled, ref, x, y, msg=f"length {length}")
     assert len(compiled.programs) == 2, [p.summary("loss") for p in compiled.programs.values()]
     symbolic = [p for p in compiled.programs.values() if not isinstance(p.stats("loss").chunked[0][0], int)]
     assert len(symbolic) == 1 and symbolic[0].stats("loss").chunked[0][1:] == (VOCAB, 8), symbolic[0].summary("loss")
@@ -246,9 +235,7 @@ def test_the_logits_other_gradient_is_added_chunk_by_chunk_with_eagers_values(mo
         results.append(value)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(results[0], results[1], **tol)
-    grads = compiled.full_gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad.to(grads[name].dtype), **tol, msg=name)
+    gradients_match(compiled, ref, **tol)
     (cat,) = [n for n in compiled.program.graph.nodes if n.target is aten.cat.default]
     assert all(part.target is aten.add.Tensor for part in cat.args[0]), [part.target for part in cat.args[0]]
     assert all(u.target is not aten.add.Tensor for u in cat.users), list(cat.users)
