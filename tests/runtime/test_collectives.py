@@ -53,3 +53,7 @@ def test_a_buckets_columns_are_filled_row_after_row_and_the_rest_zeroed():
     flat = torch.full((8,), float("nan"))
     _fill(flat, pieces, torch.Tensor.copy_)
     assert flat.tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
+    # one rank's reduction: bf16 pieces cast into the fp32 buffer by one foreach copy, rows or not
+    for dest in (torch.full((8,), float("nan")), torch.full((4, 7), float("nan"))[:, 2:5]):
+        _fill(dest, [p.bfloat16() for p in pieces])
+        assert dest.dtype == torch.float32 and dest.flatten().tolist()[:6] == [1, 2, 3, 4, 0, 0]

@@ -148,7 +148,7 @@ def reduce_scatter(
     dtype, device = wire_dtype, pieces[0].device
     if world_size == 1:  # nothing to overlap with: fill the buffer on the compute stream
         flat = torch.empty(padded_numel, dtype=dtype, device=device)
-        _fill(flat, pieces, torch.Tensor.copy_)
+        _fill(flat, pieces)
         return Pending(flat, None, out_dtype=out_dtype)
     out = torch.empty(padded_numel // world_size, dtype=dtype, device=device)
     avg = average and _nccl(out)
@@ -230,23 +230,44 @@ def _guard(pieces: list[torch.Tensor], side: torch.cuda.Stream | None) -> list[t
     return None
 
 
-def _fill(dest: torch.Tensor, pieces: list[torch.Tensor], copy: Any) -> None:
+def _fill(dest: torch.Tensor, pieces: list[torch.Tensor], copy: Any = None) -> None:
     """Copy the pieces end to end into `dest` and zero the rest. `dest` is a flat buffer, or the
     rows of one group's columns in a bucket's flat buffer (NOTE: [Buckets]), filled row after row:
-    a piece that crosses a row's end continues on the next."""
+    a piece that crosses a row's end continues on the next. `copy(dst, src)` copies one piece (the
+    copy stream's bounded kernel); without it all are copied at once on the current stream
+    (`_copy_all`)."""
     rows = dest.view(1, -1) if dest.dim() == 1 else dest
     width, offset = rows.shape[1], 0
+    into, out_of = [], []
     for p in pieces:
         done, n = 0, p.numel()
         while done < n:
             r, c = divmod(offset, width)
             take = min(width - c, n - done)
-            copy(rows[r, c : c + take], p[done : done + take])
+            into.append(rows[r, c : c + take])
+            out_of.append(p[done : done + take])
             done, offset = done + take, offset + take
+    if copy is None:
+        _copy_all(into, out_of)
+    else:
+        for d, src in zip(into, out_of):
+            copy(d, src)
     r, c = divmod(offset, width)
     if r < rows.shape[0]:
         rows[r, c:].zero_()
         rows[r + 1 :].zero_()
+
+
+def _copy_all(into: list[torch.Tensor], out_of: list[torch.Tensor]) -> None:
+    """`d.copy_(s)` for every pair, casting, as one `torch._foreach_copy_` (FSDP2 copies its
+    gathered parameters out the same way).
+
+    On one rank a group's reduce-scatter is this copy of its bf16 gradients into the fp32 buffer the
+    optimizer reads, on the compute stream. A `Tensor.copy_` per piece runs torch's casting copy
+    kernel, which loads and stores one element at a time when it casts; the foreach kernel moves
+    aligned vectors and does a group in one launch (benchmarks/grad_copy.py times both)."""
+    if into:
+        torch._foreach_copy_(into, out_of)
 
 
 def wait(pending: Pending) -> torch.Tensor:
