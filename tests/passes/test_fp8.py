@@ -261,3 +261,33 @@ def test_fp8_in_a_program_of_symbolic_lengths():
     assert len(fp8.programs) == 2, list(fp8.programs)
     symbolic = fp8.program.stats("fp8")  # the latest program: the symbolic one
     assert symbolic.products == 4 + 3 and "4 kept: inner or outer size not a known multiple of 16" in symbolic.kept
+
+
+def _amax_values(program) -> list:
+    """The value each amax of a program reduces (through its fp32 cast and transposes), and for an amax
+    per row, whether it reads the value's transpose."""
+    from fbmt.compiler.passes.fp8 import _untransposed
+
+    values = []
+    for n in program.graph.nodes:
+        if n.target is torch.ops.aten.amax.default:
+            x = n.args[0].args[0]  # amax(abs(x))
+            if x.target is torch.ops.aten._to_copy.default:
+                x = x.args[0]
+            root, flipped = _untransposed(x)
+            values.append((root, flipped if n.args[1] else None))
+    return values
+
+
+def test_each_value_a_product_reads_gets_one_amax():
+    """NOTE: [One cast per value]: a layer's input, weights and loss gradients are each read by two or
+    three products, in two layouts, with one scale: one amax each (not two per product), and the
+    same numbers as the eager layers that cast per product (the test above)."""
+    for fp8 in ("tensorwise", "rowwise") if _rowwise_on_cpu() else ("tensorwise",):
+        model = fbmt.compile(Net(), fp8=fp8, param_dtype=torch.bfloat16, checks=True, cache_dir=False)
+        model(torch.randn(2, 16, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+        values, products = _amax_values(model.program), model.program.stats("fp8").products
+        assert len(values) == len(set(values)), fp8  # no value reduced twice in one layout
+        if fp8 == "tensorwise":  # per layer: input, two weights, the hidden value, two loss gradients;
+            # the weights once more in the backward, gathered again there (ZeRO-3)
+            assert len(values) == 6 + 2 + 6 + 1 < 2 * products == 22, (len(values), products)

@@ -30,10 +30,24 @@ embeddings', as torchao's convention leaves the last layer in high precision. A 
 its weight's (found through views, a cast, and the `cat` of a merged product's weights) or that of
 the parameter whose gradient it makes; a product of neither kind is counted as outside the layers.
 `_scaled_mm` wants its first operand row-major and its second column-major; the casts write them so.
+
+NOTE: [One cast per value]
+A value is read by several products: a linear layer's input by its forward product and its weight's
+gradient, a loss gradient by the input's and the weight's gradients, a weight by the forward, its
+recompute and the input's gradient. Each product reads it in a layout of its own (the value or its
+transpose), but the numbers are the same, so a tensorwise amax (a maximum over every element, which a
+transpose does not change) is computed once per value, and a cast once per value, layout and format;
+a rowwise amax once per value and layout. Each is made before the first product that reads it (the
+products are rewritten in program order), and the later ones read it, in the forward, the recompute
+or the backward (a scalar the backward reads is saved; one computed from weights alone is computed
+again in the backward by the shard pass, from the weights it gathers there). The program computes the
+same numbers with fewer reductions over the operands: the amax was most of what FP8 added to a step
+beside the products.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,14 +90,15 @@ def fp8_products(program: Program, recipe: str | None = None) -> tuple[Program, 
     g = program.graph
     gradients = _gradients(program)
     owner = _Owners(program)
+    casts = _Casts(g, recipe == "rowwise")
     made, kept = 0, {}
-    for node in [n for n in g.nodes if n.target in _PRODUCTS]:
+    for node in [n for n in g.nodes if n.target in _PRODUCTS]:  # in program order: NOTE: [One cast per value]
         why = None if _layer(owner.block(node)) else "outside the repeated layers (the head, the embeddings)"
         why = why or _unfit(node, recipe == "rowwise")
         if why:
             kept[why] = kept.get(why, 0) + 1
             continue
-        _rewrite(g, node, recipe, gradients)
+        _rewrite(g, node, recipe, gradients, casts)
         made += 1
     g.lint()
     return program, Fp8Stats(recipe, made, tuple(f"{k} kept: {why}" for why, k in kept.items()))
@@ -158,7 +173,67 @@ def _gradients(program: Program) -> set[fx.Node]:
     return seen
 
 
-def _rewrite(g: fx.Graph, mm: fx.Node, recipe: str, gradients: set[fx.Node]) -> None:
+class _Casts:
+    """The FP8 casts of a program's operands, each made once (NOTE: [One cast per value])."""
+
+    def __init__(self, g: fx.Graph, rowwise: bool):
+        self.g, self.rowwise = g, rowwise
+        self.amaxes: dict[tuple, fx.Node] = {}
+        self.scales: dict[tuple, fx.Node] = {}
+        self.made: dict[tuple, tuple[fx.Node, fx.Node]] = {}
+
+    def cast(self, x: fx.Node, flip: bool, fmt: torch.dtype, e: Callable[..., fx.Node]) -> tuple[fx.Node, fx.Node]:
+        """`x` (transposed if `flip`) in `fmt`, row-major, scaled by its amax (per row if rowwise); and
+        1 / scale. `e` emits a node before the product being rewritten."""
+        root, flipped = _untransposed(x)
+        flipped ^= flip
+        key = (root, flipped, fmt)
+        if key not in self.made:
+            operand = e(aten.t.default, root) if flipped else root
+            wide = (
+                operand
+                if operand.meta["val"].dtype == torch.float32
+                else e(aten._to_copy.default, operand, dtype=torch.float32)
+            )
+            top = torch.finfo(fmt).max
+            scale = self._scale(root, flipped, wide, fmt, e)
+            x8 = e(aten._to_copy.default, e(aten.clamp.default, e(aten.mul.Tensor, wide, scale), -top, top), dtype=fmt)
+            if not x8.meta["val"].is_contiguous():
+                x8 = e(aten.clone.default, x8, memory_format=torch.contiguous_format)
+            self.made[key] = (x8, e(aten.reciprocal.default, scale))
+        return self.made[key]
+
+    def _scale(
+        self, root: fx.Node, flipped: bool, wide: fx.Node, fmt: torch.dtype, e: Callable[..., fx.Node]
+    ) -> fx.Node:
+        """FP8_MAX / amax: over the whole value, whatever its layout ("tensorwise"), or per row of the
+        operand as read ("rowwise")."""
+        value = (root, flipped) if self.rowwise else (root,)
+        if value not in self.amaxes:
+            self.amaxes[value] = e(
+                aten.amax.default, e(aten.abs.default, wide), [1] if self.rowwise else [], self.rowwise
+            )
+        if value + (fmt,) not in self.scales:
+            inverse = e(aten.reciprocal.default, e(aten.clamp_min.default, self.amaxes[value], _TINY))
+            self.scales[value + (fmt,)] = e(aten.mul.Tensor, inverse, torch.finfo(fmt).max)
+        return self.scales[value + (fmt,)]
+
+
+def _untransposed(x: fx.Node) -> tuple[fx.Node, bool]:
+    """The value `x` is a transpose of (through any number of 2-D transposes), and whether it is one."""
+    flipped = False
+    while x.op == "call_function" and (
+        x.target is aten.t.default
+        or (x.target is aten.transpose.int and sorted(d % 2 for d in x.args[1:3]) == [0, 1])
+        or (x.target is aten.permute.default and [d % 2 for d in x.args[1]] == [1, 0])
+    ):
+        if x.args[0].meta["val"].dim() != 2:
+            break
+        x, flipped = x.args[0], not flipped
+    return x, flipped
+
+
+def _rewrite(g: fx.Graph, mm: fx.Node, recipe: str, gradients: set[fx.Node], casts: _Casts) -> None:
     a, b = _operands(mm)
     out_dtype = mm.meta["val"].dtype
     tags = {k: v for k, v in meta.facts(mm).items() if k != "phase"}
@@ -167,29 +242,17 @@ def _rewrite(g: fx.Graph, mm: fx.Node, recipe: str, gradients: set[fx.Node]) -> 
     def e(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         return emit(g, target, args, phase, kwargs=kwargs or None, **tags)
 
-    def cast(x: fx.Node, dims: list[int], fmt: torch.dtype) -> tuple[fx.Node, fx.Node]:
-        """`x` in `fmt`, row-major, scaled by amax over `dims` ([] the whole tensor); and 1 / scale."""
-        top = torch.finfo(fmt).max
-        wide = x if x.meta["val"].dtype == torch.float32 else e(aten._to_copy.default, x, dtype=torch.float32)
-        amax = e(aten.amax.default, e(aten.abs.default, wide), dims, bool(dims))
-        scale = e(aten.mul.Tensor, e(aten.reciprocal.default, e(aten.clamp_min.default, amax, _TINY)), top)
-        x8 = e(aten._to_copy.default, e(aten.clamp.default, e(aten.mul.Tensor, wide, scale), -top, top), dtype=fmt)
-        if not x8.meta["val"].is_contiguous():
-            x8 = e(aten.clone.default, x8, memory_format=torch.contiguous_format)
-        return x8, e(aten.reciprocal.default, scale)
-
     def fmt(x: fx.Node) -> torch.dtype:
         return E5M2 if recipe == "tensorwise" and x in gradients else E4M3
 
-    rowwise = recipe == "rowwise"
     with g.inserting_before(mm):
         fa = fmt(a)
-        a8, inv_a = cast(a, [1] if rowwise else [], fa)
+        a8, inv_a = casts.cast(a, False, fa, e)
         # the second operand column-major: its transpose cast row-major, transposed back (a view); never
         # both in e5m2, which the kernels refuse
-        bt8, inv_b = cast(e(aten.t.default, b), [1] if rowwise else [], E4M3 if fa == E5M2 else fmt(b))
+        bt8, inv_b = casts.cast(b, True, E4M3 if fa == E5M2 else fmt(b), e)
         b8 = e(aten.t.default, bt8)
-        if rowwise:  # b's scales per column: [n, 1] made on the transpose, as [1, n]
+        if recipe == "rowwise":  # b's scales per column: [n, 1] made on the transpose, as [1, n]
             inv_b = e(aten.t.default, inv_b)
         out = e(aten._scaled_mm.default, a8, b8, inv_a, inv_b, None, None, out_dtype)
         if mm.target is aten.addmm.default:  # the bias in the product's dtype, added after (Inductor fuses it)
