@@ -264,8 +264,8 @@ def test_fp8_in_a_program_of_symbolic_lengths():
 
 
 def _amax_values(program) -> list:
-    """The value each amax of a program reduces (through its fp32 cast and transposes), and for an amax
-    per row, whether it reads the value's transpose."""
+    """The value each amax of a program reduces (through its fp32 cast and transposes), whether it
+    reads the value through a transpose, and the dimensions it reduces."""
     from fbmt.compiler.passes.fp8 import _untransposed
 
     values = []
@@ -274,8 +274,7 @@ def _amax_values(program) -> list:
             x = n.args[0].args[0]  # amax(abs(x))
             if x.target is torch.ops.aten._to_copy.default:
                 x = x.args[0]
-            root, flipped = _untransposed(x)
-            values.append((root, flipped if n.args[1] else None))
+            values.append((*_untransposed(x), tuple(n.args[1])))
     return values
 
 
@@ -287,7 +286,8 @@ def test_each_value_a_product_reads_gets_one_amax():
         model = fbmt.compile(Net(), fp8=fp8, param_dtype=torch.bfloat16, checks=True, cache_dir=False)
         model(torch.randn(2, 16, 32, dtype=torch.bfloat16)).float().square().mean().backward()
         values, products = _amax_values(model.program), model.program.stats("fp8").products
-        assert len(values) == len(set(values)), fp8  # no value reduced twice in one layout
+        assert len(values) == len(set(values)), fp8  # no value reduced twice alike
+        assert not any(flipped for _, flipped, _ in values), values  # each read as stored
         if fp8 == "tensorwise":  # per layer: input, two weights, the hidden value, two loss gradients;
             # the weights once more in the backward, gathered again there (ZeRO-3)
-            assert len(values) == 6 + 2 + 6 + 1 < 2 * products == 22, (len(values), products)
+            assert len({v for v, _, _ in values}) == len(values) == 6 + 2 + 6 + 1 < 2 * products == 22, values

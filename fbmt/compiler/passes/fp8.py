@@ -36,13 +36,15 @@ A value is read by several products: a linear layer's input by its forward produ
 gradient, a loss gradient by the input's and the weight's gradients, a weight by the forward, its
 recompute and the input's gradient. Each product reads it in a layout of its own (the value or its
 transpose), but the numbers are the same, so a tensorwise amax (a maximum over every element, which a
-transpose does not change) is computed once per value, and a cast once per value, layout and format;
-a rowwise amax once per value and layout. Each is made before the first product that reads it (the
-products are rewritten in program order), and the later ones read it, in the forward, the recompute
-or the backward (a scalar the backward reads is saved; one computed from weights alone is computed
-again in the backward by the shard pass, from the weights it gathers there). The program computes the
-same numbers with fewer reductions over the operands: the amax was most of what FP8 added to a step
-beside the products.
+transpose does not change) is computed once per value, over the value as it is stored (Inductor
+reads a reduction through a transpose with strided loads, several times slower), and a cast once per
+value, layout and format; a rowwise amax once per value and layout (over the stored value's rows, or
+its columns for the transpose's rows). Each is made before the first
+product that reads it (the products are rewritten in program order), and the later ones read it, in
+the forward, the recompute or the backward (a scalar the backward reads is saved; one computed from
+weights alone is computed again in the backward by the shard pass, from the weights it gathers
+there). The program computes the same numbers with fewer reductions over the operands: the amax was
+most of what FP8 added to a step beside the products.
 """
 
 from __future__ import annotations
@@ -196,23 +198,28 @@ class _Casts:
                 else e(aten._to_copy.default, operand, dtype=torch.float32)
             )
             top = torch.finfo(fmt).max
-            scale = self._scale(root, flipped, wide, fmt, e)
+            scale = self._scale(root, flipped, fmt, e)
             x8 = e(aten._to_copy.default, e(aten.clamp.default, e(aten.mul.Tensor, wide, scale), -top, top), dtype=fmt)
             if not x8.meta["val"].is_contiguous():
                 x8 = e(aten.clone.default, x8, memory_format=torch.contiguous_format)
             self.made[key] = (x8, e(aten.reciprocal.default, scale))
         return self.made[key]
 
-    def _scale(
-        self, root: fx.Node, flipped: bool, wide: fx.Node, fmt: torch.dtype, e: Callable[..., fx.Node]
-    ) -> fx.Node:
+    def _scale(self, root: fx.Node, flipped: bool, fmt: torch.dtype, e: Callable[..., fx.Node]) -> fx.Node:
         """FP8_MAX / amax: over the whole value, whatever its layout ("tensorwise"), or per row of the
         operand as read ("rowwise")."""
         value = (root, flipped) if self.rowwise else (root,)
-        if value not in self.amaxes:
-            self.amaxes[value] = e(
-                aten.amax.default, e(aten.abs.default, wide), [1] if self.rowwise else [], self.rowwise
+        if value not in self.amaxes:  # over the value as stored: a reduction read through a transpose is strided
+            stored = (
+                root if root.meta["val"].dtype == torch.float32 else e(aten._to_copy.default, root, dtype=torch.float32)
             )
+            if not self.rowwise:
+                amax = e(aten.amax.default, e(aten.abs.default, stored), [], False)
+            elif flipped:  # the transpose's rows are the value's columns: [1, n] made as stored, as [n, 1]
+                amax = e(aten.t.default, e(aten.amax.default, e(aten.abs.default, stored), [0], True))
+            else:
+                amax = e(aten.amax.default, e(aten.abs.default, stored), [1], True)
+            self.amaxes[value] = amax
         if value + (fmt,) not in self.scales:
             inverse = e(aten.reciprocal.default, e(aten.clamp_min.default, self.amaxes[value], _TINY))
             self.scales[value + (fmt,)] = e(aten.mul.Tensor, inverse, torch.finfo(fmt).max)
