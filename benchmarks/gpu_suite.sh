@@ -23,7 +23,8 @@
 #   predict      the simulator against measurement after fbmt.calibrate(): the 1.36B (bf16, eager) on every
 #                GPU for five strategy/recompute settings (benchmarks/predict.py)
 #   fp8          FP8 products against bf16: the 1.36B (block recompute) tensorwise and rowwise, interleaved; the
-#                6.7B tensorwise, one after the other (two do not fit one H200)
+#                6.7B (batch 2) tensorwise, one after the other (two do not fit one H200)
+#   6.7b-one     one GPU: the 6.7B (batch 2, block recompute) against FSDP2 + compile, one after the other
 #   fp8-loss     the main job's GPT at 24 layers of width 2048 on its corpus for 300 steps, in bf16 and with
 #                --fp8 tensorwise: the held-out losses
 #   restructure  1.36B with block recompute: this commit against the one before the move into compiler/,
@@ -99,14 +100,19 @@ case $stage in
   fp8)
     run fp8_1.36 260 benchmarks/gpu_train.py $b136 --remat block --warmup 3 --steps 12 --interleave \
       --methods fbmt-inductor,fbmt-inductor-fp8,fbmt-inductor-fp8-rowwise --out "$out/fp8_1.36.json"
-    run fp8_6.7 320 benchmarks/gpu_train.py --config 6.7b --batch 2 --seq 2048 --remat block --steps 8 --warmup 3 \
-      --loss-in-model --methods fbmt-inductor,fbmt-inductor-fp8 --out "$out/fp8_6.7.json" ;;
+    run fp8_6.7 320 benchmarks/gpu_train.py --config 6.7b --batch 2 --seq 2048 --remat block --steps 12 --warmup 3 \
+      --loss-in-model --methods fbmt-inductor-fp8,fbmt-inductor --out "$out/fp8_6.7.json" ;;
   fp8-loss)
     for fp8 in "" "--fp8 tensorwise"; do
       timeout 280 python3 -m fbmt.train --steps 300 --layers 24 --d-model 2048 --heads 16 --backend inductor \
         --save-every 0 --resume no --checkpoints "/tmp/fp8-loss${fp8// /}" $fp8 > "$out/fp8_loss${fp8// /}.txt" 2>&1
       grep "fbmt.train: loss" "$out/fp8_loss${fp8// /}.txt"
     done ;;
+  6.7b-one)
+    CUDA_VISIBLE_DEVICES=0 timeout 330 torchrun --nproc_per_node=1 --master_port=$((29500 + RANDOM % 1000)) \
+      benchmarks/gpu_train.py --config 6.7b --batch 2 --seq 2048 --remat block --steps 12 --warmup 3 --loss-in-model \
+      --methods fbmt-inductor,fsdp2-compile --out "$out/6.7_one_gpu.json" > "$out/6.7_one_gpu.txt" 2>&1
+    grep -v "^W[0-9]" "$out/6.7_one_gpu.txt" | tail -4 ;;
   13b)
     run 13_block 330 benchmarks/gpu_train.py --config 13b --batch 16 --seq 512 --remat block --steps 6 --warmup 2 \
       --loss-in-model --methods fbmt-inductor,fsdp2-compile --out "$out/13_block.json" ;;

@@ -262,6 +262,7 @@ def _copy_all(into: list[torch.Tensor], out_of: list[torch.Tensor]) -> None:
     """`d.copy_(s)` for every pair, casting, as one `torch._foreach_copy_` (FSDP2 copies its
     gathered parameters out the same way).
 
+    NOTE: [Gradient copy-in]
     On one rank a group's reduce-scatter is this copy of its bf16 gradients into the fp32 buffer the
     optimizer reads, on the compute stream. A `Tensor.copy_` per piece runs torch's casting copy
     kernel, which loads and stores one element at a time when it casts; the foreach kernel moves
