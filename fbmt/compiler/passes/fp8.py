@@ -39,12 +39,11 @@ transpose), but the numbers are the same, so a tensorwise amax (a maximum over e
 transpose does not change) is computed once per value, over the value as it is stored (Inductor
 reads a reduction through a transpose with strided loads, several times slower), and a cast once per
 value, layout and format; a rowwise amax once per value and layout (over the stored value's rows, or
-its columns for the transpose's rows). Each is made before the first
-product that reads it (the products are rewritten in program order), and the later ones read it, in
-the forward, the recompute or the backward (a scalar the backward reads is saved; one computed from
-weights alone is computed again in the backward by the shard pass, from the weights it gathers
-there). The program computes the same numbers with fewer reductions over the operands: the amax was
-most of what FP8 added to a step beside the products.
+its columns for the transpose's rows). Each is made before the first product that reads it (the
+products are rewritten in program order), and the later ones read it, in the forward, the recompute
+or the backward (a scalar the backward reads is saved; one computed from weights alone is computed
+again in the backward by the shard pass, from the weights it gathers there). The program computes
+the same numbers as casting per product, with fewer reductions over the operands.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def fp8_products(program: Program, recipe: str | None = None) -> tuple[Program, 
     g = program.graph
     gradients = _gradients(program)
     owner = _Owners(program)
-    casts = _Casts(g, recipe == "rowwise")
+    casts = _Casts(recipe == "rowwise")
     made, kept = 0, {}
     for node in [n for n in g.nodes if n.target in _PRODUCTS]:  # in program order: NOTE: [One cast per value]
         why = None if _layer(owner.block(node)) else "outside the repeated layers (the head, the embeddings)"
@@ -178,8 +177,8 @@ def _gradients(program: Program) -> set[fx.Node]:
 class _Casts:
     """The FP8 casts of a program's operands, each made once (NOTE: [One cast per value])."""
 
-    def __init__(self, g: fx.Graph, rowwise: bool):
-        self.g, self.rowwise = g, rowwise
+    def __init__(self, rowwise: bool):
+        self.rowwise = rowwise
         self.amaxes: dict[tuple, fx.Node] = {}
         self.scales: dict[tuple, fx.Node] = {}
         self.made: dict[tuple, tuple[fx.Node, fx.Node]] = {}
