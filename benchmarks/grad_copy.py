@@ -16,6 +16,7 @@ import argparse
 import json
 
 import torch
+from copy_sweep import timed  # benchmarks/copy_sweep.py: the same CUDA-event timer
 
 from fbmt.compiler.collectives import copies
 
@@ -23,18 +24,6 @@ LAYERS = {  # a Llama layer's parameter shapes: q, k, v, o, gate, up, down, two 
     "6.7b": [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008), (4096,), (4096,)],
     "1.36b": [(2048, 2048)] * 4 + [(5632, 2048)] * 2 + [(2048, 5632), (2048,), (2048,)],
 }
-
-
-def timed(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -59,7 +48,7 @@ def main() -> None:
         }
         for way, fn in ways.items():
             flat.zero_()
-            ms = timed(fn)
+            ms = timed(fn, reps=20)
             assert torch.equal(flat, want), way
             gbs = numel * 6 / ms / 1e6
             rows.append(dict(layer=name, way=way, ms=ms, gb_s=gbs))
