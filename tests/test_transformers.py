@@ -201,6 +201,11 @@ def test_the_cache_of_an_inference_call_holds_the_real_keys_and_values():
         got2 = model(input_ids=step, past_key_values=cache)
     assert got2.past_key_values is cache and cache.get_seq_length() == ids.shape[1] + 1
     torch.testing.assert_close(got2.logits, want2.logits)
+    with torch.no_grad():  # the same by the keyword transformers 5 names it (`past_key_values` is deprecated)
+        want3 = ref(input_ids=step, cache=want.past_key_values)
+        got3 = model(input_ids=step, cache=cache)
+    assert got3.past_key_values is cache and cache.get_seq_length() == ids.shape[1] + 2
+    torch.testing.assert_close(got3.logits, want3.logits)
 
 
 def test_a_training_call_drops_the_cache_it_built_and_says_so():
