@@ -93,8 +93,13 @@ def _step(model, x, y):
     return loss
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fp8_products_equal_eager_layers_that_cast_alike(recipe):
+@pytest.mark.parametrize(
+    "recipe, options",
+    [("tensorwise", {}), ("rowwise", {}), ("tensorwise", {"zero": 2, "remat": "none"})],
+)
+def test_fp8_products_equal_eager_layers_that_cast_alike(recipe, options):
+    # with block recompute (the default) a weight's cast is shared by the forward and the recompute; with
+    # ZeRO-2 and nothing recomputed the backward reads the forward's scales (NOTE: [One cast per value])
     if recipe == "rowwise" and not _rowwise_on_cpu():
         pytest.skip("this torch's CPU _scaled_mm takes one scale per tensor")
     torch.manual_seed(0)
@@ -102,7 +107,7 @@ def test_fp8_products_equal_eager_layers_that_cast_alike(recipe):
     ref = Net(fp8=recipe)
     ref.load_state_dict(base.state_dict())
     ref.to(torch.bfloat16)
-    model = fbmt.compile(base, fp8=recipe, param_dtype=torch.bfloat16, checks=True, cache_dir=False)
+    model = fbmt.compile(base, fp8=recipe, param_dtype=torch.bfloat16, checks=True, cache_dir=False, **options)
     x, y = torch.randn(4, 8, 32, dtype=torch.bfloat16), torch.randint(0, 48, (4, 8))
     loss, ref_loss = _step(model, x, y), _step(ref, x, y)
     assert torch.equal(loss, ref_loss), (loss, ref_loss)
