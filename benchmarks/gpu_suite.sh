@@ -25,8 +25,8 @@
 #   fp8          FP8 products against bf16: the 1.36B (block recompute) tensorwise and rowwise, interleaved; the
 #                6.7B (batch 2) tensorwise, one after the other (two do not fit one H200)
 #   6.7b-one     one GPU: the 6.7B (batch 2, block recompute) against FSDP2 + compile, one after the other
-#   fp8-loss     the main job's GPT at 24 layers of width 2048 on its corpus for 300 steps, in bf16 and with
-#                --fp8 tensorwise: the held-out losses
+#   fp8-loss     the main job's GPT at 24 layers of width 2048 (1.2B) on its corpus for 300 steps at learning
+#                rate 3e-4, in bf16 and with --fp8 tensorwise: the held-out losses
 #   restructure  1.36B with block recompute: this commit against the one before the move into compiler/,
 #                integrations/ and tools/ (c27dbcd, written as fbmt_base by base_package.sh; carry .base where
 #                the machine has no git history), interleaved
@@ -104,7 +104,7 @@ case $stage in
       --loss-in-model --methods fbmt-inductor-fp8,fbmt-inductor --out "$out/fp8_6.7.json" ;;
   fp8-loss)
     for fp8 in "" "--fp8 tensorwise"; do
-      timeout 280 python3 -m fbmt.train --steps 300 --layers 24 --d-model 2048 --heads 16 --backend inductor \
+      timeout 280 python3 -m fbmt.train --steps 300 --layers 24 --d-model 2048 --heads 16 --backend inductor --lr 3e-4 \
         --save-every 0 --resume no --checkpoints "/tmp/fp8-loss${fp8// /}" $fp8 > "$out/fp8_loss${fp8// /}.txt" 2>&1
       grep "fbmt.train: loss" "$out/fp8_loss${fp8// /}.txt"
     done ;;
