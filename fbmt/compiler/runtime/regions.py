@@ -325,7 +325,7 @@ def _cacheable(static: bool = True) -> Iterator[FakeTensorMode]:
 # The torch releases (major, minor), first and last, whose Inductor the cat guard below was written
 # and tested against: it replaces an entry of Inductor's private lowering table and reads its IR
 # classes, which change between releases. Outside the range it does nothing, and says so once.
-CAT_GUARD_TORCH = ((2, 11), (2, 14))
+CAT_GUARD_TORCH = ((2, 11), (2, 15))
 
 
 @functools.cache
