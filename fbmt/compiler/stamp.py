@@ -145,7 +145,7 @@ class Kind:
     objects: dict[int, Any] = field(default_factory=dict)  # argument leaf -> the exemplar's object as it got it
     writes: list[_Write] = field(default_factory=list)  # the exemplar's writes to them
     graph: fx.Graph | None = None  # the kind's joint graph (`trace._trace_kind`)
-    prelude: list[fx.Node] = field(default_factory=list)  # the detaches of its inputs its trace made first
+    prelude: list[fx.Node] = field(default_factory=list)  # the detaches/aliases of its inputs its trace made first
     forward: list[fx.Node] = field(default_factory=list)  # its forward nodes, in order
     backward: list[fx.Node] = field(default_factory=list)
     placeholders: list[fx.Node] = field(default_factory=list)  # the inputs', then the tangents'
@@ -754,7 +754,7 @@ def split_kind(kind: Kind, graph: fx.Graph, n_outputs: int, wrt: list[int]) -> s
             kind.forward.append(n)
         elif started:
             kind.backward.append(n)
-        elif n.target is torch.ops.aten.detach.default and n.args[0] in inputs:
+        elif n.target in _INPUT_VIEWS and n.args[0] in inputs:
             kind.prelude.append(n)
         else:
             return f"its trace ran {n.target} before the block"
@@ -764,6 +764,10 @@ def split_kind(kind: Kind, graph: fx.Graph, n_outputs: int, wrt: list[int]) -> s
         return "a result is not a tensor of its graph"
     return None
 
+
+# What a kind's trace may make of its inputs before the block's first op: the same values, read as its
+# inputs (torch 2.13's trace makes detaches of them, 2.14's and later ones aliases).
+_INPUT_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 _SIZE_READS = {
     torch.ops.aten.sym_size.int,
@@ -830,7 +834,7 @@ def inline(
             kind_id, call, inputs = n.args
             kind = _KINDS[kind_id]
             local: dict[fx.Node, Any] = {p: env[x] for p, x in zip(kind.placeholders, inputs)}
-            for kn in kind.prelude:  # the detaches of its inputs that the kind's trace made
+            for kn in kind.prelude:  # the detaches/aliases of its inputs that the kind's trace made
                 local[kn] = local[kn.args[0]]
             src, dst = kind.block, stamper.calls[call].block
             for kn in kind.forward:
