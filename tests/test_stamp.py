@@ -15,8 +15,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import fx
 
 import fbmt
+from fbmt.compiler import stamp as stamping
 from fbmt.models.gpt import GPT, GPTConfig
 from tests.workers import step_matches
 
@@ -641,3 +643,20 @@ def test_blocks_writing_to_an_object_that_refuses_setattr_are_traced_as_code(mon
     # a copy of the object as the exemplar got it, and each copy's write, go through setattr
     said = _same(monkeypatch, _FrozenStack, _x())
     assert "stamped" not in said, said
+
+
+@pytest.mark.parametrize("view", [torch.ops.aten.detach.default, torch.ops.aten.alias.default])
+def test_a_kinds_trace_that_detaches_or_aliases_an_input_first_is_stamped_reading_the_input(view):
+    """torch 2.13's trace of a kind that writes to its own values detaches an input before the block's first
+    op; 2.14's and later ones alias it. Either is the input's value: the copies read the call's argument."""
+    g = fx.Graph()
+    x, w, tangent = g.placeholder("x"), g.placeholder("w"), g.placeholder("tangent")
+    first = g.call_function(view, (x,))
+    out = g.call_function(torch.ops.aten.mul.Tensor, (first, w))
+    out.meta["fbmt_module"] = "layers.0"
+    grad = g.call_function(torch.ops.aten.mul.Tensor, (tangent, w))
+    g.output([out, grad])
+    kind = stamping.Kind(0, "layers.0", nn.Identity(), [], [], [], None, [], None, [], True, [])
+    assert stamping.split_kind(kind, g, n_outputs=1, wrt=[0]) is None
+    assert kind.prelude == [first] and kind.forward == [out] and kind.backward == [grad]
+    assert kind.outputs == [out] and kind.grads == [grad]
