@@ -140,8 +140,8 @@ def _trains_with_use_cache_off(rank: int, world: int, name: str, padded: bool) -
         assert "is causal" not in said and "kept (not causal" in said, said
     elif name == "gemma3":
         assert "is causal" in said and "kept (not causal" in said, said
-    else:
-        assert "is causal" in said, said
+    else:  # and its two key/value heads are read once for the four query heads (NOTE: [Grouped heads])
+        assert "is causal" in said and "read their key/value heads once" in said, said
 
 
 @pytest.mark.parametrize("name", list(_MODELS))
@@ -182,3 +182,66 @@ def test_a_symbolic_program_proves_its_causal_mask_again_at_every_size_it_admits
     assert "stamped their calls (model.layers.0's x2)" in causal.summary("trace"), causal.summary("trace")
     at_24 = [torch.zeros(2, 24, dtype=torch.long)] * 2
     assert "attention mask" in causal.sizes.admits(at_24) and causal.sizes.admits([at_24[0][:, :14]] * 2) is None
+
+
+def _repeat_kv(x: torch.Tensor, r: int) -> torch.Tensor:  # transformers' repeat_kv, written out
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, r, s, d).reshape(b, h * r, s, d)
+
+
+_REPEATS = {
+    "repeat_kv": _repeat_kv,
+    "repeat_interleave": lambda x, r: torch.repeat_interleave(x, r, dim=1),
+    "tiled": lambda x, r: x.repeat(1, r, 1, 1),  # head h reads key head h % H: not grouped heads
+    "tiled-by-expand": lambda x, r: x[:, None].expand(x.shape[0], r, *x.shape[1:]).flatten(1, 2),  # the same
+}
+
+
+class _Grouped(nn.Module):
+    """Four query heads over two key/value heads, repeated for SDPA as transformers does where it passes a
+    mask; the mask built from sizes."""
+
+    def __init__(self, repeat: str, mask: str):
+        super().__init__()
+        self.repeat, self.mask = repeat, mask
+        self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 4, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, 2, 4).permute(2, 0, 3, 1, 4)
+        k, v = _REPEATS[self.repeat](k, 2), _REPEATS[self.repeat](v, 2)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        mask = {"none": None, "causal": j <= i, "window": (j <= i) & (i - j < 3)}[self.mask]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("repeat", list(_REPEATS))
+def test_repeated_key_value_heads_are_read_once_where_sdpa_takes_grouped_heads(repeat, mask):
+    """NOTE: [Grouped heads]: SDPA reads the key/value heads themselves (enable_gqa) where the call ends
+    up without a mask and they repeat each head in turn; a tiling of the heads (another attention) and a
+    kept mask keep the copies; eager's results every way."""
+    torch.manual_seed(0)
+    ref = _Grouped(repeat, mask)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    x = torch.randn(2, 7, 16)
+    g = torch.randn(2, 4, 7, 4)
+    outs, xs = [], []
+    for m in (model, ref):  # the parameters' gradients compared as one SGD step applies them
+        xs.append(x.clone().requires_grad_())
+        outs.append(m(xs[-1]))
+        outs[-1].backward(g)
+        torch.optim.SGD(m.parameters(), lr=1.0).step()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    grouped = not repeat.startswith("tiled") and mask != "window"
+    attention = next(n for n in model.program.graph.nodes if "scaled_dot_product" in str(n.target))
+    assert attention.args[1].meta["val"].shape[1] == (2 if grouped else 4), attention.format_node()
+    said = [line for line in str(model.program).splitlines() if line.startswith("# pass trace")]
+    assert any("read their key/value heads once" in line for line in said) == grouped, said
+    if grouped:  # the repeats are erased with the rewrite
+        copies = [n for n in model.program.graph.nodes if n.target is torch.ops.aten.expand.default]
+        assert not copies, copies

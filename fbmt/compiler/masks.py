@@ -25,10 +25,24 @@ the compile cache. A stamped kind of block given such a mask as an argument (NOT
 knows it as the graph of sizes that computes it (`of_sizes`), and the check of a mask it decides
 inlines that graph, so it reads the program's sizes as the whole trace's would. Each decision is listed
 in the program's summary (the `trace` pass line).
+
+NOTE: [Grouped heads]
+A decoder with fewer key/value heads than query heads (grouped-query attention: Llama 3, Mistral, Qwen)
+hands SDPA either the key and value as they are, with `enable_gqa=True`, or copies with each head
+repeated in turn (`repeat_kv`, `repeat_interleave`): transformers repeats them wherever it passes a mask,
+so a causal mask rewritten above would leave the copies, twice the key/value bytes written and read in
+the forward and summed back in the backward. So an SDPA call without a mask whose key and value are both
+such repeats (`_repeated_heads`: `x.unsqueeze(2)` expanded along the new axis, copied, and viewed with
+that axis merged into the heads) reads `x` with `enable_gqa=True` instead: SDPA's grouped heads are
+exactly that repeat (query head h reads key head h // R), so the results are the same up to the
+order of the backward's sums. Not where the call has a mask or dropout, nor on a CUDA device where the
+grouped call would run on the math kernel (which repeats them itself). The repeats are then dead and
+erased with the dead masks.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +52,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after query, key, value
+_GROUPED = "repeated heads"  # a key or value SDPA reads as grouped heads (NOTE: [Grouped heads])
 
 
 class CausalMasks(TorchFunctionMode):
@@ -57,6 +72,7 @@ class CausalMasks(TorchFunctionMode):
         self.checks = checks  # a symbolic trace's: each rewritten mask, to prove again at every size it admits
         # nodes of inputs whose value is known, or computed from sizes (a `MaskCheck`; NOTE: [Stamped blocks])
         self.known = known or {}
+        self.recent: collections.deque[torch.Tensor] = collections.deque(maxlen=16)  # the latest ops' first tensors
 
     def __enter__(self) -> CausalMasks:
         CausalMasks._active.append(self)
@@ -69,6 +85,8 @@ class CausalMasks(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention or len(args) < 3 or CausalMasks._active[-1] is not self:
+            # held for `_grouped`: the tensor whose heads a repeat copies, gone where the model rebinds its name
+            self.recent.extend(a for a in args[:1] if isinstance(a, torch.Tensor))
             return func(*args, **kwargs)
         q, k, v = args[:3]
         kwargs.update(zip(_SDPA_ARGS, args[3:]))
@@ -77,20 +95,53 @@ class CausalMasks(TorchFunctionMode):
             kind = self._kind(mask, q.shape[-2], k.shape[-2])
             if kind in ("causal", "all"):
                 kwargs.update(attn_mask=None, is_causal=kind == "causal")
+        if kwargs.get("attn_mask") is None and not kwargs.get("enable_gqa", False) and not kwargs.get("dropout_p"):
+            k, v = self._grouped(q, k, v, kwargs)
         return func(q, k, v, **kwargs)
 
     @staticmethod
     def said(decided: dict[fx.Node, str]) -> list[str]:
-        """One line per mask seen: what became of it."""
-        out = []
+        """One line per mask seen: what became of it; one for the attentions that read their key and value
+        heads once (NOTE: [Grouped heads])."""
+        out, grouped = [], sum(kind == _GROUPED for kind in decided.values()) // 2
         for node, kind in decided.items():
+            if kind == _GROUPED:
+                continue
             if kind == "causal":
                 out.append(f"attention mask {node.name} is causal: SDPA runs with is_causal=True")
             elif kind == "all":
                 out.append(f"attention mask {node.name} attends everywhere: SDPA runs without it")
             else:
                 out.append(f"attention mask {node.name} kept ({kind})")
+        if grouped:
+            out.append(f"{grouped} attention(s) read their key/value heads once (enable_gqa), not repeated")
         return out
+
+    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> tuple[Any, Any]:
+        """Key and value as SDPA is to read them: the tensors they repeat the heads of, where both are
+        such repeats and SDPA takes grouped heads there on a kernel other than its math (NOTE: [Grouped
+        heads]); otherwise `k, v` as they are."""
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+        mode = get_proxy_mode()
+        if mode is None or q.dim() != 4:
+            return k, v
+        found = []
+        for t in (k, v):
+            slot = get_proxy_slot(t, mode.tracer, None)
+            repeat = _repeated_heads(slot.proxy.node) if slot is not None else None
+            source = _tensor_of(repeat[0], mode.tracer, self.recent) if repeat is not None else None
+            if source is None:
+                return k, v
+            found.append((slot.proxy.node, source))
+        (k_node, k0), (v_node, v0) = found
+        if k0.shape[1] != v0.shape[1] or q.shape[1] % k0.shape[1] != 0:
+            return k, v
+        if q.device.type == "cuda" and _math_kernel(q, k0, v0, kwargs):  # it would repeat the heads itself, slower
+            return k, v
+        self.decided[k_node] = self.decided[v_node] = _GROUPED  # dead now: drop_dead erases the repeats
+        kwargs["enable_gqa"] = True
+        return k0, v0
 
     def _kind(self, mask: torch.Tensor, q_len: Any, kv_len: Any) -> str | None:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
@@ -114,9 +165,9 @@ class CausalMasks(TorchFunctionMode):
 
 
 def drop_dead(decided: dict[fx.Node, str]) -> None:
-    """Erase from the traced graph the masks its SDPA calls no longer read, and the ops only they read
-    (make_fx records every op, used or not)."""
-    todo, erased = [n for n, kind in decided.items() if kind in ("causal", "all")], set()
+    """Erase from the traced graph the masks its SDPA calls no longer read, and the repeats of heads
+    (NOTE: [Grouped heads]), with the ops only they read (make_fx records every op, used or not)."""
+    todo, erased = [n for n, kind in decided.items() if kind in ("causal", "all", _GROUPED)], set()
     while todo:
         n = todo.pop()
         if n in erased or n.users or n.op not in ("call_function", "get_attr"):
@@ -125,6 +176,64 @@ def drop_dead(decided: dict[fx.Node, str]) -> None:
         n.graph.erase_node(n)
         erased.add(n)
         todo.extend(inputs)
+
+
+def _repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """Where `node` is a tensor of shape (B, H, S, D) whose heads each repeat R times in turn, as
+    Hugging Face's `repeat_kv` and `torch.repeat_interleave(x, R, dim=1)` trace (`x.unsqueeze(2)`
+    expanded to (B, H, R, S, D), copied, viewed as (B, H * R, S, D)): the node of `x`, and R."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    aten = torch.ops.aten
+    if node.op != "call_function" or node.target not in (aten.view.default, aten._unsafe_view.default):
+        return None
+    clone = node.args[0]
+    if not isinstance(clone, fx.Node) or clone.target is not aten.clone.default:
+        return None
+    if clone.kwargs.get("memory_format", torch.contiguous_format) is not torch.contiguous_format:
+        return None
+    expand = clone.args[0]
+    if not isinstance(expand, fx.Node) or expand.target is not aten.expand.default:
+        return None
+    unsqueeze = expand.args[0]
+    if not isinstance(unsqueeze, fx.Node) or unsqueeze.target is not aten.unsqueeze.default:
+        return None
+    source = unsqueeze.args[0]
+    vals = [n.meta.get("val") for n in (source, expand, node)]
+    if not all(isinstance(x, torch.Tensor) for x in vals) or unsqueeze.args[1] not in (2, -3):
+        return None
+    x, wide, out = (x.shape for x in vals)
+    if len(x) != 4 or len(out) != 4 or not isinstance(wide[2], int) or not isinstance(x[1], int):
+        return None
+    # expand widens only the new axis (the others are x's own); the view must merge (H, R) and no other
+    same = [known(out[0] == x[0]), out[1] == x[1] * wide[2], known(out[2] == x[2]), known(out[3] == x[3])]
+    return (source, wide[2]) if all(same) else None
+
+
+def _math_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> bool:
+    """Whether SDPA would run grouped heads on its math kernel, for the sizes, dtypes and CUDA device
+    traced (a query head dimension over 256, fp32: what flash does not take); True where torch cannot
+    say. (On the host the fake tensors' answer is always math, though the host's flash kernel takes
+    grouped heads.)"""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    try:
+        with disable_proxy_modes_tracing():
+            choice = torch._fused_sdp_choice(q, k, v, **{**kwargs, "enable_gqa": True})
+    except Exception:
+        return True
+    return choice == int(torch.nn.attention.SDPBackend.MATH)
+
+
+def _tensor_of(node: fx.Node, tracer: Any, recent: collections.deque) -> torch.Tensor | None:
+    """The tensor among `recent` that the trace records as `node`; None where there is none."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    for t in reversed(recent):
+        slot = get_proxy_slot(t, tracer, None)
+        if slot is not None and slot.proxy.node is node:
+            return t
+    return None
 
 
 def _decide(
