@@ -168,8 +168,9 @@ def _forward_attention_cuts(model) -> list[str]:
 def test_a_block_forward_is_one_region_attention_and_a_norm_before_its_wait_included():
     """A dropout-free attention belongs to the region around it, and the few cheap ops of a norm
     before the wait for a block's parameters join the region after the wait: each block's forward
-    is one region, and the step equals eager. The backward unpacks the attention's saved outputs one
-    by one (the partition saves elements, not tuples)."""
+    is one region, of one kind for every block (the embeddings before the first apart: NOTE: [Regions
+    of repeated blocks]), and the step equals eager. The backward unpacks the attention's saved outputs
+    one by one (the partition saves elements, not tuples)."""
     torch.manual_seed(0)
     ref = gpt(n_layer=3)
     torch.manual_seed(0)
@@ -179,7 +180,34 @@ def test_a_block_forward_is_one_region_attention_and_a_norm_before_its_wait_incl
     assert _forward_attention_cuts(model) == []
     (exe,) = model.executables()
     fwd = [r for r in exe.forward.modules() if isinstance(r, Region)]
-    assert len(fwd) == 4, exe.forward.graph  # one a block (the first with the embeddings), and the head's
+    assert len(fwd) == 5, exe.forward.graph  # the embeddings', one a block, and the head's
+    assert len({r.structure for r in fwd[1:4]}) == 1, exe.forward.graph
+
+
+def test_every_layer_runs_the_regions_of_one_kind(monkeypatch):
+    """NOTE: [Regions of repeated blocks]: the first layer's forward is the others' kind (the embeddings
+    apart), and the first layers' backwards, which prefetch no earlier layer's weights, are the kind of
+    the middle layers' (whose norm-weight gradient, after that prefetch and a later layer's wait, joins
+    the layer's region), so the kinds Inductor compiles do not depend on where a layer stands. The
+    regions run as traced here (no compile); the last layer, whose backward the turnaround begins, is its
+    own kind."""
+    from collections import Counter
+
+    from fbmt.models.llama import Llama, LlamaConfig
+
+    monkeypatch.setattr(Region, "_inductor", lambda self, args, symbolic: (self.gm, []))
+    layers = 6
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4
+    )
+    torch.manual_seed(0)
+    model = fbmt.compile(Llama(config), backend="inductor", remat="block", cache_dir=False)
+    x = torch.randint(0, 64, (2, 16))
+    model(x, labels=x).loss.backward()
+    (exe,) = model.executables()
+    for gm, alike in ((exe.forward, layers), (exe.backward, layers - 1)):
+        kinds = Counter(r.structure for r in gm.modules() if isinstance(r, Region))
+        assert max(kinds.values()) == alike, (sorted(kinds.values()), gm.graph)
 
 
 def test_attention_with_dropout_stays_between_regions():

@@ -28,6 +28,25 @@ An attention kernel called without dropout is pure compute although its schema s
 numbers, so it is inside a region too: a block's forward is one region, not three. Fewer, larger
 regions did not shorten Inductor's own compile: its time follows the ops it compiles more than the
 number of kinds (BENCHMARKS.md, "Start time").
+
+NOTE: [Regions of repeated blocks]
+Inductor's cold compile of a kind of region costs about a constant plus a time per op, so what a model
+compiles is the sum over its distinct kinds, and a kind that only one layer has (because of where the
+layer stands) costs as much as the kind every layer shares. Two such differences are removed:
+- A run of pure compute that holds the layers' code and the model's own (the embeddings, and the
+  rotary tables before the first layer; the final norm after the last) keeps the model's code before the
+  first node of a repeated block (`layers.3`: a list's member) and after the last as runs of their
+  own (`_apart_from_layers`), so the first and last layers' regions are the others' kind. A node of no
+  block (a view of gathered weights, a size) goes with the block of the next node that has one; one
+  that does work is the model's code.
+- In a layer's backward, the prefetch of an earlier layer's weights and the wait for a later layer's
+  reduce-scatter stand before a few cheap ops (the norm weight's gradient, the flattening the layer's
+  reduce-scatter then reads), which would be a region of their own; the first layers, with nothing
+  left to prefetch, join them to their main region instead, another kind. Collectives between a region
+  and a cheap run that reads none of them move to the run's end (`_join_cheap_tails`), so every layer's
+  backward is one region of one kind; the prefetch starts those few ops later.
+Where one region becomes three (the embeddings, the first layer and the final norm apart), a step runs
+two more region calls; a model's regions are fewer in all, as every tail joins its layer.
 """
 
 from __future__ import annotations
@@ -49,7 +68,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fbmt import logs
 from fbmt.compiler import collectives as comm
-from fbmt.compiler import ops
+from fbmt.compiler import meta, ops
 
 
 class RegionCache:
@@ -451,6 +470,7 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache, varying: set[fx.Node] 
                 at.append(u)
                 at = u
     _join_cheap_runs(g)
+    _join_cheap_tails(g)
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     members: set[fx.Node] = set()
@@ -463,6 +483,8 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache, varying: set[fx.Node] 
             current, members = [], set()
     if current:
         runs.append(current)
+    owner = _owners(g)
+    runs = [part for run in runs for part in _apart_from_layers(run, owner)]
     # views and size arithmetic alone cost nothing eagerly
     runs = [r for r in runs if not all(ops.costs_nothing(n) or _size_arithmetic(n) for n in r)]
 
@@ -516,6 +538,67 @@ def _join_cheap_runs(g: fx.Graph) -> None:
             run[0].prepend(n)  # the run stays open: the next collective may move over it too
         else:
             run, members = [], set()
+
+
+def _join_cheap_tails(g: fx.Graph) -> None:
+    """Move the collectives that stand between a region and a cheap run after it (where the run reads
+    none of them) to the run's end, so the run joins the region before it (NOTE: [Regions of repeated
+    blocks]): a layer's backward ends in a few cheap ops (its norm weight's gradient, the flattening for
+    the reduce-scatter, which then cuts) after the prefetch of an earlier layer's weights and the wait for
+    a later layer's reduce-scatter, which the first layers' backwards have no reason to issue."""
+    nodes = list(g.nodes)
+    at = 0
+    while at < len(nodes):
+        if not (comm.lowered(nodes[at].target) is not None and at > 0 and _pure(nodes[at - 1], set())):
+            at += 1
+            continue
+        lead = []  # the collectives after a region
+        while at < len(nodes) and comm.lowered(nodes[at].target) is not None:
+            lead.append(nodes[at])
+            at += 1
+        run: list[fx.Node] = []
+        members: set[fx.Node] = set()
+        while at < len(nodes) and _pure(nodes[at], members):
+            run.append(nodes[at])
+            members.add(nodes[at])
+            at += 1
+        led = set(lead)
+        if run and _cheap(run) and not any(a in led for n in run for a in n.all_input_nodes):
+            for n in reversed(lead):  # in their order, right after the run
+                run[-1].append(n)
+
+
+def _apart_from_layers(run: list[fx.Node], owner: dict[fx.Node, str | None]) -> list[list[fx.Node]]:
+    """The run, with the work before its first node of a repeated block and after its last (a model's
+    prologue before its first layer, its final norm after the last) as runs of their own (NOTE: [Regions
+    of repeated blocks]); an op and its unpacking stay together."""
+    marks = [i for i, n in enumerate(run) if _repeated(owner[n])]
+    # a node of no block that does work is the model's own code (the embeddings' sum before the first layer)
+    marks = [i for i in marks if meta.block(run[i]) or ops.costs_nothing(run[i]) or _size_arithmetic(run[i])]
+    if not marks:
+        return [run]
+    first, last = marks[0], marks[-1] + 1
+    while 0 < first and run[first].target is operator.getitem:
+        first -= 1
+    while last < len(run) and run[last].target is operator.getitem:
+        last += 1
+    return [part for part in (run[:first], run[first:last], run[last:]) if part]
+
+
+def _owners(g: fx.Graph) -> dict[fx.Node, str | None]:
+    """Each node's block, or for a node of no block (a view of gathered weights, a size) that of the next
+    node that has one: what it is computed for."""
+    owner: dict[fx.Node, str | None] = {}
+    following = None
+    for n in reversed(g.nodes):
+        following = meta.block(n) or following if n.op == "call_function" else following
+        owner[n] = following
+    return owner
+
+
+def _repeated(block: str | None) -> bool:
+    """A block of a list of layers (`layers.3`), whose region each copy shares."""
+    return block is not None and block.rpartition(".")[2].isdigit()
 
 
 def _cheap(run: list[fx.Node]) -> bool:
