@@ -35,9 +35,9 @@ the forward and summed back in the backward. So an SDPA call without a mask whos
 such repeats (`_repeated_heads`: `x.unsqueeze(2)` expanded along the new axis, copied, and viewed with
 that axis merged into the heads) reads `x` with `enable_gqa=True` instead: SDPA's grouped heads are
 exactly that repeat (query head h reads key head h // R), so the results are the same up to the
-order of the backward's sums. Not where the call has a mask or dropout, nor on a CUDA device where the
-grouped call would run on the math kernel (which repeats them itself). The repeats are then dead and
-erased with the dead masks.
+order of the backward's sums. Not where the call has a mask or dropout, nor where the grouped call
+would run on SDPA's math kernel (which repeats them itself; `_math_kernel` runs it on the fakes to
+see). The repeats are then dead and erased with the dead masks.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after query, key, value
 _GROUPED = "repeated heads"  # a key or value SDPA reads as grouped heads (NOTE: [Grouped heads])
@@ -137,7 +138,7 @@ class CausalMasks(TorchFunctionMode):
         (k_node, k0), (v_node, v0) = found
         if k0.shape[1] != v0.shape[1] or q.shape[1] % k0.shape[1] != 0:
             return k, v
-        if q.device.type == "cuda" and _math_kernel(q, k0, v0, kwargs):  # it would repeat the heads itself, slower
+        if _math_kernel(q, k0, v0, kwargs):  # which would repeat the heads itself, slower than the copies read
             return k, v
         self.decided[k_node] = self.decided[v_node] = _GROUPED  # dead now: drop_dead erases the repeats
         kwargs["enable_gqa"] = True
@@ -211,18 +212,31 @@ def _repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
 
 
 def _math_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> bool:
-    """Whether SDPA would run grouped heads on its math kernel, for the sizes, dtypes and CUDA device
-    traced (a query head dimension over 256, fp32: what flash does not take); True where torch cannot
-    say. (On the host the fake tensors' answer is always math, though the host's flash kernel takes
-    grouped heads.)"""
+    """Whether SDPA would run grouped heads on its math kernel for the sizes, dtypes and device traced
+    (a head dimension over 256 on CUDA, fp32 where the device's fused kernels want half precision):
+    the grouped call is run on the fake tensors, outside the trace, and the kernel it reaches is seen.
+    (torch's `_fused_sdp_choice` answers math for any fake tensor.) True where it cannot be run."""
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+    seen = _Kernels()
     try:
-        with disable_proxy_modes_tracing():
-            choice = torch._fused_sdp_choice(q, k, v, **{**kwargs, "enable_gqa": True})
+        with disable_proxy_modes_tracing(), torch.no_grad(), seen:
+            F.scaled_dot_product_attention(q, k, v, **{**kwargs, "enable_gqa": True})
     except Exception:
         return True
-    return choice == int(torch.nn.attention.SDPBackend.MATH)
+    return not any(name.startswith("_scaled_dot_product_") and "math" not in name for name in seen.names)
+
+
+class _Kernels(TorchDispatchMode):
+    """The aten ops a call reaches, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.names.append(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
 
 
 def _tensor_of(node: fx.Node, tracer: Any, recent: collections.deque) -> torch.Tensor | None:
