@@ -201,35 +201,41 @@ class _Grouped(nn.Module):
     """Four query heads over two key/value heads, repeated for SDPA as transformers does where it passes a
     mask; the mask built from sizes."""
 
-    def __init__(self, repeat: str, mask: str, wide_value: bool = False):
+    def __init__(self, repeat: str, mask: str, variant: str = ""):
         super().__init__()
-        self.repeat, self.mask, self.wide_value = repeat, mask, wide_value
+        self.repeat, self.mask, self.variant = repeat, mask, variant
         self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         q = self.q(x).view(b, n, 4, 4).transpose(1, 2)
-        k, v = self.kv(x).view(b, n, 2, 2, 4).permute(2, 0, 3, 1, 4)
-        if self.wide_value:  # values of another head size than keys': SDPA's fused kernels take none
+        kv = self.kv(x).view(b, n, 2, 2, 4).permute(2, 0, 3, 1, 4).clone()
+        k, v = kv
+        if self.variant == "wide value":  # values of another head size than keys': SDPA's fused kernels take none
             v = torch.cat([v, v.flip(-1)], -1)
         k, v = _REPEATS[self.repeat](k, 2), _REPEATS[self.repeat](v, 2)
+        if self.variant == "written after":  # the keys and values change, their copies do not
+            kv.mul_(3.0)
         i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
         mask = {"none": None, "causal": j <= i, "window": (j <= i) & (i - j < 3)}[self.mask]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-@pytest.mark.parametrize("mask, wide_value", [("none", False), ("causal", False), ("window", False), ("causal", True)])
+@pytest.mark.parametrize(
+    "mask, variant",
+    [("none", ""), ("causal", ""), ("window", ""), ("causal", "wide value"), ("causal", "written after")],
+)
 @pytest.mark.parametrize("repeat", list(_REPEATS))
-def test_repeated_key_value_heads_are_read_once_where_sdpa_takes_grouped_heads(repeat, mask, wide_value):
+def test_repeated_key_value_heads_are_read_once_where_sdpa_takes_grouped_heads(repeat, mask, variant):
     """NOTE: [Grouped heads]: SDPA reads the key/value heads themselves (enable_gqa) where the call ends
     up without a mask and they repeat each head in turn; a tiling of the heads (another attention), a
-    kept mask, and a call whose grouped heads would run on SDPA's math kernel keep the copies; eager's
-    results every way."""
+    kept mask, a call whose grouped heads would run on SDPA's math kernel, and keys and values written in
+    place after the repeat (the copies hold the old values) keep the copies; eager's results every way."""
     torch.manual_seed(0)
-    ref = _Grouped(repeat, mask, wide_value)
+    ref = _Grouped(repeat, mask, variant)
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
     x = torch.randn(2, 7, 16)
-    g = torch.randn(2, 4, 7, 8 if wide_value else 4)
+    g = torch.randn(2, 4, 7, 8 if variant == "wide value" else 4)
     outs, xs = [], []
     for m in (model, ref):  # the parameters' gradients compared as one SGD step applies them
         xs.append(x.clone().requires_grad_())
@@ -240,7 +246,7 @@ def test_repeated_key_value_heads_are_read_once_where_sdpa_takes_grouped_heads(r
     torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
-    grouped = not repeat.startswith("tiled") and mask != "window" and not wide_value
+    grouped = not repeat.startswith("tiled") and mask != "window" and not variant
     attention = [n for n in model.program.graph.nodes if "scaled_dot_product" in str(n.target)]
     if attention:  # (values wider than keys: the host's math, written out as products)
         assert attention[0].args[1].meta["val"].shape[1] == (2 if grouped else 4), attention[0].format_node()

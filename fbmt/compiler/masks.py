@@ -37,7 +37,8 @@ that axis merged into the heads) reads `x` with `enable_gqa=True` instead: SDPA'
 exactly that repeat (query head h reads key head h // R), so the results are the same up to the
 order of the backward's sums. Not where the call has a mask or dropout, nor where the grouped call
 would run on SDPA's math kernel (which repeats them itself; `_math_kernel` runs it on the fakes to
-see). The repeats are then dead and erased with the dead masks.
+see), nor where the repeated tensor is written in place after the repeat (its version counter says
+so). The repeats are then dead and erased with the dead masks.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class CausalMasks(TorchFunctionMode):
         self.checks = checks  # a symbolic trace's: each rewritten mask, to prove again at every size it admits
         # nodes of inputs whose value is known, or computed from sizes (a `MaskCheck`; NOTE: [Stamped blocks])
         self.known = known or {}
-        self.recent: collections.deque[torch.Tensor] = collections.deque(maxlen=16)  # the latest ops' first tensors
+        self.recent: collections.deque[tuple[torch.Tensor, int]] = collections.deque(maxlen=16)  # ops' first tensors
 
     def __enter__(self) -> CausalMasks:
         CausalMasks._active.append(self)
@@ -86,8 +87,9 @@ class CausalMasks(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention or len(args) < 3 or CausalMasks._active[-1] is not self:
-            # held for `_grouped`: the tensor whose heads a repeat copies, gone where the model rebinds its name
-            self.recent.extend(a for a in args[:1] if isinstance(a, torch.Tensor))
+            # held for `_grouped`: the tensor whose heads a repeat copies (gone where the model rebinds its
+            # name), and its version then (one written in place since no longer holds what the copies hold)
+            self.recent.extend((a, a._version) for a in args[:1] if isinstance(a, torch.Tensor))
             return func(*args, **kwargs)
         q, k, v = args[:3]
         kwargs.update(zip(_SDPA_ARGS, args[3:]))
@@ -240,13 +242,14 @@ class _Kernels(TorchDispatchMode):
 
 
 def _tensor_of(node: fx.Node, tracer: Any, recent: collections.deque) -> torch.Tensor | None:
-    """The tensor among `recent` that the trace records as `node`; None where there is none."""
+    """The tensor among `recent` that the trace records as `node`, unwritten since it was read there;
+    None where there is none (a write in place after the repeat: the copies hold the old values)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
-    for t in reversed(recent):
+    for t, version in reversed(recent):
         slot = get_proxy_slot(t, tracer, None)
         if slot is not None and slot.proxy.node is node:
-            return t
+            return t if t._version == version else None
     return None
 
 
