@@ -102,6 +102,14 @@ STAMP = Flag(
     True,
     "0: trace every block call, never each kind of block once (NOTE: [Stamped blocks] in fbmt/compiler/stamp.py)",
 )
+COMPILE_WORKERS: Flag[int | None] = Flag(
+    "FBMT_COMPILE_WORKERS",
+    _count,
+    None,
+    "worker processes per rank that compile Inductor's regions while the first steps run them as traced "
+    "(compile(background_compile=...)); default: a quarter of the rank's cores, 1 to 4; 0: none, every "
+    "region compiles in the rank's own process before its first run",
+)
 INIT_TIMEOUT = Flag(
     "FBMT_INIT_TIMEOUT",
     float,
@@ -160,6 +168,7 @@ RESTART_COUNT = Flag("TORCHELASTIC_RESTART_COUNT", int, 0, "how many times torch
 OMP_NUM_THREADS: Flag[int | None] = Flag(
     "OMP_NUM_THREADS", int, None, "threads per CPU rank; the main job sets it for the ranks it launches"
 )
+PYTHONPATH = Flag("PYTHONPATH", str, "", "Python's module path; fbmt's compile workers get fbmt's folder before it")
 XDG_CACHE_HOME = Flag(
     "XDG_CACHE_HOME", str, "", "the user's cache folder; fbmt's compile cache goes in its fbmt/compile"
 )
@@ -171,6 +180,7 @@ FLAGS = (
     LOG,
     CACHE_DIR,
     STAMP,
+    COMPILE_WORKERS,
     MACHINE,
     INIT_TIMEOUT,
     TIMEOUT,
@@ -185,7 +195,7 @@ FLAGS = (
 
 
 LAUNCHER = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, AGENT_STORE, RESTART_COUNT)
-OTHERS = (OMP_NUM_THREADS, MPLBACKEND, XDG_CACHE_HOME)
+OTHERS = (OMP_NUM_THREADS, MPLBACKEND, XDG_CACHE_HOME, PYTHONPATH)
 
 
 def is_set(flag: Flag) -> bool:

@@ -21,7 +21,7 @@ from fbmt.compiler.options import CompileOptions
 from fbmt.compiler.pipeline import Search
 from fbmt.compiler.plan import Plan
 from fbmt.compiler.runtime.params import InitFn, agree_on_weights, build_shards
-from fbmt.compiler.runtime.regions import start_compile_workers
+from fbmt.compiler.runtime.regions import in_background, start_compile_workers
 
 
 def compile_module(
@@ -77,7 +77,7 @@ def compile_module(
             f"Hopper, Blackwell); {device} is a {name} of {major}.{minor}. Leave fp8 off on this GPU"
         )
     plan = Plan.of(o, world)  # every option resolved and checked, before the model is touched (NOTE: [Plan])
-    if plan.backend == "inductor":
+    if plan.backend == "inductor" and not in_background(o.background_compile, device, o.cuda_graph):
         start_compile_workers(device)  # they start while the model is built and traced
     layout = plan_layout(model, world, o.block_paths, param_dtype=o.param_dtype)
     if world > 1 and world == job.world_size():  # NOTE: [Ranks' weights]

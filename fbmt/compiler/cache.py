@@ -702,19 +702,22 @@ def save_artifacts(entry: Path) -> None:
 
 
 @functools.cache
-def load_artifacts(entry: Path) -> None:
+def load_artifacts(entry: Path) -> bool:
     """Give torch's caches the artifacts an entry holds, where their checksum holds (once per
-    process and entry): they are compiled code, which a flipped byte could make compute otherwise."""
+    process and entry): they are compiled code, which a flipped byte could make compute otherwise.
+    Whether there were any, and they were given."""
     f = entry / "inductor.bin"
     if not f.exists():
-        return
+        return False
     try:
         data = f.read_bytes()
         if _sha(data).encode() != (entry / "inductor.sha256").read_bytes():
             raise ValueError("they do not match their checksum")
         torch.compiler.load_cache_artifacts(data)
+        return True
     except Exception as e:  # a failure costs a compile, never a wrong region
         log.warning("fbmt: Inductor's artifacts in %s are not loaded (%s); Inductor compiles anew", f, e)
+        return False
 
 
 def clear(root: Path) -> int:

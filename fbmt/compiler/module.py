@@ -41,7 +41,7 @@ from fbmt.compiler.runtime.autograd import Routes, RunProgram
 from fbmt.compiler.runtime.graphs import Graphed
 from fbmt.compiler.runtime.params import Placeholders, broadcast_buffers, gather_group
 from fbmt.compiler.runtime.partition import Executable
-from fbmt.compiler.runtime.regions import RegionCache
+from fbmt.compiler.runtime.regions import RegionCache, in_background, workers_for
 from fbmt.compiler.runtime.unsynced import Unsynced
 
 log = logging.getLogger("fbmt")
@@ -201,10 +201,16 @@ class CompiledModule(nn.Module):
         self._input_shapes: dict[Any, list[tuple[int, ...]]] = {}  # a program's key -> its inputs' shapes
         self._admitted: dict[Any, Any] = {}  # a call's key -> the key of the symbolic program that runs it
         self._fixed_sizes: set[Any] = set()  # call families whose forward failed on symbolic sizes
-        self.regions = RegionCache()  # backend="inductor": compiled compute regions, shared by all programs
+        # backend="inductor": compiled compute regions, shared by all programs; made in worker processes
+        # while the first steps run them as traced (NOTE: [Compiles in the background])
+        background = plan.backend == "inductor" and in_background(
+            options.background_compile, device, options.cuda_graph
+        )
+        self.regions = RegionCache(workers_for(device) if background else None)
         self.cache_dir = cache.resolve_dir(options.cache_dir)  # the compile cache (NOTE: [Compile cache]); None: off
         self._entries: list[Path] = []  # cache entries that take Inductor's artifacts as regions compile
         self._artifacts_at = 0  # regions compiled when the artifacts were last saved
+        self._regions_on_disk: set[int] = set()  # programs (by id) whose cache entry held Inductor's regions
         # what every call reads, found once: walking the module tree on every call costs host time before the
         # step's first kernel
         self._submodules = list(module.modules())
@@ -254,6 +260,8 @@ class CompiledModule(nn.Module):
 
     def _call(self, entry: str, args: tuple, kwargs: dict) -> Any:
         """Run the program of this call of the model ("") or of its submodule at path `entry`."""
+        if self.regions.pending:  # a step begins: it runs the regions compiled since the last one
+            self.regions.poll()
         dtype = self.options.param_dtype
         if dtype is not None:  # mixed precision: floating inputs in the compute dtype, as FSDP2 does
             args, kwargs = pytree.tree_map_only(
@@ -304,6 +312,14 @@ class CompiledModule(nn.Module):
         if key not in self.programs:
             self._build(key, args, kwargs, needs_grad, trainable, device=device)
         return self.programs[key]
+
+    def wait_compiled(self) -> float:
+        """backend="inductor" with background compiles: wait until every region met so far is
+        compiled, so that the next call runs them all compiled (NOTE: [Compiles in the background]);
+        the seconds waited. Benchmarks call it before timing steps."""
+        started = time.perf_counter()
+        self.regions.poll(wait=True)
+        return time.perf_counter() - started
 
     def trainable(self) -> tuple[bool, ...]:
         """Per flat group: does any of its parameters require a gradient now."""
@@ -450,7 +466,7 @@ class CompiledModule(nn.Module):
             return None
         started = time.perf_counter()
         program = self._loaded(k, *found)
-        exe = pipeline.lower(program, self.plan, self.regions)
+        exe = pipeline.lower(program, self.plan, self.regions, send=id(program) not in self._regions_on_disk)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
         self._input_shapes[key] = [tuple(x.shape) for x in inputs]
@@ -498,6 +514,8 @@ class CompiledModule(nn.Module):
         if cached is not None:
             program = cached
         else:
+            if where.type != "meta":  # while this program is traced (NOTE: [Compiles in the background])
+                self.regions.start_workers()
             program = pipeline.compile_program(
                 self._orig,
                 self.layout,
@@ -520,7 +538,7 @@ class CompiledModule(nn.Module):
                     self._to_cache(family, program, time.perf_counter() - started)
             if why_not:
                 program.origin += f"; not kept in the compile cache: {why_not}"
-        exe = pipeline.lower(program, self.plan, self.regions)
+        exe = pipeline.lower(program, self.plan, self.regions, send=id(program) not in self._regions_on_disk)
         log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
@@ -562,7 +580,8 @@ class CompiledModule(nn.Module):
         )
         log.info("compile cache: hit %s (%d nodes)", k.digest[:8], len(program.graph.nodes))
         if self.plan.backend == "inductor":
-            cache.load_artifacts(entry.path)
+            if cache.load_artifacts(entry.path):  # its regions load here faster than workers start
+                self._regions_on_disk.add(id(program))
             self._entries.append(entry.path)
         return program
 

@@ -68,6 +68,15 @@ class CompileOptions:
     backend: str = "eager"
     """"eager": run the aten graphs op by op; "inductor": compile each compute region between
     collectives with Inductor, once per distinct region (identical blocks share it)."""
+    background_compile: bool | None = None
+    """backend="inductor": compile the regions in worker processes while the first steps run their ops
+    as traced (what backend="eager" runs), and run them compiled from the first step that begins after
+    their compiles are done (NOTE: [Compiles in the background]): the first step starts seconds after
+    tracing instead of after Inductor. The steps before and after the switch round differently (eager
+    PyTorch's and Inductor's kernels), so a run is not bitwise repeatable; `model.wait_compiled()`
+    waits for every compile. None: on for CUDA (off under cuda_graph, whose graphs would capture the
+    traced ops); on a CPU the workers would take the cores the step runs on. $FBMT_COMPILE_WORKERS
+    sets how many workers (0: none)."""
     fp8: str | None = None
     """The blocks' matrix products in FP8 with scales computed from each step's values (NOTE: [FP8
     products]): "tensorwise" (one scale per operand; values e4m3, gradients e5m2) or "rowwise" (a scale
@@ -187,6 +196,16 @@ class CompileOptions:
             raise ValueError(f"fbmt.compile(fp8={self.fp8!r}): expected one of {FP8_RECIPES} or None")
         if self.backend not in BACKENDS:
             raise ValueError(f"fbmt.compile(backend={self.backend!r}): expected one of {BACKENDS}")
+        if self.background_compile and self.backend != "inductor":
+            raise ValueError(
+                f"fbmt.compile(background_compile=True, backend={self.backend!r}): only backend='inductor' compiles "
+                "anything; pass backend='inductor', or leave background_compile unset"
+            )
+        if self.background_compile and self.cuda_graph:
+            raise ValueError(
+                "fbmt.compile(background_compile=True, cuda_graph=True): the CUDA graphs would capture the regions "
+                "as traced, before their compiles are done; leave background_compile unset (off under cuda_graph)"
+            )
         for name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -162,18 +162,20 @@ def compile_program(
     return program
 
 
-def lower(program: Program, plan: Plan, regions: RegionCache) -> Executable:
-    """The Executable of a program: its forward and backward GraphModules, with Inductor's regions."""
+def lower(program: Program, plan: Plan, regions: RegionCache, send: bool = True) -> Executable:
+    """The Executable of a program: its forward and backward GraphModules, with Inductor's regions;
+    `send`: their compiles may go to the workers (NOTE: [Compiles in the background]), not where
+    torch's caches hold them already (a program whose cache entry gave Inductor's artifacts)."""
     # 3. partition into a forward and a backward GraphModule whose collectives run on torch.distributed
     with logs.stage("partitioning", begin=False):
         exe = partition(program)
     # 4. with backend="inductor", compile the compute between collectives (identical blocks share it)
     if plan.backend == "inductor":
-        exe.forward = split_regions(exe.forward, regions)
+        exe.forward = split_regions(exe.forward, regions, send=send)
         if exe.backward is not None:
             # its tangents follow the saved values; those that may come as one expanded zero vary in layout
             tangents = [n for n in exe.backward.graph.nodes if n.op == "placeholder"][1:]
             varying = {n for n, zero in zip(tangents, exe.zero_tangents or ()) if zero}
-            exe.backward = split_regions(exe.backward, regions, varying=varying)
+            exe.backward = split_regions(exe.backward, regions, varying=varying, send=send)
         logs.log.info("Inductor compiles each kind of region on the first call that runs it")
     return exe

@@ -47,6 +47,27 @@ layer stands) costs as much as the kind every layer shares. Two such differences
   backward is one region of one kind; the prefetch starts those few ops later.
 Where one region becomes three (the embeddings, the first layer and the final norm apart), a step runs
 two more region calls; a model's regions are fewer in all, as every tail joins its layer.
+
+NOTE: [Compiles in the background]
+A cold start spent most of its first step in Inductor: each kind of region compiled in this process,
+one after another, while the machine's other cores and the device waited. With `background_compile`
+(the default on CUDA), a region met with a layout no compile serves is sent to a few worker processes
+(`background.Workers`), and until its compile is taken in the region runs its traced aten ops as
+they are, as backend="eager" runs them. A worker compiles it into torch's own caches (the FX graph
+and AOTAutograd caches, which bundle the Triton kernels), and nothing else: at the start of each
+call of the model (where a step begins) the compiles the workers finished are taken in by compiling
+again here (`RegionCache.poll`), from the same graph and fakes (`compile_static`: the graph
+rebuilt from plain values, `_describe`, so it has the same code; fakes made from each input's
+layout, `_spec`), which the caches answer in a fraction of the time. A worker that failed, or a cache
+that does not answer (one turned off, another torch in the worker's environment), leaves that compile
+to this process, as before; what a step computes never depends on the workers. So the first step
+starts after tracing and the passes, the steps change from traced to compiled regions once the
+compiles are in, and within a step every region is what it was when the step began (unless the step
+meets a new layout). The values of the traced and the compiled ops differ by their rounding (eager
+PyTorch's kernels and Inductor's), and the step that changes depends on the workers' speed: a run is
+not bitwise repeatable, and `CompiledModule.wait_compiled()` takes every compile in at once. Regions
+of symbolic sizes (NOTE: [Symbolic regions]) compile here, as before; under CUDA graphs, which would
+capture the traced ops, compiles are not sent.
 """
 
 from __future__ import annotations
@@ -54,7 +75,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import operator
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -69,20 +92,108 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fbmt import logs
 from fbmt.compiler import collectives as comm
 from fbmt.compiler import meta, ops
+from fbmt.compiler.runtime import background
 
 
 class RegionCache:
-    """Compiled regions of one model (or more), by structure and input layout; with counts."""
+    """Compiled regions of one model (or more), by structure and input layout; with counts. With
+    `workers`, a region's first compile is made in them while the steps run it as traced (NOTE:
+    [Compiles in the background])."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: Callable[[], background.Workers | None] | None = None) -> None:
         self.compiled: dict[tuple, Any] = {}
         self.graphs: dict[str, fx.GraphModule] = {}  # each structure's GraphModule, made once (`_extract`)
         self.symbolic: dict[str, list[Symbolic]] = {}  # each structure's compiles of symbolic sizes
         self.hits = self.misses = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # compiling (or loading what the workers compiled) in this process
+        self.workers = workers  # where a compile is sent (`background.pool`: started again after a release)
+        self.pending: dict[tuple, _Sent] = {}  # compiles the workers are making, by the key `compiled` will have
+        self.generation = 0  # how many times compiles from the workers were taken in: regions look again
+        self.sent = 0  # compiles sent to the workers, and their seconds there
+        self.worker_seconds = 0.0
+        self.eager_runs = 0  # region calls that ran the traced ops while their compile was made
+
+    def __deepcopy__(self, memo: dict) -> RegionCache:  # a model's copy (an EMA twin) runs the same regions
+        return self
 
     def __repr__(self) -> str:
-        return f"RegionCache({self.misses} compiled, {self.hits} reused, {self.seconds:.1f}s compiling)"
+        sent = f", {self.sent} in the background ({self.worker_seconds:.1f}s there)" if self.sent else ""
+        return f"RegionCache({self.misses} compiled, {self.hits} reused, {self.seconds:.1f}s compiling{sent})"
+
+    def start_workers(self) -> None:
+        """Start the workers now, if compiles go to workers: a program is about to be traced (not
+        loaded), and they take seconds to start."""
+        if self.workers is not None:
+            self.workers()
+
+    def send(self, region: Region, key: tuple, args: tuple) -> bool:
+        """Have the workers compile `region` for `args`; False where it cannot be sent (no workers, or
+        a graph that does not cross to another process), and the caller compiles it here."""
+        workers = self.workers() if self.workers is not None and region.send else None
+        description = _describe(region.gm) if workers is not None else None
+        if description is None:
+            return False
+        specs = [_spec(a) for a in args]
+        grad = torch.is_grad_enabled()
+        job = workers.submit((__name__, "compile_static"), description, specs, grad)
+        self.pending[key] = _Sent(job, description, specs, grad)
+        self.sent += 1
+        if self.sent == 1:
+            # this process imports Inductor while the steps wait for the device, not at the first step
+            # that takes in a compile
+            threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",), daemon=True).start()
+            logs.log.info(
+                "Inductor: compiling regions in %d worker processes; until a step finds them compiled, it "
+                "runs their ops as traced",
+                workers.count,
+            )
+        return True
+
+    def poll(self, wait: bool = False) -> int:
+        """Take in the compiles the workers have finished (with `wait`: every one sent, waiting for
+        them), so that the next region calls run them; called where a step begins. Returns how many."""
+        ready = [key for key, sent in self.pending.items() if wait or sent.job.done()]
+        if not ready:
+            return 0
+        started = time.perf_counter()
+        jobs = [self.pending[key].job for key in ready]
+        for key in ready:
+            sent = self.pending.pop(key)
+            sent.job.wait()
+            if sent.job.error is not None:
+                logs.log.warning(
+                    "fbmt: a compile worker failed on a region (%s); it compiles in this process", sent.job.error
+                )
+            else:
+                self.worker_seconds += sent.job.seconds or 0.0
+            taken = time.perf_counter()
+            # the same graph and fakes as the worker's: torch's caches hold what it compiled (NOTE)
+            self.compiled[key] = compile_static(sent.description, sent.specs, sent.grad)
+            self.seconds += time.perf_counter() - taken
+            self.misses += 1
+        self.generation += 1
+        if not self.pending:
+            background.release()  # the workers' memory goes back to training until a new compile
+        logs.log.info(
+            "Inductor: %d region kinds compiled in the background taken in (%.2fs here, the last finished %.1fs "
+            "after it was sent; %d still compiling); %d region calls ran as traced so far",
+            len(ready),
+            time.perf_counter() - started,
+            max(job.finished - job.sent for job in jobs),
+            len(self.pending),
+            self.eager_runs,
+        )
+        return len(ready)
+
+
+@dataclass
+class _Sent:
+    """A compile sent to the workers, and what compiles it again here (`compile_static`'s arguments)."""
+
+    job: background.Job
+    description: list
+    specs: list
+    grad: bool
 
 
 # At most this many compiles of symbolic sizes per region structure: a layout none of them admits
@@ -105,16 +216,22 @@ class Region(nn.Module):
         cache: RegionCache,
         dims: list[tuple[int, ...]] | None = None,
         recheck: bool = False,
+        send: bool = True,
     ):
         super().__init__()
+        self.send = send  # its compiles may be made in the workers (not where torch's caches hold them)
         self.gm, self.structure, self.cache = gm, structure, cache
         self.dims = dims if dims and any(dims) else None
         self.recheck = recheck  # an input's strides may change between calls: find its compile each call
         self.fn: Any = None
+        self.generation = -1  # the cache's generation when `fn` was found; a newer one may hold its compile
+        self.eager = False  # `fn` runs the traced ops: the compile is being made in the workers
 
     def forward(self, *args: Any) -> Any:
-        if self.fn is None or self.dims is not None or self.recheck:
+        if self.fn is None or self.dims is not None or self.recheck or self.generation != self.cache.generation:
             self._compile(args)
+        if self.eager:
+            self.cache.eager_runs += 1
         return self.fn(*args)
 
     def _compile(self, args: tuple) -> None:
@@ -125,12 +242,18 @@ class Region(nn.Module):
             for a in args
         )
         key = (self.structure, layout)
+        self.generation, self.eager = self.cache.generation, False
         fn = self.cache.compiled.get(key)
-        if fn is None:
+        if fn is None and key in self.cache.pending:  # compiling in the workers
+            fn, self.eager = self.gm.forward, True
+        elif fn is None:
             fn = self._symbolic(args) if self.dims is not None else None
-            if fn is None:
+            if fn is None and self.cache.send(self, key, args):
+                fn, self.eager = self.gm.forward, True
+            elif fn is None:
                 fn, _ = self._inductor(args, symbolic=False)
-            self.cache.compiled[key] = fn
+            if not self.eager:
+                self.cache.compiled[key] = fn
         elif self.fn is None:  # the same region of another block, compiled already
             self.cache.hits += 1
         self.fn = fn
@@ -157,15 +280,19 @@ class Region(nn.Module):
         from torch._inductor.compile_fx import compile_fx
 
         started = time.perf_counter()
-        with cat_guard(), _cacheable(static=not symbolic) as mode:
-            if symbolic:
-                fakes = _symbolic_fakes(mode, args, self.dims)
-                gm, reads, sizes = _for_inductor(self.gm, mode, fakes, lift=True)
-                fn = _reading_sizes(compile_fx(gm, fakes + sizes), reads)
-            else:
-                fakes = [_static(mode, a) for a in args]
-                gm, _, _ = _for_inductor(self.gm, mode, fakes, lift=False)
-                fn = compile_fx(gm, fakes)
+        description = None if symbolic else _describe(self.gm)
+        if description is not None:  # as a worker compiles it (`compile_static`)
+            fn, fakes = compile_static(description, [_spec(a) for a in args], torch.is_grad_enabled()), []
+        else:
+            with cat_guard(), _cacheable(static=not symbolic) as mode:
+                if symbolic:
+                    fakes = _symbolic_fakes(mode, args, self.dims)
+                    gm, reads, sizes = _for_inductor(self.gm, mode, fakes, lift=True)
+                    fn = _reading_sizes(compile_fx(gm, fakes + sizes), reads)
+                else:
+                    fakes = [_static(mode, a) for a in args]
+                    gm, _, _ = _for_inductor(self.gm, mode, fakes, lift=False)
+                    fn = compile_fx(gm, fakes)
         seconds = time.perf_counter() - started
         self.cache.seconds += seconds
         self.cache.misses += 1
@@ -231,6 +358,113 @@ def _env(fake: Any) -> Any:
 
 def _static(mode: FakeTensorMode, a: Any) -> Any:
     return mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    """What a compile of exact sizes reads of a tensor input, without its values."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+
+def _spec(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return _TensorSpec(tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad)
+    return a
+
+
+def _fake(mode: FakeTensorMode, spec: Any) -> Any:
+    """A fake tensor of `spec`'s layout in `mode` (another value as it is)."""
+    if not isinstance(spec, _TensorSpec):
+        return spec
+    with mode:
+        if spec.offset == 0:
+            t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
+        else:  # a view at that offset into a storage that holds it
+            extent = 1 + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride)) if all(spec.shape) else 0
+            base = torch.empty((spec.offset + extent,), dtype=spec.dtype, device=spec.device)
+            t = base.as_strided(spec.shape, spec.stride, spec.offset)
+    return t.requires_grad_(spec.requires_grad) if spec.requires_grad else t
+
+
+def _describe(gm: fx.GraphModule) -> list | None:
+    """`gm`'s nodes as plain values another process rebuilds (`_rebuild`) into the same graph, names
+    and all (Inductor's caches key a graph by its code); None where a node's target or argument is
+    not such a value (an op that is not an OpOverload, a tensor argument)."""
+    out = []
+    for n in gm.graph.nodes:
+        target = n.target
+        if n.op not in ("placeholder", "call_function", "output"):
+            return None
+        if isinstance(target, torch._ops.OpOverload):
+            namespace, _, name = target._schema.name.partition("::")
+            target = ("op", namespace, name, target._overloadname)
+        elif n.op == "call_function" and target is not operator.getitem:
+            return None
+        bad = []
+        args = fx.node.map_aggregate(
+            (n.args, n.kwargs),
+            lambda a: _Ref(a.name) if isinstance(a, fx.Node) else (bad.append(a) if isinstance(a, torch.Tensor) else a),
+        )
+        if bad:
+            return None
+        out.append((n.op, n.name, target, args))
+    return out
+
+
+@dataclass(frozen=True)
+class _Ref:
+    name: str  # a node of the described graph
+
+
+def _rebuild(description: list) -> fx.GraphModule:
+    g = fx.Graph()
+    made: dict[str, fx.Node] = {}
+
+    def node(a: Any) -> Any:
+        return made[a.name] if isinstance(a, _Ref) else a
+
+    for op, name, target, (args, kwargs) in description:
+        if isinstance(target, tuple) and target[:1] == ("op",):
+            _, namespace, packet, overload = target
+            target = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+        args, kwargs = fx.node.map_aggregate((args, kwargs), node)
+        if op == "placeholder":
+            made[name] = g.placeholder(name)
+        elif op == "output":
+            g.output(args[0])
+        else:
+            made[name] = g.create_node(op, target, args, kwargs, name=name)
+    return fx.GraphModule(nn.Module(), g)
+
+
+def warm_up(device: str) -> None:
+    """A compile worker's first compile, a tiny one on `device` (NOTE: [Compiles in the background]):
+    imports, the device's initialization and Inductor's first run, paid while the model is traced."""
+    description = [
+        ("placeholder", "x", "x", ((), {})),
+        ("call_function", "add", ("op", "aten", "add", "Tensor"), ((_Ref("x"), 1), {})),
+        ("output", "output", "output", (((_Ref("add"),),), {})),
+    ]
+    compile_static(description, [_TensorSpec((8,), (1,), 0, torch.float32, torch.device(device), False)], False)
+
+
+def compile_static(description: list, specs: list, grad: bool) -> Any:
+    """Inductor's compile of a region (`_describe`'s `description`) for inputs of `specs`' exact
+    layouts: what `Region` runs, and what a compile worker makes for torch's caches (NOTE: [Compiles in
+    the background]): both build the same graph and the same fakes, so the caches key them alike."""
+    from torch._inductor.compile_fx import compile_fx
+
+    gm = _rebuild(description)
+    with torch.set_grad_enabled(grad), cat_guard(), _cacheable(static=True) as mode:
+        fakes = [_fake(mode, s) for s in specs]
+        gm, _, _ = _for_inductor(gm, mode, fakes, lift=False)
+        return compile_fx(gm, fakes)
 
 
 def _for_inductor(
@@ -312,19 +546,30 @@ def _symbolic_fakes(mode: FakeTensorMode, args: tuple, dims: list[tuple[int, ...
     return out
 
 
+def in_background(option: bool | None, device: torch.device, cuda_graph: bool) -> bool:
+    """Whether regions compile in worker processes (`CompileOptions.background_compile`, resolved)."""
+    return option if option is not None else device.type == "cuda" and not cuda_graph
+
+
+def workers_for(device: torch.device) -> Callable[[], background.Workers | None]:
+    """What finds the workers that compile regions for `device` (NOTE: [Compiles in the background]),
+    starting them where none run; each warms up with a compile on that device."""
+    return functools.partial(background.pool, warm_up=(__name__, "warm_up", (str(device),)))
+
+
 def start_compile_workers(device: torch.device) -> None:
-    """Start Inductor's pool of compile workers now, in the background, for regions that compile later.
+    """Start Inductor's pool of compile workers now, in the background, for regions compiled in this
+    process later.
 
     Inductor compiles a region's kernels in a pool of worker processes, but uses the pool only once it
     has started; until then each kernel compiles in this process, one after another. torch.compile
     starts the pool as soon as a model is first compiled; regions call Inductor directly, so fbmt
     starts it while it traces. Only kernels for CUDA (Triton) use the pool; Inductor itself declines
     where the pool cannot serve (no Triton, compile threads set to 1, TORCH_WARM_POOL=0)."""
-    if device.type != "cuda":
-        return
-    from torch._inductor.async_compile import maybe_warm_pool
+    if device.type == "cuda":
+        from torch._inductor.async_compile import maybe_warm_pool
 
-    maybe_warm_pool()
+        maybe_warm_pool()
 
 
 @contextlib.contextmanager
@@ -457,7 +702,9 @@ def _size_arithmetic(n: fx.Node) -> bool:
     return ops.pure(n) and isinstance(n.meta.get("val"), torch.SymInt)
 
 
-def split_regions(gm: fx.GraphModule, cache: RegionCache, varying: set[fx.Node] = frozenset()) -> fx.GraphModule:
+def split_regions(
+    gm: fx.GraphModule, cache: RegionCache, varying: set[fx.Node] = frozenset(), send: bool = True
+) -> fx.GraphModule:
     """`gm` with each run of pure compute replaced by a Region (see NOTE: [Regions]). `varying`: inputs of
     `gm` whose strides may differ between calls (a tangent given as one expanded zero, NOTE: [Unused
     outputs' gradients]): a region reading one, or a view of one, checks its inputs' layout every call."""
@@ -503,7 +750,9 @@ def split_regions(gm: fx.GraphModule, cache: RegionCache, varying: set[fx.Node] 
             ins, outs, sub, structure = _extract(run, cache)
             name = f"region{len(root._modules)}"
             dims = [_varying(i) for i in ins]
-            root.add_module(name, Region(sub, structure, cache, dims, recheck=any(i in laid_out for i in ins)))
+            root.add_module(
+                name, Region(sub, structure, cache, dims, recheck=any(i in laid_out for i in ins), send=send)
+            )
             call = out.call_module(name, tuple(env[i] for i in ins))
             for k, o in enumerate(outs):
                 env[o] = out.call_function(operator.getitem, (call, k))

@@ -1,0 +1,118 @@
+"""Regions compiled in worker processes while the steps run them as traced (NOTE: [Compiles in the
+background])."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fbmt
+from fbmt.compiler.runtime import background, regions
+from fbmt.compiler.runtime.regions import Region
+from tests.models.reference import gpt
+from tests.workers import lm_step_matches
+
+
+def _regions(model) -> list[Region]:
+    (exe,) = model.executables()
+    return [m for gm in (exe.forward, exe.backward) for m in gm.modules() if isinstance(m, Region)]
+
+
+def gpt_twin():
+    torch.manual_seed(0)
+    return gpt(n_layer=2)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+
+
+def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_path, monkeypatch):
+    """The first step runs every region as traced while one worker compiles them; once they are in,
+    this process finds each in torch's caches (a hit, not a compile of its own) and the next step
+    runs them compiled; both steps and the SGD step between match eager PyTorch."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: only the worker fills it
+    workers = background.Workers(1, threads=1)
+    try:
+        torch.manual_seed(0)
+        ref = gpt(n_layer=2)
+        torch.manual_seed(0)
+        compiled = dict(backend="inductor", background_compile=False, checks=True, cache_dir=tmp_path / "fbmt")
+        model = fbmt.compile(gpt(n_layer=2), **compiled)
+        model.regions.workers = lambda: workers  # a pool of its own, started after the cache folder was set
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+        lm_step_matches(model, ref, *_batch(0))
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        cache, kinds = model.regions, {r.structure for r in _regions(model)}
+        assert cache.misses == 0 and cache.sent == len(cache.pending) == len(kinds), cache
+        assert all(r.eager for r in _regions(model)) and cache.eager_runs >= len(_regions(model))
+
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        model.wait_compiled()
+        assert not cache.pending and cache.misses == len(kinds), cache
+        assert counters["inductor"]["fxgraph_cache_hit"] - hits == len(kinds)  # what the worker compiled
+        ran_traced = cache.eager_runs
+        lm_step_matches(model, ref, *_batch(1))
+        assert cache.eager_runs == ran_traced and not any(r.eager for r in _regions(model))
+
+        # a second run: its program comes from the compile cache, its regions from torch's, here
+        torch.manual_seed(0)
+        again = fbmt.compile(gpt(n_layer=2), **compiled)
+        again.regions.workers = lambda: workers
+        lm_step_matches(again, gpt_twin(), *_batch(0))
+        assert again.program.origin.startswith("loaded") and again.regions.sent == 0, again.regions
+        assert again.regions.misses == len(kinds) and not any(r.eager for r in _regions(again))
+    finally:
+        workers.close()
+
+
+def test_a_compile_the_workers_could_not_make_is_made_here_with_a_warning(monkeypatch, caplog):
+    """A worker that stopped fails its jobs: the region keeps running as traced until the step's
+    start takes the compile in, which then compiles here, saying why."""
+    made = []
+
+    def compile_here(description, specs, grad):  # Inductor's compile, stood in for: its result runs the graph
+        made.append(len(description))
+        return regions._rebuild(description).forward
+
+    monkeypatch.setattr(regions, "compile_static", compile_here)
+    workers = background.Workers(1, threads=1)
+    workers.close()  # stopped before its first job
+    cache = regions.RegionCache(lambda: workers)
+
+    def f(x):
+        return (torch.ops.aten.mul.Tensor(torch.ops.aten.cos.default(x), 2),)
+
+    region = Region(torch.fx.symbolic_trace(f), "cos-mul", cache)
+    x = torch.randn(5)
+    torch.testing.assert_close(region(x)[0], x.cos() * 2)
+    assert region.eager and cache.sent == 1 and made == []
+    with caplog.at_level(logging.WARNING, logger="fbmt"):
+        assert cache.poll(wait=True) == 1
+    assert "compile worker failed" in caplog.text and "stopped" in caplog.text, caplog.text
+    torch.testing.assert_close(region(x)[0], x.cos() * 2)
+    assert not region.eager and made == [4] and cache.misses == 1
+
+
+def test_a_graph_that_cannot_cross_to_a_worker_compiles_here():
+    """A region whose ops are not all aten overloads (a Python function) is not sent."""
+    cache = regions.RegionCache(lambda: background.Workers(0, threads=1))
+
+    def f(x):
+        return (torch.ops.aten.cos.default(x) * 2,)  # `*`: operator.mul, no OpOverload
+
+    assert regions._describe(torch.fx.symbolic_trace(f)) is None
+    assert not cache.send(Region(torch.fx.symbolic_trace(f), "cos-mul", cache), ("k",), (torch.randn(2),))
+    assert cache.sent == 0
+
+
+@pytest.mark.parametrize("option", [dict(backend="eager"), dict(backend="inductor", cuda_graph=True)])
+def test_background_compile_is_refused_where_nothing_compiles_in_the_background(option):
+    with pytest.raises(ValueError, match="background_compile=True"):
+        fbmt.compile(gpt(), background_compile=True, **option)
