@@ -49,7 +49,8 @@ def one(
     command += [f"--master_port={29500 + random.randrange(1000)}", os.path.join(HERE, "gpu_train.py")]
     shape = ["--batch", "2", "--seq", "128"] if config else ["--batch", str(args.batch), "--seq", str(args.seq)]
     command += ["--config", config or args.config, *shape, "--remat", args.remat]
-    command += ["--methods", method, "--steps", "2", "--warmup", "0", "--out", out] + (["--hf"] if args.hf else [])
+    steps = "2" if config else str(args.steps)
+    command += ["--methods", method, "--steps", steps, "--warmup", "0", "--out", out] + (["--hf"] if args.hf else [])
     env = {
         **os.environ,
         "FBMT_CACHE_DIR": folders["fbmt"],
@@ -73,6 +74,7 @@ def one(
     os.unlink(out)
     said = [line[line.index("]") + 2 :] for line in done.stderr.splitlines() if "compile cache" in line]
     keep = ("setup_s", "first_step_s", "step_ms", "compile_s", "inductor_s", "losses", "peak_gib", "origin")
+    keep += ("traced_steps", "regions")
     return dict(method=method, wall_s=wall, **{k: r[k] for k in keep if k in r}, cache_log=said)
 
 
@@ -86,6 +88,9 @@ def main() -> None:
     ap.add_argument("--fbmt", default="fbmt-inductor", help="gpu_train.py's fbmt method")
     ap.add_argument("--peer", default="fsdp2-compile", help="gpu_train.py's peer method ('': fbmt alone)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds one process may take")
+    ap.add_argument(
+        "--steps", type=int, default=12, help="steps each run takes (the last columns: the time to finish them all)"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--logs", default=None, help="write each run's output to this folder")
     ap.add_argument(
@@ -129,16 +134,21 @@ def main() -> None:
     rows.append(dict(round="entry only", **one(args.fbmt, args, entry_only, label="entry-only")))
     print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.config}{' (HF)' if args.hf else ''}, remat {args.remat}, batch {args.batch} x {args.seq}")
-    columns = ("process", "build", "first step", "two steps", "fbmt compile", "Inductor")
-    print("| method | round | " + " | ".join(f"{c} (s)" for c in columns) + " |")
-    print("|---|---|---|---|---|---|---|---|")
+    columns = ("process", "build", "first step", "two steps", f"{args.steps} steps", "fbmt compile", "Inductor")
+    print("| method | round | " + " | ".join(f"{c} (s)" for c in columns) + " | steps run as traced |")
+    print("|---|---|" + "---|" * (len(columns) + 1))
     for r in rows:
         if "error" in r:
             print(f"| {r['method']} | {r['round']} | failed: {r['error'][-300:]!r} |")
             continue
-        extra = f"{r['compile_s']:.1f} | {r['inductor_s']:.1f}" if "compile_s" in r else "– | –"
+        extra = (
+            f"{r['compile_s']:.1f} | {r['inductor_s']:.1f} | {r.get('traced_steps', 0)}"
+            if "compile_s" in r
+            else "– | – | –"
+        )
         two = sum(r["step_ms"][:2]) / 1e3 if len(r.get("step_ms", [])) >= 2 else float("nan")
-        times = f"{r['wall_s']:.1f} | {r['setup_s']:.1f} | {r['first_step_s']:.1f} | {two:.1f}"
+        every = sum(r["step_ms"]) / 1e3
+        times = f"{r['wall_s']:.1f} | {r['setup_s']:.1f} | {r['first_step_s']:.1f} | {two:.1f} | {every:.1f}"
         print(f"| {r['method']} | {r['round']} | {times} | {extra} |")
     if args.out:
         with open(args.out, "w") as f:

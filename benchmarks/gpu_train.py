@@ -276,6 +276,11 @@ def is_fbmt(method: str) -> bool:
     return method.startswith(("fbmt", "base-fbmt"))
 
 
+def traced_runs(model: Any) -> int:
+    """How many region calls of an fbmt model ran as traced while their compile was in the workers."""
+    return getattr(getattr(model, "regions", None), "eager_runs", 0)
+
+
 # what these passes decided about the model's ends; "trace": the attention masks it proved causal, where it says
 PASSES_SHOWN = ("trace", "remat", "merge", "shard", "schedule")
 
@@ -507,16 +512,21 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     losses, step_times = [], []
     collections = GcTimer()
     allocator: dict[str, int] = {}
+    traced_steps = 0  # fbmt's steps that ran a region as traced, its compile still in the workers
     for step in range(args.warmup + args.steps):
         sync()
+        if step == args.warmup and hasattr(model, "wait_compiled"):
+            model.wait_compiled()  # timed steps run every region compiled, however fast the workers were
         if step == args.warmup and cuda:
             allocator = allocator_counts()
+        traced = traced_runs(model)
         t0 = time.perf_counter()  # a step includes making its batch (a small host-to-device copy), for every method
         with collections.counting(step >= args.warmup):
             loss = train_step(model, opt, args, cfg, device, step)
             sync()
         step_times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
+        traced_steps += traced_runs(model) != traced
     if cuda:  # what the caching allocator did during the timed steps (cudaMalloc/cudaFree, and the
         # device-wide synchronizations it makes to free cached memory for a retry)
         allocator = {k: v - allocator.get(k, 0) for k, v in allocator_counts().items()}
@@ -565,6 +575,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
         result["inductor_s"] = model.regions.seconds  # compiling regions (backend="inductor"), in the first step
         result["capture_s"] = model.capture_seconds  # CUDA graphs (-graph methods)
         result["regions"] = repr(model.regions)
+        result["traced_steps"] = traced_steps
         result["origin"] = model.program.origin  # compiled, or loaded from the compile cache (and why not kept)
         # what the passes decided about the model's ends: the last block saved or not, the group kept
         result["passes"] = passes_shown(model.program)
@@ -637,6 +648,8 @@ def interleaved(
                 r["losses"].append(train_step(model, opt, args, cfg, device, step).detach())
                 sync()
                 r["step_ms"].append((time.perf_counter() - t0) * 1e3)
+            if hasattr(model, "wait_compiled"):
+                model.wait_compiled()  # timed steps run every region compiled, however fast the workers were
         r["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
     orders = balanced_orders(methods)
     for step in range(args.warmup, args.warmup + args.steps):
