@@ -22,7 +22,7 @@ def _regions(model) -> list[Region]:
 
 def gpt_twin():
     torch.manual_seed(0)
-    return gpt(n_layer=2)
+    return gpt(n_layer=1)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,10 +40,10 @@ def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_pa
     workers = background.Workers(1, threads=1)
     try:
         torch.manual_seed(0)
-        ref = gpt(n_layer=2)
+        ref = gpt(n_layer=1)
         torch.manual_seed(0)
         compiled = dict(backend="inductor", background_compile=False, checks=True, cache_dir=tmp_path / "fbmt")
-        model = fbmt.compile(gpt(n_layer=2), **compiled)
+        model = fbmt.compile(gpt(n_layer=1), **compiled)
         model.regions.workers = lambda: workers  # a pool of its own, started after the cache folder was set
         opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
 
@@ -63,7 +63,7 @@ def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_pa
 
         # a second run: its program comes from the compile cache, its regions from torch's, here
         torch.manual_seed(0)
-        again = fbmt.compile(gpt(n_layer=2), **compiled)
+        again = fbmt.compile(gpt(n_layer=1), **compiled)
         again.regions.workers = lambda: workers
         lm_step_matches(again, gpt_twin(), *_batch(0))
         assert again.program.origin.startswith("loaded") and again.regions.sent == 0, again.regions
