@@ -100,6 +100,33 @@ def test_a_compile_the_workers_could_not_make_is_made_here_with_a_warning(monkey
     assert not region.eager and made == [4] and cache.misses == 1
 
 
+def test_waiting_for_a_worker_that_does_not_answer_ends_and_compiles_here(monkeypatch, caplog):
+    """`wait_compiled` on a stuck worker (a job that never finishes) gives up after the cache's limit
+    and compiles the region here, saying so; it does not wait forever."""
+    monkeypatch.setattr(
+        regions, "compile_static", lambda description, specs, grad: regions._rebuild(description).forward
+    )
+    workers = background.Workers(1, threads=1)
+    try:
+        workers.submit(("time", "sleep"), 60)  # the one worker is busy for a minute
+        cache = regions.RegionCache(lambda: workers)
+        cache.wait_limit = 0.5
+
+        def f(x):
+            return (torch.ops.aten.sin.default(x),)
+
+        region = Region(torch.fx.symbolic_trace(f), "sin", cache)
+        x = torch.randn(3)
+        region(x)
+        with caplog.at_level(logging.WARNING, logger="fbmt"):
+            assert cache.poll(wait=True) == 1
+        assert "has not answered" in caplog.text, caplog.text
+        torch.testing.assert_close(region(x)[0], x.sin())
+        assert not region.eager and cache.misses == 1
+    finally:
+        workers.close()
+
+
 def test_a_graph_that_cannot_cross_to_a_worker_compiles_here():
     """A region whose ops are not all aten overloads (a Python function) is not sent."""
     cache = regions.RegionCache(lambda: background.Workers(0, threads=1))

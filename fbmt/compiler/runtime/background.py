@@ -41,8 +41,9 @@ class Job:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> None:
-        self._done.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the job is done, or `timeout` seconds; whether it is done."""
+        return self._done.wait(timeout)
 
     def _finish(self, seconds: float | None, error: str | None) -> None:
         self.seconds, self.error, self.finished = seconds, error, time.perf_counter()

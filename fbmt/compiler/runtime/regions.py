@@ -112,6 +112,7 @@ class RegionCache:
         self.sent = 0  # compiles sent to the workers, and their seconds there
         self.worker_seconds = 0.0
         self.eager_runs = 0  # region calls that ran the traced ops while their compile was made
+        self.wait_limit = 600.0  # seconds `poll(wait=True)` waits for one compile before making it here
 
     def __deepcopy__(self, memo: dict) -> RegionCache:  # a model's copy (an EMA twin) runs the same regions
         return self
@@ -159,8 +160,12 @@ class RegionCache:
         jobs = [self.pending[key].job for key in ready]
         for key in ready:
             sent = self.pending.pop(key)
-            sent.job.wait()
-            if sent.job.error is not None:
+            if not sent.job.wait(self.wait_limit):  # a worker stuck: the job is left to it, and made here
+                logs.log.warning(
+                    "fbmt: a compile worker has not answered in %.0fs; the region compiles in this process",
+                    self.wait_limit,
+                )
+            elif sent.job.error is not None:
                 logs.log.warning(
                     "fbmt: a compile worker failed on a region (%s); it compiles in this process", sent.job.error
                 )
@@ -179,7 +184,7 @@ class RegionCache:
             "after it was sent; %d still compiling); %d region calls ran as traced so far",
             len(ready),
             time.perf_counter() - started,
-            max(job.finished - job.sent for job in jobs),
+            max((job.finished or time.perf_counter()) - job.sent for job in jobs),
             len(self.pending),
             self.eager_runs,
         )
