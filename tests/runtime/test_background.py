@@ -139,6 +139,20 @@ def test_a_graph_that_cannot_cross_to_a_worker_compiles_here():
     assert cache.sent == 0
 
 
+def test_a_graph_whose_arguments_do_not_pickle_compiles_here(monkeypatch):
+    """An argument another process cannot receive fails the sending, not a worker's thread: the
+    region compiles here at once."""
+    made = []
+    monkeypatch.setattr(regions, "compile_static", lambda *args: made.append(args) or (lambda x: (x.cos(),)))
+    monkeypatch.setattr(regions, "_describe", lambda gm: [("call_function", "f", lambda: 0, ((), {}))])
+    workers = background.Workers(0, threads=1)
+    cache = regions.RegionCache(lambda: workers)
+    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.cos.default(x),)), "cos", cache)
+    x = torch.randn(3)
+    torch.testing.assert_close(region(x)[0], x.cos())
+    assert cache.sent == 0 and not cache.pending and not region.eager and len(made) == 1
+
+
 @pytest.mark.parametrize("option", [dict(backend="eager"), dict(backend="inductor", cuda_graph=True)])
 def test_background_compile_is_refused_where_nothing_compiles_in_the_background(option):
     with pytest.raises(ValueError, match="background_compile=True"):

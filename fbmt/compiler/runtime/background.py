@@ -33,6 +33,7 @@ class Job:
 
     def __init__(self, function: tuple[str, str], args: tuple) -> None:
         self.function, self.args = function, args
+        self.data = pickle.dumps((function, args))  # here: what does not pickle fails its caller, not a thread
         self.seconds: float | None = None  # the call's own time in the worker
         self.error: str | None = None
         self.sent, self.finished = time.perf_counter(), 0.0  # when submitted, and when answered
@@ -81,7 +82,8 @@ class Workers:
         return all(job.done() for job in self._sent)
 
     def submit(self, function: tuple[str, str], *args: Any) -> Job:
-        """Run `function` (module, attribute) on `args` in the first free worker."""
+        """Run `function` (module, attribute) on `args` in the first free worker; raises what pickling
+        them raises."""
         job = Job(function, args)
         self._sent = [j for j in self._sent if not j.done()] + [job]
         if self._closed:
@@ -104,7 +106,7 @@ class Workers:
         while (job := self._jobs.get()) is not None:
             if exited is None:
                 try:
-                    _send(process.stdin, (job.function, job.args))
+                    _write(process.stdin, job.data)
                     seconds, error = _receive(process.stdout)
                     job._finish(seconds, error)
                     continue
@@ -114,7 +116,10 @@ class Workers:
 
 
 def _send(stream: IO[bytes] | None, value: Any) -> None:
-    data = pickle.dumps(value)
+    _write(stream, pickle.dumps(value))
+
+
+def _write(stream: IO[bytes] | None, data: bytes) -> None:
     assert stream is not None
     stream.write(struct.pack("<Q", len(data)) + data)
     stream.flush()

@@ -77,6 +77,7 @@ import functools
 import hashlib
 import importlib
 import operator
+import pickle
 import threading
 import time
 import warnings
@@ -107,7 +108,8 @@ class RegionCache:
         self.hits = self.misses = 0
         self.seconds = 0.0  # compiling (or loading what the workers compiled) in this process
         self.workers = workers  # where a compile is sent (`background.pool`: started again after a release)
-        self.pending: dict[tuple, _Sent] = {}  # compiles the workers are making, by the key `compiled` will have
+        # compiles the workers are making (`compile_static`'s arguments), by the key `compiled` will have
+        self.pending: dict[tuple, background.Job] = {}
         self.generation = 0  # how many times compiles from the workers were taken in: regions look again
         self.sent = 0  # compiles sent to the workers, and their seconds there
         self.worker_seconds = 0.0
@@ -134,10 +136,13 @@ class RegionCache:
         description = _describe(region.gm) if workers is not None else None
         if description is None:
             return False
-        specs = [_spec(a) for a in args]
-        grad = torch.is_grad_enabled()
-        job = workers.submit((__name__, "compile_static"), description, specs, grad)
-        self.pending[key] = _Sent(job, description, specs, grad)
+        try:
+            job = workers.submit(
+                (__name__, "compile_static"), description, [_spec(a) for a in args], torch.is_grad_enabled()
+            )
+        except (pickle.PicklingError, TypeError, AttributeError):  # an argument another process cannot receive
+            return False
+        self.pending[key] = job
         self.sent += 1
         if self.sent == 1:
             # this process imports Inductor while the steps wait for the device, not at the first step
@@ -153,27 +158,26 @@ class RegionCache:
     def poll(self, wait: bool = False) -> int:
         """Take in the compiles the workers have finished (with `wait`: every one sent, waiting for
         them), so that the next region calls run them; called where a step begins. Returns how many."""
-        ready = [key for key, sent in self.pending.items() if wait or sent.job.done()]
+        ready = [key for key, job in self.pending.items() if wait or job.done()]
         if not ready:
             return 0
         started = time.perf_counter()
-        jobs = [self.pending[key].job for key in ready]
-        for key in ready:
-            sent = self.pending.pop(key)
-            if not sent.job.wait(self.wait_limit):  # a worker stuck: the job is left to it, and made here
+        jobs = [self.pending.pop(key) for key in ready]
+        for key, job in zip(ready, jobs):
+            if not job.wait(self.wait_limit):  # a worker stuck: the job is left to it, and made here
                 logs.log.warning(
                     "fbmt: a compile worker has not answered in %.0fs; the region compiles in this process",
                     self.wait_limit,
                 )
-            elif sent.job.error is not None:
+            elif job.error is not None:
                 logs.log.warning(
-                    "fbmt: a compile worker failed on a region (%s); it compiles in this process", sent.job.error
+                    "fbmt: a compile worker failed on a region (%s); it compiles in this process", job.error
                 )
             else:
-                self.worker_seconds += sent.job.seconds or 0.0
+                self.worker_seconds += job.seconds or 0.0
             taken = time.perf_counter()
             # the same graph and fakes as the worker's: torch's caches hold what it compiled (NOTE)
-            self.compiled[key] = compile_static(sent.description, sent.specs, sent.grad)
+            self.compiled[key] = compile_static(*job.args)
             self.seconds += time.perf_counter() - taken
             self.misses += 1
         self.generation += 1
@@ -189,16 +193,6 @@ class RegionCache:
             self.eager_runs,
         )
         return len(ready)
-
-
-@dataclass
-class _Sent:
-    """A compile sent to the workers, and what compiles it again here (`compile_static`'s arguments)."""
-
-    job: background.Job
-    description: list
-    specs: list
-    grad: bool
 
 
 # At most this many compiles of symbolic sizes per region structure: a layout none of them admits
