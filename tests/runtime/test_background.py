@@ -47,13 +47,13 @@ def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_pa
         model.regions.workers = lambda: workers  # a pool of its own, started after the cache folder was set
         opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
 
+        hits = counters["inductor"]["fxgraph_cache_hit"]  # read first: the loader thread may take them in at once
         lm_step_matches(model, ref, *_batch(0))
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         cache, kinds = model.regions, {r.structure for r in _regions(model)}
         assert cache.misses == 0 and cache.sent == len(cache.pending) == len(kinds), cache
         assert all(r.eager for r in _regions(model)) and cache.eager_runs >= len(_regions(model))
 
-        hits = counters["inductor"]["fxgraph_cache_hit"]
         model.wait_compiled()
         assert not cache.pending and cache.misses == len(kinds), cache
         assert counters["inductor"]["fxgraph_cache_hit"] - hits == len(kinds)  # what the worker compiled
@@ -61,13 +61,20 @@ def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_pa
         lm_step_matches(model, ref, *_batch(1))
         assert cache.eager_runs == ran_traced and not any(r.eager for r in _regions(model))
 
-        # a second run: its program comes from the compile cache, its regions from torch's, here
+        # a second run: its program comes from the compile cache, its regions from torch's, loaded here
+        # by a thread of this process (no worker) while the first step runs them as traced
         torch.manual_seed(0)
         again = fbmt.compile(gpt(n_layer=1), **compiled)
         again.regions.workers = lambda: workers
-        lm_step_matches(again, gpt_twin(), *_batch(0))
+        twin = gpt_twin()
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        lm_step_matches(again, twin, *_batch(0))
         assert again.program.origin.startswith("loaded") and again.regions.sent == 0, again.regions
-        assert again.regions.misses == len(kinds) and not any(r.eager for r in _regions(again))
+        assert again.regions.misses == 0 and all(r.eager for r in _regions(again)), again.regions
+        again.wait_compiled()
+        assert again.regions.misses == len(kinds) and counters["inductor"]["fxgraph_cache_hit"] - hits == len(kinds)
+        lm_step_matches(again, twin, *_batch(1))
+        assert not any(r.eager for r in _regions(again))
     finally:
         workers.close()
 
@@ -92,7 +99,7 @@ def test_a_compile_the_workers_could_not_make_is_made_here_with_a_warning(monkey
     region = Region(torch.fx.symbolic_trace(f), "cos-mul", cache)
     x = torch.randn(5)
     torch.testing.assert_close(region(x)[0], x.cos() * 2)
-    assert region.eager and cache.sent == 1 and made == []
+    assert region.eager and cache.sent == 1  # the loader may have made it already, from the failed job
     with caplog.at_level(logging.WARNING, logger="fbmt"):
         assert cache.poll(wait=True) == 1
     assert "compile worker failed" in caplog.text and "stopped" in caplog.text, caplog.text
@@ -151,6 +158,41 @@ def test_a_graph_whose_arguments_do_not_pickle_compiles_here(monkeypatch):
     x = torch.randn(3)
     torch.testing.assert_close(region(x)[0], x.cos())
     assert cache.sent == 0 and not cache.pending and not region.eager and len(made) == 1
+
+
+def test_a_loaded_programs_regions_load_in_a_thread_that_starts_after_the_step(monkeypatch):
+    """A region whose program's cache entry holds Inductor's artifacts (`send=False`) is loaded here by
+    the loader thread, with no worker; the thread starts where the next step begins, not within the
+    step that met the region (its Python would slow that step's traced ops)."""
+    monkeypatch.setattr(
+        regions, "compile_static", lambda description, specs, grad: regions._rebuild(description).forward
+    )
+    cache = regions.RegionCache(lambda: pytest.fail("no worker is needed"))
+    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    x = torch.randn(4)
+    torch.testing.assert_close(region(x)[0], x.exp())
+    assert region.eager and len(cache.pending) == 1 and cache._loader is None
+    cache.poll()  # the next step begins: the loader starts (and may have made it already)
+    cache.poll(wait=True)
+    assert not cache.pending and cache.misses == 1 and cache.sent == 0
+    torch.testing.assert_close(region(x)[0], x.exp())
+    assert not region.eager and cache.misses == 1
+
+
+def test_a_compile_that_fails_in_the_loader_raises_where_a_step_begins(monkeypatch):
+    """Inductor's error in the loader thread is not lost: the steps ran the traced ops meanwhile, and
+    the next step's start raises it, as a compile in the step would have."""
+
+    def broken(description, specs, grad):
+        raise RuntimeError("Inductor cannot lower this")
+
+    monkeypatch.setattr(regions, "compile_static", broken)
+    cache = regions.RegionCache(lambda: None)
+    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    x = torch.randn(4)
+    torch.testing.assert_close(region(x)[0], x.exp())
+    with pytest.raises(RuntimeError, match="cannot lower"):
+        cache.poll(wait=True)
 
 
 @pytest.mark.parametrize("option", [dict(backend="eager"), dict(backend="inductor", cuda_graph=True)])

@@ -172,6 +172,11 @@ def serve(warm_up: tuple[str, str, tuple] | None = None) -> None:
 _pool: Workers | None = None
 
 
+def enabled() -> bool:
+    """Whether anything compiles in the background ($FBMT_COMPILE_WORKERS is not 0)."""
+    return flags.COMPILE_WORKERS.get() != 0
+
+
 def pool(warm_up: tuple[str, str, tuple] | None = None) -> Workers | None:
     """This process's workers, started on the first call after the last `release`; None where
     $FBMT_COMPILE_WORKERS is 0."""

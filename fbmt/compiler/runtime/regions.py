@@ -51,27 +51,36 @@ two more region calls; a model's regions are fewer in all, as every tail joins i
 NOTE: [Compiles in the background]
 A cold start spent most of its first step in Inductor: each kind of region compiled in this process,
 one after another, while the machine's other cores and the device waited. With `background_compile`
-(the default on CUDA), a region met with a layout no compile serves is sent to a few worker processes
-(`background.Workers`), and until its compile is taken in the region runs its traced aten ops as
-they are, as backend="eager" runs them. A worker compiles it into torch's own caches (the FX graph
-and AOTAutograd caches, which bundle the Triton kernels), and nothing else: at the start of each
-call of the model (where a step begins) the compiles the workers finished are taken in by compiling
-again here (`RegionCache.poll`), from the same graph and fakes (`compile_static`: the graph
-rebuilt from plain values, `_describe`, so it has the same code; fakes made from each input's
-layout, `_spec`), which the caches answer in a fraction of the time. A worker that failed, or a cache
-that does not answer (one turned off, another torch in the worker's environment), leaves that compile
-to this process, as before; what a step computes never depends on the workers. So the first step
-starts after tracing and the passes, the steps change from traced to compiled regions once the
-compiles are in, and within a step every region is what it was when the step began (unless the step
-meets a new layout). The values of the traced and the compiled ops differ by their rounding (eager
-PyTorch's kernels and Inductor's), and the step that changes depends on the workers' speed: a run is
-not bitwise repeatable, and `CompiledModule.wait_compiled()` takes every compile in at once. Regions
-of symbolic sizes (NOTE: [Symbolic regions]) compile here, as before; under CUDA graphs, which would
-capture the traced ops, compiles are not sent.
+(the default on CUDA), a region met with a layout no compile serves is compiled away from the steps,
+and until its compile is taken in the region runs its traced aten ops as they are, as backend="eager"
+runs them:
+- Cold, it is sent to a few worker processes (`background.Workers`). A worker compiles it into torch's
+  own caches (the FX graph and AOTAutograd caches, which bundle the Triton kernels), and nothing else;
+  this process then compiles it again from the same graph and fakes (`compile_static`: the graph
+  rebuilt from plain values, `_describe`, so it has the same code; fakes made from each input's
+  layout, `_spec`), which the caches answer in a fraction of the time.
+- Warm, where the program's cache entry held Inductor's artifacts, it goes to no worker (starting one
+  costs more than the load): this process compiles it from the caches at once.
+Both compiles here are made by a loader thread of this process (`RegionCache._load`), one at a time,
+and taken in where a call of the model begins (`RegionCache.poll`): within a step every region is what
+it was when the step began (unless the step meets a new layout). The loader starts where the step after
+the one that met the regions begins, not beside it: importing Inductor is seconds of Python, which takes
+the interpreter from the step's thread, and that first step would run
+several times slower. So a warm start's first step runs traced without waiting for Inductor at all,
+and the next steps share the process with the loader. A worker that failed or did not answer in
+`wait_limit`, or a cache that does not answer (one turned off, another torch in the worker's
+environment), leaves that compile to the loader, as one made here; a compile that fails raises where
+the next step begins. What a step computes never depends on the workers or the loader. The values of
+the traced and the compiled ops differ by their rounding (eager PyTorch's kernels and Inductor's), and
+the step that changes depends on the workers' and the loader's speed: a run is not bitwise repeatable,
+and `CompiledModule.wait_compiled()` takes every compile in at once. Regions of symbolic sizes (NOTE:
+[Symbolic regions]) compile in the step, as before, one compile at a time with the loader's
+(`COMPILING`); under CUDA graphs, which would capture the traced ops, nothing compiles in the background.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -114,7 +123,10 @@ class RegionCache:
         self.sent = 0  # compiles sent to the workers, and their seconds there
         self.worker_seconds = 0.0
         self.eager_runs = 0  # region calls that ran the traced ops while their compile was made
-        self.wait_limit = 600.0  # seconds `poll(wait=True)` waits for one compile before making it here
+        self.wait_limit = 600.0  # seconds the loader waits for a worker's compile before making it itself
+        self._queue: list[_Load] = []  # loads the loader thread has yet to make
+        self._queued = threading.Condition()  # guards `_queue` and `_loader`
+        self._loader: threading.Thread | None = None
 
     def __deepcopy__(self, memo: dict) -> RegionCache:  # a model's copy (an EMA twin) runs the same regions
         return self
@@ -130,69 +142,138 @@ class RegionCache:
             self.workers()
 
     def send(self, region: Region, key: tuple, args: tuple) -> bool:
-        """Have the workers compile `region` for `args`; False where it cannot be sent (no workers, or
-        a graph that does not cross to another process), and the caller compiles it here."""
-        workers = self.workers() if self.workers is not None and region.send else None
-        description = _describe(region.gm) if workers is not None else None
+        """Have `region` compiled for `args` while the steps run it as traced: by the workers and then
+        taken in by this process's loader thread, or (`region.send` False: its program's cache entry
+        holds Inductor's artifacts) by the loader thread alone. False where it cannot be (no background
+        compiles, a graph that does not cross to another process), and the caller compiles it now."""
+        if self.workers is None or not background.enabled():
+            return False
+        description = _describe(region.gm)
         if description is None:
             return False
-        try:
-            job = workers.submit(
-                (__name__, "compile_static"), description, [_spec(a) for a in args], torch.is_grad_enabled()
-            )
-        except (pickle.PicklingError, TypeError, AttributeError):  # an argument another process cannot receive
-            return False
-        self.pending[key] = job
-        self.sent += 1
-        if self.sent == 1:
-            # this process imports Inductor while the steps wait for the device, not at the first step
-            # that takes in a compile
-            threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",), daemon=True).start()
-            logs.log.info(
-                "Inductor: compiling regions in %d worker processes; until a step finds them compiled, it "
-                "runs their ops as traced",
-                workers.count,
-            )
+        made = (description, [_spec(a) for a in args], torch.is_grad_enabled())  # `compile_static`'s arguments
+        job = None
+        if region.send:
+            workers = self.workers()
+            if workers is None:
+                return False
+            try:
+                job = workers.submit((__name__, "compile_static"), *made)
+            except (pickle.PicklingError, TypeError, AttributeError):  # an argument another process cannot receive
+                return False
+            self.sent += 1
+            if self.sent == 1:
+                logs.log.info(
+                    "Inductor: compiling regions in %d worker processes; until a step finds them compiled, it "
+                    "runs their ops as traced",
+                    workers.count,
+                )
+        load = self.pending[key] = _Load(job, made)
+        with self._queued:
+            self._queue.append(load)
+            self._queued.notify()
         return True
 
+    def _start_loader(self) -> None:
+        """Start the loader thread where loads wait and none runs. Not at `send`, within the step that
+        met the regions: any Python the loader runs (importing Inductor is seconds of it) takes the
+        interpreter from the step's thread, whose traced ops then run several times slower."""
+        with self._queued:
+            if self._queue and self._loader is None:
+                self._loader = threading.Thread(target=self._load, daemon=True, name="fbmt-region-loader")
+                self._loader.start()
+
+    def _load(self) -> None:
+        """The loader thread: make each queued load (`_Load.make`) once it is ready, one at a time, the
+        first ready first; it ends when none is left (`poll` starts another)."""
+        with contextlib.suppress(Exception):  # exiting; or a broken install, which fails the compile itself
+            importlib.import_module("torch._inductor.compile_fx")  # what every compile needs
+        while True:
+            with self._queued:
+                load = next((q for q in self._queue if q.ready(self.wait_limit)), None)
+                if _exiting.is_set() or (load is None and not self._queue):
+                    self._loader = None  # under the lock: a load queued after this starts a new thread
+                    return
+                if load is None:
+                    self._queued.wait(0.05)  # a worker's answer sets no condition of ours: look again soon
+                    continue
+                self._queue.remove(load)
+            load.make(self.wait_limit)
+
     def poll(self, wait: bool = False) -> int:
-        """Take in the compiles the workers have finished (with `wait`: every one sent, waiting for
-        them), so that the next region calls run them; called where a step begins. Returns how many."""
-        ready = [key for key, job in self.pending.items() if wait or job.done()]
+        """Take in the compiles the loader has made (with `wait`: every one pending, waiting for them),
+        so that the next region calls run them; called where a step begins. Returns how many. A
+        compile that failed here raises its error."""
+        self._start_loader()
+        if wait:
+            for load in list(self.pending.values()):
+                load.done.wait()  # bounded: the loader waits `wait_limit` for a worker, then compiles itself
+        ready = [key for key, load in self.pending.items() if load.done.is_set()]
         if not ready:
             return 0
-        started = time.perf_counter()
-        jobs = [self.pending.pop(key) for key in ready]
-        for key, job in zip(ready, jobs):
-            if not job.wait(self.wait_limit):  # a worker stuck: the job is left to it, and made here
-                logs.log.warning(
-                    "fbmt: a compile worker has not answered in %.0fs; the region compiles in this process",
-                    self.wait_limit,
-                )
-            elif job.error is not None:
-                logs.log.warning(
-                    "fbmt: a compile worker failed on a region (%s); it compiles in this process", job.error
-                )
-            else:
-                self.worker_seconds += job.seconds or 0.0
-            taken = time.perf_counter()
-            # the same graph and fakes as the worker's: torch's caches hold what it compiled (NOTE)
-            self.compiled[key] = compile_static(*job.args)
-            self.seconds += time.perf_counter() - taken
+        loads = [self.pending.pop(key) for key in ready]
+        for key, load in zip(ready, loads):
+            if load.error is not None:
+                raise load.error
+            self.compiled[key] = load.fn
+            self.seconds += load.seconds
+            self.worker_seconds += load.job.seconds or 0.0 if load.job is not None else 0.0
             self.misses += 1
         self.generation += 1
         if not self.pending:
             background.release()  # the workers' memory goes back to training until a new compile
+        answered = [load.job.finished - load.job.sent for load in loads if load.job is not None and load.job.done()]
         logs.log.info(
-            "Inductor: %d region kinds compiled in the background taken in (%.2fs here, the last finished %.1fs "
-            "after it was sent; %d still compiling); %d region calls ran as traced so far",
+            "Inductor: %d region kinds compiled in the background taken in (%.2fs in the loader thread%s; %d "
+            "still compiling); %d region calls ran as traced so far",
             len(ready),
-            time.perf_counter() - started,
-            max((job.finished or time.perf_counter()) - job.sent for job in jobs),
+            sum(load.seconds for load in loads),
+            f", the last from a worker {max(answered):.1f}s after it was sent" if answered else "",
             len(self.pending),
             self.eager_runs,
         )
         return len(ready)
+
+
+# Set where the interpreter begins to exit: the loader starts no new compile (what it would make is
+# no longer wanted, and torch's modules are being torn down).
+_exiting = threading.Event()
+atexit.register(_exiting.set)
+
+
+class _Load:
+    """A region's compile made while the steps run it as traced (NOTE: [Compiles in the background]):
+    by a worker (`job`) and then again here, where torch's caches answer it; or here at once (no
+    job: its program's cache entry holds Inductor's artifacts). `args` are `compile_static`'s."""
+
+    def __init__(self, job: background.Job | None, args: tuple) -> None:
+        self.job, self.args = job, args
+        self.fn: Any = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # the loader's own compile
+        self.done = threading.Event()
+
+    def ready(self, limit: float) -> bool:
+        """Its worker answered (or failed), or has not in `limit` seconds; or it has none."""
+        job = self.job
+        return job is None or job.done() or time.perf_counter() - job.sent > limit
+
+    def make(self, limit: float) -> None:
+        job = self.job
+        if job is not None and not job.done():  # a worker stuck: the job is left to it, and made here
+            logs.log.warning(
+                "fbmt: a compile worker has not answered in %.0fs; the region compiles in this process", limit
+            )
+        elif job is not None and job.error is not None:
+            logs.log.warning("fbmt: a compile worker failed on a region (%s); it compiles in this process", job.error)
+        started = time.perf_counter()
+        try:
+            # the same graph and fakes as the worker's: torch's caches hold what it compiled (NOTE)
+            self.fn = compile_static(*self.args)
+        except BaseException as e:  # raised where a step begins (`poll`), as a compile there would raise
+            self.error = e
+        self.seconds = time.perf_counter() - started
+        self.done.set()
 
 
 # At most this many compiles of symbolic sizes per region structure: a layout none of them admits
@@ -283,7 +364,7 @@ class Region(nn.Module):
         if description is not None:  # as a worker compiles it (`compile_static`)
             fn, fakes = compile_static(description, [_spec(a) for a in args], torch.is_grad_enabled()), []
         else:
-            with cat_guard(), _cacheable(static=not symbolic) as mode:
+            with COMPILING, cat_guard(), _cacheable(static=not symbolic) as mode:
                 if symbolic:
                     fakes = _symbolic_fakes(mode, args, self.dims)
                     gm, reads, sizes = _for_inductor(self.gm, mode, fakes, lift=True)
@@ -453,6 +534,12 @@ def warm_up(device: str) -> None:
     compile_static(description, [_TensorSpec((8,), (1,), 0, torch.float32, torch.device(device), False)], False)
 
 
+# One Inductor compile at a time in this process: the loader thread's and the steps' own (a new layout,
+# a symbolic region) would otherwise interleave, and `cat_guard` swaps an entry of Inductor's global
+# lowering table for the length of one.
+COMPILING = threading.RLock()
+
+
 def compile_static(description: list, specs: list, grad: bool) -> Any:
     """Inductor's compile of a region (`_describe`'s `description`) for inputs of `specs`' exact
     layouts: what `Region` runs, and what a compile worker makes for torch's caches (NOTE: [Compiles in
@@ -460,7 +547,10 @@ def compile_static(description: list, specs: list, grad: bool) -> Any:
     from torch._inductor.compile_fx import compile_fx
 
     gm = _rebuild(description)
-    with torch.set_grad_enabled(grad), cat_guard(), _cacheable(static=True) as mode:
+    cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
+    # the loader thread's current device is the first one's, not the caller's (a thread of its own)
+    device = torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext()
+    with COMPILING, device, torch.set_grad_enabled(grad), cat_guard(), _cacheable(static=True) as mode:
         fakes = [_fake(mode, s) for s in specs]
         gm, _, _ = _for_inductor(gm, mode, fakes, lift=False)
         return compile_fx(gm, fakes)
