@@ -61,21 +61,21 @@ runs them:
   layout, `_spec`), which the caches answer in a fraction of the time.
 - Warm, where the program's cache entry held Inductor's artifacts, it goes to no worker (starting one
   costs more than the load): this process compiles it from the caches at once.
-Both compiles here are made by a loader thread of this process (`RegionCache._load`), one at a time,
-and taken in where a call of the model begins (`RegionCache.poll`): within a step every region is what
-it was when the step began (unless the step meets a new layout). The loader starts where the step after
-the one that met the regions begins, not beside it: importing Inductor is seconds of Python, which takes
-the interpreter from the step's thread, and that first step would run
-several times slower. So a warm start's first step runs traced without waiting for Inductor at all,
-and the next steps share the process with the loader. A worker that failed or did not answer in
-`wait_limit`, or a cache that does not answer (one turned off, another torch in the worker's
-environment), leaves that compile to the loader, as one made here; a compile that fails raises where
-the next step begins. What a step computes never depends on the workers or the loader. The values of
-the traced and the compiled ops differ by their rounding (eager PyTorch's kernels and Inductor's), and
-the step that changes depends on the workers' and the loader's speed: a run is not bitwise repeatable,
-and `CompiledModule.wait_compiled()` takes every compile in at once. Regions of symbolic sizes (NOTE:
-[Symbolic regions]) compile in the step, as before, one compile at a time with the loader's
-(`COMPILING`); under CUDA graphs, which would capture the traced ops, nothing compiles in the background.
+Both compiles here are made by a loader thread of this process (`RegionCache._load`), one at a time, and
+taken in where a call of the model begins (`RegionCache.poll`): within a step every region is what it
+was when the step began (unless the step meets a new layout). The loader starts where the step after the
+one that met the regions begins, not beside it: importing Inductor is seconds of Python, which takes the
+interpreter from the step's thread, and that first step would run several times slower. So a warm
+start's first step runs traced without waiting for Inductor at all, and the next steps share the process
+with the loader. A worker that failed or did not answer in `wait_limit`, or a cache that does not answer
+(one turned off, another torch in the worker's environment), leaves that compile to the loader, as one
+made here; a compile that fails raises where the next step begins. What a step computes never depends on
+the workers or the loader. The values of the traced and the compiled ops differ by their rounding (eager
+PyTorch's kernels and Inductor's), and the step that changes depends on the workers' and the loader's
+speed: a run is not bitwise repeatable, and `CompiledModule.wait_compiled()` takes every compile in at
+once. Regions of symbolic sizes (NOTE: [Symbolic regions]) compile in the step, as before, one compile
+at a time with the loader's (`COMPILING`); under CUDA graphs, which would capture the traced ops,
+nothing compiles in the background.
 """
 
 from __future__ import annotations
@@ -213,13 +213,16 @@ class RegionCache:
             return 0
         loads = [self.pending.pop(key) for key in ready]
         for key, load in zip(ready, loads):
-            if load.error is not None:
-                raise load.error
-            self.compiled[key] = load.fn
             self.seconds += load.seconds
-            self.worker_seconds += load.job.seconds or 0.0 if load.job is not None else 0.0
-            self.misses += 1
+            if load.job is not None and load.job.seconds is not None:
+                self.worker_seconds += load.job.seconds
+            if load.error is None:
+                self.compiled[key] = load.fn
+                self.misses += 1
         self.generation += 1
+        failed = next((load.error for load in loads if load.error is not None), None)
+        if failed is not None:  # the others are in; the failed one is sent again where it next runs
+            raise failed
         if not self.pending:
             background.release()  # the workers' memory goes back to training until a new compile
         answered = [load.job.finished - load.job.sent for load in loads if load.job is not None and load.job.done()]
@@ -548,7 +551,7 @@ def compile_static(description: list, specs: list, grad: bool) -> Any:
 
     gm = _rebuild(description)
     cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
-    # the loader thread's current device is the first one's, not the caller's (a thread of its own)
+    # a new thread's current device is device 0, not the one the caller set (the loader is one)
     device = torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext()
     with COMPILING, device, torch.set_grad_enabled(grad), cat_guard(), _cacheable(static=True) as mode:
         fakes = [_fake(mode, s) for s in specs]
