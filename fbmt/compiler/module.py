@@ -41,7 +41,7 @@ from fbmt.compiler.runtime.autograd import Routes, RunProgram
 from fbmt.compiler.runtime.graphs import Graphed
 from fbmt.compiler.runtime.params import Placeholders, broadcast_buffers, gather_group
 from fbmt.compiler.runtime.partition import Executable
-from fbmt.compiler.runtime.regions import RegionCache, in_background, workers_for
+from fbmt.compiler.runtime.regions import COMPILING, RegionCache, in_background, workers_for
 from fbmt.compiler.runtime.unsynced import Unsynced
 
 log = logging.getLogger("fbmt")
@@ -516,19 +516,22 @@ class CompiledModule(nn.Module):
         else:
             if where.type != "meta":  # while this program is traced (NOTE: [Compiles in the background])
                 self.regions.start_workers()
-            program = pipeline.compile_program(
-                self._orig,
-                self.layout,
-                self.plan,
-                args,
-                kwargs,
-                needs_grad=needs_grad,
-                trainable=trainable,
-                device=where,
-                search=self.search,
-                dynamic=dynamic,
-                entry=entry,
-            )
+            # not beside the loader thread's Inductor compile: make_fx (ours, and AOTAutograd's within
+            # Inductor) keeps its current tracer and the node metadata it records in globals of the process
+            with COMPILING:
+                program = pipeline.compile_program(
+                    self._orig,
+                    self.layout,
+                    self.plan,
+                    args,
+                    kwargs,
+                    needs_grad=needs_grad,
+                    trainable=trainable,
+                    device=where,
+                    search=self.search,
+                    dynamic=dynamic,
+                    entry=entry,
+                )
             program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
             if k is not None:
                 why_not = self._to_cache(k, program, time.perf_counter() - started)

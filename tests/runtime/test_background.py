@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fbmt
+from fbmt.compiler import pipeline
 from fbmt.compiler.runtime import background, regions
 from fbmt.compiler.runtime.regions import Region
 from tests.models.reference import gpt
@@ -193,6 +194,42 @@ def test_a_compile_that_fails_in_the_loader_raises_where_a_step_begins(monkeypat
     torch.testing.assert_close(region(x)[0], x.exp())
     with pytest.raises(RuntimeError, match="cannot lower"):
         cache.poll(wait=True)
+
+
+def test_a_program_is_not_traced_while_the_loader_compiles(monkeypatch):
+    """make_fx keeps its tracer and node metadata in globals of the process, and Inductor runs make_fx:
+    a model's trace waits for the loader's compile in hand (and the loader for the trace)."""
+    import importlib
+    import threading
+    import time
+
+    importlib.import_module("torch._inductor.compile_fx")  # the loader's first step, done: it compiles at once
+    spans, compiling = {}, threading.Event()
+
+    def slow(description, specs, grad):  # holds the lock a real compile holds, for a second
+        with regions.COMPILING:
+            compiling.set()
+            started = time.perf_counter()
+            time.sleep(1.0)
+            spans["load"] = (started, time.perf_counter())
+        return regions._rebuild(description).forward
+
+    def traced(*args, **kwargs):
+        spans["trace"] = time.perf_counter()
+        return compile_program(*args, **kwargs)
+
+    compile_program = pipeline.compile_program
+    monkeypatch.setattr(regions, "compile_static", slow)
+    monkeypatch.setattr(pipeline, "compile_program", traced)
+    cache = regions.RegionCache(lambda: None)
+    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    region(torch.randn(4))
+    model = fbmt.compile(gpt(n_layer=1))
+    cache.poll()  # the loader starts
+    assert compiling.wait(30)
+    model(torch.randint(0, 64, (2, 8)))  # a program traced while the loader compiles
+    cache.poll(wait=True)
+    assert spans["trace"] >= spans["load"][1], spans  # the trace began once the compile had ended
 
 
 @pytest.mark.parametrize("option", [dict(backend="eager"), dict(backend="inductor", cuda_graph=True)])
