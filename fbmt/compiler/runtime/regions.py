@@ -74,8 +74,9 @@ the workers or the loader. The values of the traced and the compiled ops differ 
 PyTorch's kernels and Inductor's), and the step that changes depends on the workers' and the loader's
 speed: a run is not bitwise repeatable, and `CompiledModule.wait_compiled()` takes every compile in at
 once. Regions of symbolic sizes (NOTE: [Symbolic regions]) compile in the step, as before, one compile
-at a time with the loader's (`COMPILING`); under CUDA graphs, which would capture the traced ops,
-nothing compiles in the background.
+at a time with the loader's (`COMPILING`, which a program's trace holds too: make_fx keeps its state in
+globals of the process); under CUDA graphs, which would capture the traced ops, nothing compiles in the
+background.
 """
 
 from __future__ import annotations
@@ -539,7 +540,7 @@ def warm_up(device: str) -> None:
 
 # One Inductor compile at a time in this process: the loader thread's and the steps' own (a new layout,
 # a symbolic region) would otherwise interleave, and `cat_guard` swaps an entry of Inductor's global
-# lowering table for the length of one.
+# lowering table for the length of one. A program's trace holds it too (`CompiledModule._build`).
 COMPILING = threading.RLock()
 
 
