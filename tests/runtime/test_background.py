@@ -232,6 +232,43 @@ def test_a_program_is_not_traced_while_the_loader_compiles(monkeypatch):
     assert spans["trace"] >= spans["load"][1], spans  # the trace began once the compile had ended
 
 
+def test_a_compile_in_the_loader_does_not_rewind_the_steps_random_numbers(monkeypatch):
+    """Inductor sets the random generators back after a compile it makes in full; from the loader
+    thread that would undo the draws the steps made meanwhile, and they would be drawn again (NOTE:
+    [The loader and the random generators]). The steps' stream is what it is without a loader."""
+    import threading
+
+    import torch._dynamo.utils
+    import torch._inductor.compile_fx
+
+    started, drawn = threading.Event(), threading.Event()
+
+    def full_compile(gm, fakes):  # as Inductor's codegen: the generators saved, then set back
+        with torch._dynamo.utils.preserve_rng_state():
+            started.set()
+            drawn.wait(30)
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", full_compile)
+    torch.manual_seed(0)
+    expected = torch.rand(1), torch.rand(2)
+    cache = regions.RegionCache(lambda: None)
+    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    x = torch.ones(4)
+    region(x)
+    torch.manual_seed(0)
+    cache.poll()  # the loader starts its compile
+    assert started.wait(30)
+    first = torch.rand(1)  # a step's draw while the loader compiles
+    drawn.set()
+    cache.poll(wait=True)
+    assert torch.equal(first, expected[0]) and torch.equal(torch.rand(2), expected[1])
+    torch.testing.assert_close(region(x)[0], x.exp())
+    state, again = torch.get_rng_state(), torch.rand(1)
+    torch.random.set_rng_state(state)  # this thread's calls set the generator as ever
+    assert torch.equal(torch.rand(1), again)
+
+
 @pytest.mark.parametrize("option", [dict(backend="eager"), dict(backend="inductor", cuda_graph=True)])
 def test_background_compile_is_refused_where_nothing_compiles_in_the_background(option):
     with pytest.raises(ValueError, match="background_compile=True"):

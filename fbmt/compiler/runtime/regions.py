@@ -181,12 +181,14 @@ class RegionCache:
         interpreter from the step's thread, whose traced ops then run several times slower."""
         with self._queued:
             if self._queue and self._loader is None:
+                _keep_the_steps_draws()
                 self._loader = threading.Thread(target=self._load, daemon=True, name="fbmt-region-loader")
                 self._loader.start()
 
     def _load(self) -> None:
         """The loader thread: make each queued load (`_Load.make`) once it is ready, one at a time, the
         first ready first; it ends when none is left (`poll` starts another)."""
+        _in_loader.active = True
         with contextlib.suppress(Exception):  # exiting; or a broken install, which fails the compile itself
             importlib.import_module("torch._inductor.compile_fx")  # what every compile needs
         while True:
@@ -237,6 +239,36 @@ class RegionCache:
             self.eager_runs,
         )
         return len(ready)
+
+
+_in_loader = threading.local()  # `active` in a loader thread
+
+
+def _keep_the_steps_draws() -> None:
+    """In a loader thread, the process's random generators are never set back.
+
+    NOTE: [The loader and the random generators]
+    Inductor and AOTAutograd save the generators' states around a compile they make in full (a cache
+    miss: a worker that failed, a graph the cache bypasses) and set them back after, so that what the
+    compile draws is never seen. The generators are the process's, not the thread's: set back from the
+    loader, they would undo what the steps drew meanwhile (dropout masks, a sampler's indices), and the
+    next steps would draw the same numbers again, silently. So `torch.random.set_rng_state` and
+    `torch.cuda.set_rng_state`, the calls that set them back, do nothing in a loader thread (a compile's
+    own draws, its benchmarks' inputs, then advance the streams as another draw of the steps would);
+    every other thread calls them as before."""
+    for owner in (torch.random, torch.cuda):
+        original = owner.set_rng_state
+        if getattr(original, "fbmt_loader_guard", False):
+            continue
+
+        @functools.wraps(original)
+        def set_rng_state(*args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+            if getattr(_in_loader, "active", False):
+                return None
+            return _original(*args, **kwargs)
+
+        set_rng_state.fbmt_loader_guard = True  # type: ignore[attr-defined]
+        owner.set_rng_state = set_rng_state
 
 
 # Set where the interpreter begins to exit: the loader starts no new compile (what it would make is
