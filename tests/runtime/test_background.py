@@ -269,6 +269,21 @@ def test_a_compile_in_the_loader_does_not_rewind_the_steps_random_numbers(monkey
     assert torch.equal(torch.rand(1), again)
 
 
+def test_waiting_for_compiles_while_the_interpreter_exits_ends(monkeypatch):
+    """Once the interpreter exits the loader compiles nothing more, and what is left fails rather than
+    being waited for (an exit handler that waits would hang)."""
+    import threading
+
+    exiting = threading.Event()
+    exiting.set()
+    monkeypatch.setattr(regions, "_exiting", exiting)
+    cache = regions.RegionCache(lambda: None)
+    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    region(torch.randn(3))
+    with pytest.raises(RuntimeError, match="exiting"):
+        cache.poll(wait=True)
+
+
 @pytest.mark.parametrize("option", [dict(backend="eager"), dict(backend="inductor", cuda_graph=True)])
 def test_background_compile_is_refused_where_nothing_compiles_in_the_background(option):
     with pytest.raises(ValueError, match="background_compile=True"):

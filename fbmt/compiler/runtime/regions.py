@@ -193,8 +193,12 @@ class RegionCache:
             importlib.import_module("torch._inductor.compile_fx")  # what every compile needs
         while True:
             with self._queued:
+                if _exiting.is_set():  # what is left fails, so that nothing waits for it
+                    for q in self._queue:
+                        q.fail(RuntimeError("fbmt: the interpreter is exiting; the region was not compiled"))
+                    self._queue.clear()
                 load = next((q for q in self._queue if q.ready(self.wait_limit)), None)
-                if _exiting.is_set() or (load is None and not self._queue):
+                if load is None and not self._queue:
                     self._loader = None  # under the lock: a load queued after this starts a new thread
                     return
                 if load is None:
@@ -293,6 +297,10 @@ class _Load:
         """Its worker answered (or failed), or has not in `limit` seconds; or it has none."""
         job = self.job
         return job is None or job.done() or time.perf_counter() - job.sent > limit
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
 
     def make(self, limit: float) -> None:
         job = self.job
