@@ -3,10 +3,15 @@ background])."""
 
 from __future__ import annotations
 
+import importlib
 import logging
+import threading
+import time
 
 import pytest
 import torch
+import torch._dynamo.utils
+import torch._inductor.compile_fx
 
 import fbmt
 from fbmt.compiler import pipeline
@@ -14,6 +19,17 @@ from fbmt.compiler.runtime import background, regions
 from fbmt.compiler.runtime.regions import Region
 from tests.models.reference import gpt
 from tests.workers import lm_step_matches
+
+
+def _traced(description, specs, grad):
+    """`compile_static` stood in for: its result runs the region's graph as it is."""
+    return regions._rebuild(description).forward
+
+
+def _loaded_exp(cache: regions.RegionCache) -> Region:
+    """A region of one op whose program's cache entry holds Inductor's artifacts: the loader alone
+    compiles it (`send=False`)."""
+    return Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
 
 
 def _regions(model) -> list[Region]:
@@ -87,7 +103,7 @@ def test_a_compile_the_workers_could_not_make_is_made_here_with_a_warning(monkey
 
     def compile_here(description, specs, grad):  # Inductor's compile, stood in for: its result runs the graph
         made.append(len(description))
-        return regions._rebuild(description).forward
+        return _traced(description, specs, grad)
 
     monkeypatch.setattr(regions, "compile_static", compile_here)
     workers = background.Workers(1, threads=1)
@@ -111,9 +127,7 @@ def test_a_compile_the_workers_could_not_make_is_made_here_with_a_warning(monkey
 def test_waiting_for_a_worker_that_does_not_answer_ends_and_compiles_here(monkeypatch, caplog):
     """`wait_compiled` on a stuck worker (a job that never finishes) gives up after the cache's limit
     and compiles the region here, saying so; it does not wait forever."""
-    monkeypatch.setattr(
-        regions, "compile_static", lambda description, specs, grad: regions._rebuild(description).forward
-    )
+    monkeypatch.setattr(regions, "compile_static", _traced)
     workers = background.Workers(1, threads=1)
     try:
         workers.submit(("time", "sleep"), 60)  # the one worker is busy for a minute
@@ -165,11 +179,9 @@ def test_a_loaded_programs_regions_load_in_a_thread_that_starts_after_the_step(m
     """A region whose program's cache entry holds Inductor's artifacts (`send=False`) is loaded here by
     the loader thread, with no worker; the thread starts where the next step begins, not within the
     step that met the region (its Python would slow that step's traced ops)."""
-    monkeypatch.setattr(
-        regions, "compile_static", lambda description, specs, grad: regions._rebuild(description).forward
-    )
+    monkeypatch.setattr(regions, "compile_static", _traced)
     cache = regions.RegionCache(lambda: pytest.fail("no worker is needed"))
-    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    region = _loaded_exp(cache)
     x = torch.randn(4)
     torch.testing.assert_close(region(x)[0], x.exp())
     assert region.eager and len(cache.pending) == 1 and cache._loader is None
@@ -189,7 +201,7 @@ def test_a_compile_that_fails_in_the_loader_raises_where_a_step_begins(monkeypat
 
     monkeypatch.setattr(regions, "compile_static", broken)
     cache = regions.RegionCache(lambda: None)
-    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    region = _loaded_exp(cache)
     x = torch.randn(4)
     torch.testing.assert_close(region(x)[0], x.exp())
     with pytest.raises(RuntimeError, match="cannot lower"):
@@ -199,9 +211,6 @@ def test_a_compile_that_fails_in_the_loader_raises_where_a_step_begins(monkeypat
 def test_a_program_is_not_traced_while_the_loader_compiles(monkeypatch):
     """make_fx keeps its tracer and node metadata in globals of the process, and Inductor runs make_fx:
     a model's trace waits for the loader's compile in hand (and the loader for the trace)."""
-    import importlib
-    import threading
-    import time
 
     importlib.import_module("torch._inductor.compile_fx")  # the loader's first step, done: it compiles at once
     spans, compiling = {}, threading.Event()
@@ -212,7 +221,7 @@ def test_a_program_is_not_traced_while_the_loader_compiles(monkeypatch):
             started = time.perf_counter()
             time.sleep(1.0)
             spans["load"] = (started, time.perf_counter())
-        return regions._rebuild(description).forward
+        return _traced(description, specs, grad)
 
     def traced(*args, **kwargs):
         spans["trace"] = time.perf_counter()
@@ -222,7 +231,7 @@ def test_a_program_is_not_traced_while_the_loader_compiles(monkeypatch):
     monkeypatch.setattr(regions, "compile_static", slow)
     monkeypatch.setattr(pipeline, "compile_program", traced)
     cache = regions.RegionCache(lambda: None)
-    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    region = _loaded_exp(cache)
     region(torch.randn(4))
     model = fbmt.compile(gpt(n_layer=1))
     cache.poll()  # the loader starts
@@ -236,10 +245,6 @@ def test_a_compile_in_the_loader_does_not_rewind_the_steps_random_numbers(monkey
     """Inductor sets the random generators back after a compile it makes in full; from the loader
     thread that would undo the draws the steps made meanwhile, and they would be drawn again (NOTE:
     [The loader and the random generators]). The steps' stream is what it is without a loader."""
-    import threading
-
-    import torch._dynamo.utils
-    import torch._inductor.compile_fx
 
     started, drawn = threading.Event(), threading.Event()
 
@@ -253,7 +258,7 @@ def test_a_compile_in_the_loader_does_not_rewind_the_steps_random_numbers(monkey
     torch.manual_seed(0)
     expected = torch.rand(1), torch.rand(2)
     cache = regions.RegionCache(lambda: None)
-    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    region = _loaded_exp(cache)
     x = torch.ones(4)
     region(x)
     torch.manual_seed(0)
@@ -272,13 +277,12 @@ def test_a_compile_in_the_loader_does_not_rewind_the_steps_random_numbers(monkey
 def test_waiting_for_compiles_while_the_interpreter_exits_ends(monkeypatch):
     """Once the interpreter exits the loader compiles nothing more, and what is left fails rather than
     being waited for (an exit handler that waits would hang)."""
-    import threading
 
     exiting = threading.Event()
     exiting.set()
     monkeypatch.setattr(regions, "_exiting", exiting)
     cache = regions.RegionCache(lambda: None)
-    region = Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.exp.default(x),)), "exp", cache, send=False)
+    region = _loaded_exp(cache)
     region(torch.randn(3))
     with pytest.raises(RuntimeError, match="exiting"):
         cache.poll(wait=True)
