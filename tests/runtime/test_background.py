@@ -47,13 +47,20 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
 
 
-def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory):
+    """Inductor's cache folder, shared by this file's tests that compile for real: a later one finds
+    the regions compiled (what they check holds either way) and takes seconds, not half a minute."""
+    return str(tmp_path_factory.mktemp("inductor"))
+
+
+def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_path, monkeypatch, inductor_cache):
     """The first step runs every region as traced while one worker compiles them; once they are in,
     this process finds each in torch's caches (a hit, not a compile of its own) and the next step
     runs them compiled; both steps and the SGD step between match eager PyTorch."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: only the worker fills it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)  # this process does not compile: the worker does
     workers = background.Workers(1, threads=1)
     try:
         torch.manual_seed(0)
@@ -92,6 +99,51 @@ def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_pa
         assert again.regions.misses == len(kinds) and counters["inductor"]["fxgraph_cache_hit"] - hits == len(kinds)
         lm_step_matches(again, twin, *_batch(1))
         assert not any(r.eager for r in _regions(again))
+    finally:
+        workers.close()
+
+
+def test_micro_batches_accumulated_across_the_switch_to_compiled_regions(monkeypatch, inductor_cache):
+    """Regions switch from traced to compiled where a call begins, so under gradient accumulation one
+    backward may read what a traced forward saved and another what a compiled forward saved (NOTE:
+    [Compiles in the background]). Two forwards, the first traced and the second compiled, then one
+    backward of both: the losses and the summed gradients match eager PyTorch."""
+    import torch.nn.functional as F
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
+    workers = background.Workers(1, threads=1)
+    try:
+        torch.manual_seed(0)
+        ref = gpt(n_layer=1)
+        torch.manual_seed(0)
+        model = fbmt.compile(gpt(n_layer=1), backend="inductor", background_compile=False, cache_dir=False)
+        model.regions.workers = lambda: workers
+        cache = model.regions
+        lm_step_matches(model, ref, *_batch(0))  # every region met, and sent to the worker
+        model.zero_grad(), ref.zero_grad()
+        batches = [_batch(1), _batch(2)]
+
+        taken_in = cache.poll
+        monkeypatch.setattr(cache, "poll", lambda wait=False: 0)  # the first micro-batch runs as traced
+        traced = model(batches[0][0])
+        assert all(r.eager for r in _regions(model))
+        monkeypatch.setattr(cache, "poll", taken_in)
+        model.wait_compiled()
+        compiled = model(batches[1][0])
+        forward_regions = [m for m in model.executables()[0].forward.modules() if isinstance(m, Region)]
+        assert forward_regions and not any(r.eager for r in forward_regions)
+
+        def loss(outs, targets):
+            return sum(F.cross_entropy(o.flatten(0, 1), y.flatten()) for o, (_, y) in zip(outs, targets))
+
+        got = loss([traced, compiled], batches)
+        want = loss([ref(x) for x, _ in batches], batches)
+        got.backward(), want.backward()
+        assert not any(r.eager for r in _regions(model))  # both backwards ran the compiled regions
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
     finally:
         workers.close()
 
