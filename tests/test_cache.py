@@ -7,8 +7,10 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -406,6 +408,32 @@ def test_inductor_artifacts_are_loaded_only_where_their_checksum_holds(tmp_path,
         cache.load_artifacts(bad)
     assert loaded == [b"compiled regions"]
     assert "do not match their checksum" in caplog.text
+
+
+def test_inductor_artifacts_saved_as_regions_come_in_all_load(tmp_path, monkeypatch):
+    """A model saves torch's artifacts each time regions come in; the entry then holds every region's,
+    not only those of the last save (NOTE: [Artifacts saved more than once]): a machine given the
+    entry finds them all."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # where loading writes them
+    entry = tmp_path / "entry"
+    entry.mkdir()
+
+    def compiled(key: str) -> None:  # what Inductor's FX graph cache records of a region it compiled
+        region = types.SimpleNamespace(key=key, _triton_bundle=None)  # its kernels: none to write out
+        CacheArtifactManager.record_artifact("inductor", key, pickle.dumps(region))
+
+    def saved() -> set[str]:  # the regions a machine given the entry finds
+        cache.save_artifacts(entry)
+        info = torch.compiler.load_cache_artifacts((entry / "inductor.bin").read_bytes())
+        return set(info.inductor_artifacts)
+
+    compiled("fexp0fbmt0test0region0one")
+    first = saved()
+    compiled("fcos0fbmt0test0region0two")
+    second = saved()
+    assert "fexp0fbmt0test0region0one" in first and first | {"fcos0fbmt0test0region0two"} <= second, (first, second)
 
 
 SCALED_FILE = """

@@ -693,12 +693,40 @@ def save_artifacts(entry: Path) -> None:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return
-    data = saved[0]
+    data = _one_batch_per_kind(saved[0])
     # the checksum first, then the artifacts: a reader that finds artifacts finds their checksum
     for name, content in (("inductor.sha256", _sha(data).encode()), ("inductor.bin", data)):
         tmp = entry / f".{name}.{uuid.uuid4().hex[:8]}"
         tmp.write_bytes(content)
         os.replace(tmp, entry / name)
+
+
+def _one_batch_per_kind(data: bytes) -> bytes:
+    """torch's cache artifacts `data` (`save_cache_artifacts`' bytes) with each kind's in one batch.
+
+    NOTE: [Artifacts saved more than once]
+    `torch.compiler.save_cache_artifacts` returns every artifact the process recorded so far, as a
+    batch per kind per call; a model saves each time regions come in (`CompiledModule._keep_artifacts`:
+    a run that stops early keeps what it compiled), so an entry holds many batches of each kind. torch's
+    `load_cache_artifacts` reads them into a dict by kind, so that only the last batch of each kind
+    loads: a machine given the entry with Inductor's own caches empty found one of the 1.36B's sixteen
+    regions and compiled the fifteen others in full. Merged into one batch per kind, they all load
+    through torch's public loader. torch's own (private) helpers read and write the format; where
+    they are missing or fail, the bytes are kept as they were (a slower start, never a wrong region)."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache, _serialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        merged: dict[str, list] = {}
+        for kind, batch in AppendingByteSerializer.to_list(data, deserialize_fn=_deserialize_single_cache):
+            merged.setdefault(kind, []).extend(batch)  # in order: a later artifact of a key still wins
+        out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+        out.extend(merged.items())
+        return out.to_bytes()
+    except Exception as e:
+        log.debug("torch's cache artifacts are saved as torch wrote them (%s: %s)", type(e).__name__, e)
+        return data
 
 
 @functools.cache
