@@ -416,6 +416,7 @@ def test_inductor_artifacts_saved_as_regions_come_in_all_load(tmp_path, monkeypa
     entry finds them all."""
     from torch.compiler._cache import CacheArtifactManager
 
+    CacheArtifactManager._ensure_cache_artifacts_registered()  # as a compile would have
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # where loading writes them
     entry = tmp_path / "entry"
     entry.mkdir()
