@@ -412,8 +412,8 @@ def test_inductor_artifacts_are_loaded_only_where_their_checksum_holds(tmp_path,
 
 def test_inductor_artifacts_saved_as_regions_come_in_all_load(tmp_path, monkeypatch):
     """A model saves torch's artifacts each time regions come in; the entry then holds every region's,
-    not only those of the last save (NOTE: [Artifacts saved more than once]): a machine given the
-    entry finds them all."""
+    not only those of the last save (NOTE: [Artifacts saved more than once]), and a later run's save
+    keeps what the entry held: a machine given the entry finds them all."""
     from torch.compiler._cache import CacheArtifactManager
 
     CacheArtifactManager._ensure_cache_artifacts_registered()  # as a compile would have
@@ -435,6 +435,9 @@ def test_inductor_artifacts_saved_as_regions_come_in_all_load(tmp_path, monkeypa
     compiled("fcos0fbmt0test0region0two")
     second = saved()
     assert "fexp0fbmt0test0region0one" in first and first | {"fcos0fbmt0test0region0two"} <= second, (first, second)
+    with CacheArtifactManager.with_fresh_cache():  # another run, which compiled another region alone
+        compiled("fsin0fbmt0test0region0three")
+        assert saved() == second | {"fsin0fbmt0test0region0three"}
 
 
 SCALED_FILE = """

@@ -689,11 +689,16 @@ def why_missed(root: Path, key: Key) -> str:
 
 
 def save_artifacts(entry: Path) -> None:
-    """Add torch's cache artifacts (Inductor's compiled regions so far) to an entry."""
+    """Add torch's cache artifacts (Inductor's compiled regions so far) to an entry, beside those it
+    holds (another run's: a run that compiled fewer of a symbolic program's sizes loses none)."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return
-    data = _one_batch_per_kind(saved[0])
+    try:
+        held = _verified_artifacts(entry)
+    except (OSError, ValueError):  # damaged: replaced by this run's
+        held = None
+    data = _one_batch_per_kind([held, saved[0]] if held is not None else [saved[0]])
     # the checksum first, then the artifacts: a reader that finds artifacts finds their checksum
     for name, content in (("inductor.sha256", _sha(data).encode()), ("inductor.bin", data)):
         tmp = entry / f".{name}.{uuid.uuid4().hex[:8]}"
@@ -701,8 +706,20 @@ def save_artifacts(entry: Path) -> None:
         os.replace(tmp, entry / name)
 
 
-def _one_batch_per_kind(data: bytes) -> bytes:
-    """torch's cache artifacts `data` (`save_cache_artifacts`' bytes) with each kind's in one batch.
+def _verified_artifacts(entry: Path) -> bytes | None:
+    """The artifacts an entry holds, where their checksum holds; None where it holds none."""
+    f = entry / "inductor.bin"
+    if not f.exists():
+        return None
+    data = f.read_bytes()
+    if _sha(data).encode() != (entry / "inductor.sha256").read_bytes():
+        raise ValueError("they do not match their checksum")
+    return data
+
+
+def _one_batch_per_kind(blobs: list[bytes]) -> bytes:
+    """torch's cache artifacts `blobs` (`save_cache_artifacts`' bytes, in order) as one, each kind's
+    artifacts in one batch, each artifact once.
 
     NOTE: [Artifacts saved more than once]
     `torch.compiler.save_cache_artifacts` returns every artifact the process recorded so far, as a
@@ -711,22 +728,27 @@ def _one_batch_per_kind(data: bytes) -> bytes:
     `load_cache_artifacts` reads them into a dict by kind, so that only the last batch of each kind
     loads: a machine given the entry with Inductor's own caches empty found one of the 1.36B's sixteen
     regions and compiled the fifteen others in full. Merged into one batch per kind, they all load
-    through torch's public loader. torch's own (private) helpers read and write the format; where
-    they are missing or fail, the bytes are kept as they were (a slower start, never a wrong region)."""
+    through torch's public loader. A save keeps what the entry held (an earlier run's artifacts: a
+    run that met fewer of a symbolic program's sizes, or stopped before its regions all loaded, would
+    otherwise leave the entry with fewer); an artifact both hold (the same key and bytes, as a
+    cache hit records it) is kept once. torch's own (private) helpers read and write the format; where
+    they are missing or fail, the last blob is kept as torch wrote it (a slower start, never a wrong
+    region)."""
     try:
         from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache, _serialize_single_cache
         from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
         CacheArtifactManager._ensure_cache_artifacts_registered()
-        merged: dict[str, list] = {}
-        for kind, batch in AppendingByteSerializer.to_list(data, deserialize_fn=_deserialize_single_cache):
-            merged.setdefault(kind, []).extend(batch)  # in order: a later artifact of a key still wins
+        merged: dict[str, dict] = {}  # kind -> its artifacts (key and content), in order
+        for data in blobs:
+            for kind, batch in AppendingByteSerializer.to_list(data, deserialize_fn=_deserialize_single_cache):
+                merged.setdefault(kind, {}).update(dict.fromkeys(batch))
         out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
-        out.extend(merged.items())
+        out.extend((kind, list(artifacts)) for kind, artifacts in merged.items())
         return out.to_bytes()
     except Exception as e:
         log.debug("torch's cache artifacts are saved as torch wrote them (%s: %s)", type(e).__name__, e)
-        return data
+        return blobs[-1]
 
 
 @functools.cache
@@ -734,17 +756,16 @@ def load_artifacts(entry: Path) -> bool:
     """Give torch's caches the artifacts an entry holds, where their checksum holds (once per
     process and entry): they are compiled code, which a flipped byte could make compute otherwise.
     Whether there were any, and they were given."""
-    f = entry / "inductor.bin"
-    if not f.exists():
-        return False
     try:
-        data = f.read_bytes()
-        if _sha(data).encode() != (entry / "inductor.sha256").read_bytes():
-            raise ValueError("they do not match their checksum")
+        data = _verified_artifacts(entry)
+        if data is None:
+            return False
         torch.compiler.load_cache_artifacts(data)
         return True
     except Exception as e:  # a failure costs a compile, never a wrong region
-        log.warning("fbmt: Inductor's artifacts in %s are not loaded (%s); Inductor compiles anew", f, e)
+        log.warning(
+            "fbmt: Inductor's artifacts in %s are not loaded (%s); Inductor compiles anew", entry / "inductor.bin", e
+        )
         return False
 
 
