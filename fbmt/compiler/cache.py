@@ -688,9 +688,10 @@ def why_missed(root: Path, key: Key) -> str:
     return f"the closest entry for {key.model} ({closest.path.name[:8]}) differs in " + ", ".join(said)
 
 
-def save_artifacts(entry: Path) -> None:
+def save_artifacts(entry: Path, complete: bool) -> None:
     """Add torch's cache artifacts (Inductor's compiled regions so far) to an entry, beside those it
-    holds (another run's: a run that compiled fewer of a symbolic program's sizes loses none)."""
+    holds (another run's: a run that compiled fewer of a symbolic program's sizes loses none).
+    `complete`: no region this run met is still compiling; an entry once complete stays so."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return
@@ -704,6 +705,17 @@ def save_artifacts(entry: Path) -> None:
         tmp = entry / f".{name}.{uuid.uuid4().hex[:8]}"
         tmp.write_bytes(content)
         os.replace(tmp, entry / name)
+    marker = entry / "inductor.complete"
+    if complete:
+        marker.touch()
+    elif held is None:  # nothing held before vouches for the whole
+        marker.unlink(missing_ok=True)
+
+
+def artifacts_complete(entry: Path) -> bool:
+    """Whether an entry's artifacts hold every region of the run that saved them (NOTE: [Compiles in
+    the background]: a program loaded with them sends no region to the workers)."""
+    return (entry / "inductor.complete").exists()
 
 
 def _verified_artifacts(entry: Path) -> bytes | None:

@@ -583,8 +583,11 @@ class CompiledModule(nn.Module):
         )
         log.info("compile cache: hit %s (%d nodes)", k.digest[:8], len(program.graph.nodes))
         if self.plan.backend == "inductor":
-            if cache.load_artifacts(entry.path):  # its regions load here faster than workers start
-                self._regions_on_disk.add(id(program))
+            if cache.load_artifacts(entry.path):
+                if cache.artifacts_complete(entry.path):  # its regions load here faster than workers start
+                    self._regions_on_disk.add(id(program))
+                else:  # the run that saved them stopped first: what it left compiles in the workers
+                    log.info("compile cache: the entry holds some of its regions compiled; workers compile the rest")
             self._entries.append(entry.path)
         return program
 
@@ -616,7 +619,7 @@ class CompiledModule(nn.Module):
             self._artifacts_at = self.regions.misses
             for path in self._entries:
                 try:
-                    cache.save_artifacts(path)
+                    cache.save_artifacts(path, complete=not self.regions.pending)
                 except Exception as e:  # torch's own format and files: a failure costs a later compile, not this step
                     log.warning("fbmt: the compile cache could not save Inductor's artifacts into %s (%s)", path, e)
 

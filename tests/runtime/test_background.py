@@ -340,6 +340,35 @@ def test_waiting_for_compiles_while_the_interpreter_exits_ends(monkeypatch):
         cache.poll(wait=True)
 
 
+def test_a_program_whose_entry_holds_some_of_its_regions_sends_them_to_the_workers(tmp_path, monkeypatch):
+    """An entry saved while regions were still compiling (a run stopped early) holds some of them: the
+    next run sends its regions to the workers, which find those in torch's caches, rather than have the
+    loader compile the others in full one after another; an entry that holds them all sends none."""
+    from fbmt.compiler import cache
+
+    monkeypatch.setattr(regions, "compile_static", _traced)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"the regions compiled", None))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: None)
+    options = dict(backend="inductor", background_compile=False, cache_dir=tmp_path)
+    x = torch.randint(0, 64, (2, 8))
+
+    def sent_regions() -> list[bool]:  # whether each region of a new run's program may go to a worker
+        cache.load_artifacts.cache_clear()
+        model = fbmt.compile(gpt(n_layer=1), **options)
+        model(x)
+        assert model.program.origin.startswith("loaded")
+        return [r.send for r in _regions(model)]
+
+    first = fbmt.compile(gpt(n_layer=1), **options)
+    first(x)
+    (entry,) = first._entries
+    cache.save_artifacts(entry, complete=False)
+    assert all(sent_regions())
+    cache.save_artifacts(entry, complete=True)
+    sent = sent_regions()
+    assert sent and not any(sent)
+
+
 @pytest.mark.parametrize("option", [dict(backend="eager"), dict(backend="inductor", cuda_graph=True)])
 def test_background_compile_is_refused_where_nothing_compiles_in_the_background(option):
     with pytest.raises(ValueError, match="background_compile=True"):
