@@ -39,7 +39,8 @@ An entry is a folder written whole (a temporary folder renamed into place: a rea
 of one) by the first rank of each machine: `program.pkl` (the Program, its graph as a list of nodes
 with their `meta` facts and each value's shape, dtype and strides; nothing that runs), `about.json`
 (the key's parts, the pickle's SHA-256, the model, when it was saved) and, with Inductor,
-`inductor.bin` beside its SHA-256 (`inductor.sha256`: compiled code is loaded only where it holds).
+`inductor.bin` beside its SHA-256 (`inductor.sha256`: compiled code is loaded only where it holds),
+and `inductor.complete` once a save found no region still compiling.
 An entry whose checksum, format or contents do not hold is ignored with a warning and deleted;
 nothing unverified is loaded. A model whose key cannot be made (an attribute with no stable
 description) is compiled every time, and FBMT_LOG says why. Programs of symbolic sizes are kept too
