@@ -400,7 +400,7 @@ def test_inductor_artifacts_are_loaded_only_where_their_checksum_holds(tmp_path,
     good, bad = tmp_path / "good", tmp_path / "bad"
     for entry in (good, bad):
         entry.mkdir()
-        cache.save_artifacts(entry, complete=True)
+        cache.save_artifacts(entry, compiling=0)
     (bad / "inductor.bin").write_bytes(b"compiled regionz")
     cache.load_artifacts.cache_clear()
     with caplog.at_level(logging.WARNING, logger="fbmt"):
@@ -425,8 +425,8 @@ def test_inductor_artifacts_saved_as_regions_come_in_all_load(tmp_path, monkeypa
         region = types.SimpleNamespace(key=key, _triton_bundle=None)  # its kernels: none to write out
         CacheArtifactManager.record_artifact("inductor", key, pickle.dumps(region))
 
-    def saved(complete: bool = False) -> set[str]:  # the regions a machine given the entry finds
-        cache.save_artifacts(entry, complete)
+    def saved(compiling: int = 3) -> set[str]:  # the regions a machine given the entry finds
+        cache.save_artifacts(entry, compiling)
         info = torch.compiler.load_cache_artifacts((entry / "inductor.bin").read_bytes())
         return set(info.inductor_artifacts)
 
@@ -435,12 +435,12 @@ def test_inductor_artifacts_saved_as_regions_come_in_all_load(tmp_path, monkeypa
     compiled("fcos0fbmt0test0region0two")
     second = saved()
     assert "fexp0fbmt0test0region0one" in first and first | {"fcos0fbmt0test0region0two"} <= second, (first, second)
-    assert not cache.artifacts_complete(entry)  # regions were compiling when it saved
-    assert saved(complete=True) == second and cache.artifacts_complete(entry)
+    assert cache.artifacts_missing(entry) == 3  # regions were compiling when it saved
+    assert saved(compiling=0) == second and cache.artifacts_missing(entry) == 0
     with CacheArtifactManager.with_fresh_cache():  # another run, which compiled another region alone
         compiled("fsin0fbmt0test0region0three")
         assert saved() == second | {"fsin0fbmt0test0region0three"}
-    assert cache.artifacts_complete(entry)  # what made it complete is still there
+    assert cache.artifacts_missing(entry) == 0  # what the first run compiled is still there
 
 
 SCALED_FILE = """

@@ -40,7 +40,7 @@ of one) by the first rank of each machine: `program.pkl` (the Program, its graph
 with their `meta` facts and each value's shape, dtype and strides; nothing that runs), `about.json`
 (the key's parts, the pickle's SHA-256, the model, when it was saved) and, with Inductor,
 `inductor.bin` beside its SHA-256 (`inductor.sha256`: compiled code is loaded only where it holds),
-and `inductor.complete` once a save found no region still compiling.
+and `inductor.json` (how many regions were still compiling when they were saved).
 An entry whose checksum, format or contents do not hold is ignored with a warning and deleted;
 nothing unverified is loaded. A model whose key cannot be made (an attribute with no stable
 description) is compiled every time, and FBMT_LOG says why. Programs of symbolic sizes are kept too
@@ -689,10 +689,10 @@ def why_missed(root: Path, key: Key) -> str:
     return f"the closest entry for {key.model} ({closest.path.name[:8]}) differs in " + ", ".join(said)
 
 
-def save_artifacts(entry: Path, complete: bool) -> None:
+def save_artifacts(entry: Path, compiling: int) -> None:
     """Add torch's cache artifacts (Inductor's compiled regions so far) to an entry, beside those it
     holds (another run's: a run that compiled fewer of a symbolic program's sizes loses none).
-    `complete`: no region this run met is still compiling; an entry once complete stays so."""
+    `compiling`: how many regions this run met are still compiling, and so not among them."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return
@@ -701,22 +701,26 @@ def save_artifacts(entry: Path, complete: bool) -> None:
     except (OSError, ValueError):  # damaged: replaced by this run's
         held = None
     data = _one_batch_per_kind([held, saved[0]] if held is not None else [saved[0]])
+    held_missing = artifacts_missing(entry) if held is not None else None
+    if held_missing is not None:  # both runs' regions are there: at most as many missing as either left
+        compiling = min(compiling, held_missing)
     # the checksum first, then the artifacts: a reader that finds artifacts finds their checksum
-    for name, content in (("inductor.sha256", _sha(data).encode()), ("inductor.bin", data)):
+    files = {"inductor.sha256": _sha(data).encode(), "inductor.bin": data}
+    files["inductor.json"] = json.dumps({"compiling": compiling}).encode()
+    for name, content in files.items():
         tmp = entry / f".{name}.{uuid.uuid4().hex[:8]}"
         tmp.write_bytes(content)
         os.replace(tmp, entry / name)
-    marker = entry / "inductor.complete"
-    if complete:
-        marker.touch()
-    elif held is None:  # nothing held before vouches for the whole
-        marker.unlink(missing_ok=True)
 
 
-def artifacts_complete(entry: Path) -> bool:
-    """Whether an entry's artifacts hold every region of the run that saved them (NOTE: [Compiles in
-    the background]: a program loaded with them sends no region to the workers)."""
-    return (entry / "inductor.complete").exists()
+def artifacts_missing(entry: Path) -> int | None:
+    """How many regions were still compiling when an entry's artifacts were saved (a run that stopped
+    early), as far as its saves knew; None where it does not say."""
+    try:
+        compiling = json.loads((entry / "inductor.json").read_text())["compiling"]
+        return compiling if isinstance(compiling, int) and compiling >= 0 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _verified_artifacts(entry: Path) -> bytes | None:

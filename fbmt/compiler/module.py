@@ -45,6 +45,11 @@ from fbmt.compiler.runtime.regions import COMPILING, RegionCache, in_background,
 from fbmt.compiler.runtime.unsynced import Unsynced
 
 log = logging.getLogger("fbmt")
+# A program loaded with Inductor's artifacts of all its regions but at most this many has its regions
+# made by the loader thread alone, the missing ones compiled in full there, one after another (seconds
+# each); with more missing, workers compile them side by side, and find the others in torch's caches,
+# but their first answers come only after they have started (NOTE: [Compiles in the background]).
+LOADED_AT_MOST_MISSING = 4
 _SHAPES_WARNING = 4  # programs that differ in input shapes alone before the warning to pad
 
 
@@ -584,10 +589,15 @@ class CompiledModule(nn.Module):
         log.info("compile cache: hit %s (%d nodes)", k.digest[:8], len(program.graph.nodes))
         if self.plan.backend == "inductor":
             if cache.load_artifacts(entry.path):
-                if cache.artifacts_complete(entry.path):  # its regions load here faster than workers start
-                    self._regions_on_disk.add(id(program))
-                else:  # the run that saved them stopped first: what it left compiles in the workers
-                    log.info("compile cache: the entry holds some of its regions compiled; workers compile the rest")
+                missing = cache.artifacts_missing(entry.path)
+                if missing is not None and missing <= LOADED_AT_MOST_MISSING:
+                    self._regions_on_disk.add(id(program))  # they load here faster than workers start
+                else:
+                    log.info(
+                        "compile cache: the entry lacks %s of its regions (its run stopped while they compiled); "
+                        "they compile in workers",
+                        "some" if missing is None else missing,
+                    )
             self._entries.append(entry.path)
         return program
 
@@ -619,7 +629,7 @@ class CompiledModule(nn.Module):
             self._artifacts_at = self.regions.misses
             for path in self._entries:
                 try:
-                    cache.save_artifacts(path, complete=not self.regions.pending)
+                    cache.save_artifacts(path, compiling=len(self.regions.pending))
                 except Exception as e:  # torch's own format and files: a failure costs a later compile, not this step
                     log.warning("fbmt: the compile cache could not save Inductor's artifacts into %s (%s)", path, e)
 

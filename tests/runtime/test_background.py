@@ -340,11 +340,12 @@ def test_waiting_for_compiles_while_the_interpreter_exits_ends(monkeypatch):
         cache.poll(wait=True)
 
 
-def test_a_program_whose_entry_holds_some_of_its_regions_sends_them_to_the_workers(tmp_path, monkeypatch):
-    """An entry saved while regions were still compiling (a run stopped early) holds some of them: the
-    next run sends its regions to the workers, which find those in torch's caches, rather than have the
-    loader compile the others in full one after another; an entry that holds them all sends none."""
-    from fbmt.compiler import cache
+def test_a_program_whose_entry_lacks_many_of_its_regions_sends_them_to_the_workers(tmp_path, monkeypatch):
+    """An entry saved while regions were still compiling (a run stopped early) lacks them: where it lacks
+    more than a few, the next run sends its regions to the workers, which find the others in torch's
+    caches, rather than have the loader compile the missing ones in full one after another; where it
+    lacks a few or none, the loader makes them all and no worker starts."""
+    from fbmt.compiler import cache, module
 
     monkeypatch.setattr(regions, "compile_static", _traced)
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"the regions compiled", None))
@@ -362,9 +363,10 @@ def test_a_program_whose_entry_holds_some_of_its_regions_sends_them_to_the_worke
     first = fbmt.compile(gpt(n_layer=1), **options)
     first(x)
     (entry,) = first._entries
-    cache.save_artifacts(entry, complete=False)
+    (entry / "inductor.bin").unlink(missing_ok=True)  # as saved by a run that stopped early
+    cache.save_artifacts(entry, compiling=module.LOADED_AT_MOST_MISSING + 1)
     assert all(sent_regions())
-    cache.save_artifacts(entry, complete=True)
+    cache.save_artifacts(entry, compiling=module.LOADED_AT_MOST_MISSING)  # a later run compiled more
     sent = sent_regions()
     assert sent and not any(sent)
 

@@ -59,11 +59,11 @@ runs them:
   this process then compiles it again from the same graph and fakes (`compile_static`: the graph
   rebuilt from plain values, `_describe`, so it has the same code; fakes made from each input's
   layout, `_spec`), which the caches answer in a fraction of the time.
-- Warm, where the program's cache entry held Inductor's artifacts of every region the run that saved
-  them met, it goes to no worker (starting one costs more than the load): this process compiles it
-  from the caches at once. An entry saved while regions were still compiling (a run stopped early)
-  holds some of them: its program's regions go to the workers, which find those in the caches, so
-  that the others do not compile in full one after another here.
+- Warm, where the program's cache entry held Inductor's artifacts, it goes to no worker (starting one
+  costs more than the load): this process compiles it from the caches at once. An entry saved while
+  regions were still compiling (a run stopped early) lacks those: where it lacks more than a few
+  (`module.LOADED_AT_MOST_MISSING`), its program's regions go to the workers, which find the others in
+  the caches, so that the missing ones do not compile in full one after another here.
 Both compiles here are made by a loader thread of this process (`RegionCache._load`), one at a time, and
 taken in where a call of the model begins (`RegionCache.poll`): within a step every region is what it
 was when the step began (unless the step meets a new layout). The loader starts where the step after the
