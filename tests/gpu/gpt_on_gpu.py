@@ -6,7 +6,8 @@ For every zero/remat/schedule combination (eager, and some with backend="inducto
 cuda_graph=True): 5 SGD steps of a compiled GPT (each rank one sequence of the
 global batch: so few tokens that its last two blocks save their activations under remat="block",
 NOTE: [Trailing blocks]) against eager PyTorch on the whole batch on one GPU. After the first step
-(which compiles), steps run under `torch.cuda.set_sync_debug_mode("error")`: any host sync inside
+(which compiles; regions compiling in the background are waited for), steps run under
+`torch.cuda.set_sync_debug_mode("error")`: any host sync inside
 fbmt's forward, backward or the collectives raises (with cuda_graph=True, after the step that captures).
 With cuda_graph=True it also checks what the graphs promise: the gradients are the graph pool's memory
 (no copy); gradients accumulated over two backward calls, or zeroed in place, add up as eagerly; two
@@ -46,6 +47,8 @@ def run(model, steps: int, rank: int, world: int, device, guard: int, batch: int
         x, y = data(step, batch, device)
         n = batch // world
         x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+        if step == guard and hasattr(model, "wait_compiled"):  # the regions compiling in the background: in
+            model.wait_compiled()  # (a compile synchronizes; the steps after it must not)
         if step >= guard:
             torch.cuda.set_sync_debug_mode("error")
         loss = F.cross_entropy(model(x).view(-1, 256), y.reshape(-1))

@@ -260,6 +260,22 @@ def test_a_compile_that_fails_in_the_loader_raises_where_a_step_begins(monkeypat
         cache.poll(wait=True)
 
 
+def test_a_compile_that_synchronizes_under_the_sync_debug_mode_says_what_to_do(monkeypatch):
+    """Inductor may synchronize the device while compiling; under torch.cuda.set_sync_debug_mode("error")
+    (the process's, not the loader's own) the next step would raise torch's error as if it had synced
+    itself: fbmt says what happened and what to do."""
+
+    def folding(description, specs, grad):
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+    monkeypatch.setattr(regions, "compile_static", folding)
+    cache = regions.RegionCache(lambda: None)
+    _loaded_exp(cache)(torch.randn(4))
+    with pytest.raises(RuntimeError, match="wait_compiled") as raised:
+        cache.poll(wait=True)
+    assert "synchronizing CUDA operation" in str(raised.value.__cause__)
+
+
 def test_a_program_is_not_traced_while_the_loader_compiles(monkeypatch):
     """make_fx keeps its tracer and node metadata in globals of the process, and Inductor runs make_fx:
     a model's trace waits for the loader's compile in hand (and the loader for the trace)."""

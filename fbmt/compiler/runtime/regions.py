@@ -72,7 +72,9 @@ interpreter from the step's thread, and that first step would run several times 
 start's first step runs traced without waiting for Inductor at all, and the next steps share the process
 with the loader. A worker that failed or did not answer in `wait_limit`, or a cache that does not answer
 (one turned off, another torch in the worker's environment), leaves that compile to the loader, as one
-made here; a compile that fails raises where the next step begins. What a step computes never depends on
+made here; a compile that fails raises where the next step begins (one that synchronized the device
+under `torch.cuda.set_sync_debug_mode("error")`, which is the process's, says to wait for the
+compiles before turning it on). What a step computes never depends on
 the workers or the loader. The values of the traced and the compiled ops differ by their rounding (eager
 PyTorch's kernels and Inductor's), and the step that changes depends on the workers' and the loader's
 speed: a run is not bitwise repeatable, and `CompiledModule.wait_compiled()` takes every compile in at
@@ -318,9 +320,24 @@ class _Load:
             # the same graph and fakes as the worker's: torch's caches hold what it compiled (NOTE)
             self.fn = compile_static(*self.args)
         except BaseException as e:  # raised where a step begins (`poll`), as a compile there would raise
-            self.error = e
+            self.error = _explained(e)
         self.seconds = time.perf_counter() - started
         self.done.set()
+
+
+def _explained(error: BaseException) -> BaseException:
+    """A loader's compile error, said in fbmt's words where torch's would mislead: a compile that
+    synchronizes the device (Inductor folding a constant) under `torch.cuda.set_sync_debug_mode("error")`,
+    which is the process's, not the step's that then raises it."""
+    if isinstance(error, RuntimeError) and "synchronizing CUDA operation" in str(error):
+        explained = RuntimeError(
+            "fbmt: a region compiling in the background synchronized the device while "
+            "torch.cuda.set_sync_debug_mode('error') was on (a compile may; the steps do not): call "
+            "model.wait_compiled() before turning the mode on, or compile with background_compile=False"
+        )
+        explained.__cause__ = error
+        return explained
+    return error
 
 
 # At most this many compiles of symbolic sizes per region structure: a layout none of them admits
