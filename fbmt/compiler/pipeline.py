@@ -177,5 +177,6 @@ def lower(program: Program, plan: Plan, regions: RegionCache, send: bool = True)
             tangents = [n for n in exe.backward.graph.nodes if n.op == "placeholder"][1:]
             varying = {n for n, zero in zip(tangents, exe.zero_tangents or ()) if zero}
             exe.backward = split_regions(exe.backward, regions, varying=varying, send=send)
+        exe.regions = regions
         logs.log.info("Inductor compiles each kind of region on the first call that runs it")
     return exe

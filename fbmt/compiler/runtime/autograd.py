@@ -5,6 +5,7 @@ compiled backward, and autograd accumulates each shard's gradient into `shard.gr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ class RunProgram(torch.autograd.Function):
         outs, saved = runner.run_forward(*args[: len(exe.fwd_inputs)])
         ctx.exe, ctx.runner, ctx.routes, ctx.saved, ctx.n_args = exe, runner, routes, saved, len(args)
         ctx.gradient_sync = gradient_sync
+        ctx.generation = exe.regions.generation if exe.regions is not None else None
         diff = set(exe.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
         # an output the caller does not differentiate gets no gradient here, but one that backward makes
@@ -63,7 +65,8 @@ class RunProgram(torch.autograd.Function):
             for k, (i, (shape, dtype, device)) in enumerate(zip(exe.diff_outputs, ctx.shapes))
         ]
         saved, ctx.saved = ctx.saved, None  # the graph empties the list: each value dies at its last use
-        with active(ctx.gradient_sync):  # NOTE: [Accumulation without sync]
+        regions = exe.regions.backward_of(ctx.generation) if exe.regions is not None else contextlib.nullcontext()
+        with active(ctx.gradient_sync), regions:  # NOTE: [Accumulation without sync]
             results = ctx.runner.run_backward(saved, *tangents)
         out: list[torch.Tensor | None] = [None] * ctx.n_args
         for arg, result in exe.grad_slots:

@@ -66,6 +66,9 @@ class Executable:
     # per tangent: the backward reads it only as values (views, then pointwise ops), so an output the
     # caller did not use may be given one zero, expanded (NOTE: [Unused outputs' gradients])
     zero_tangents: list[bool] | None = None
+    # with backend="inductor", the RegionCache its regions compile in (a backward reads its generation:
+    # NOTE: [A backward across the switch] in runtime/regions.py)
+    regions: Any = None
 
     def run_forward(self, *args: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
         """The user's outputs, and the values saved for the backward."""

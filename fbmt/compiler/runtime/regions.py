@@ -110,6 +110,18 @@ from fbmt.compiler import collectives as comm
 from fbmt.compiler import meta, ops
 from fbmt.compiler.runtime import background
 
+# NOTE: [A backward across the switch]
+# A region finds its compile from its inputs' layouts on its first call after compiles were taken in, and
+# keeps it for the calls that follow: within a step every call of a region sees the layouts the step's
+# forward made. A compiled forward may lay its outputs out otherwise than the traced ops did (Inductor
+# chooses its outputs' strides; on the GPU one of HF's Llama's regions meets a second layout once the
+# regions before it run compiled). So where a backward runs whose forward ran before the last take-in
+# (forwards of several micro-batches, then their backwards in order, as a pipeline schedule runs them),
+# its regions find the compile for each call's own layouts and keep none of it
+# (`RegionCache.backward_of`); otherwise the newer forward's backward would be handed the compile the
+# older one found, made for other layouts (Inductor's size asserts would stop it; without them it
+# would read its inputs wrongly).
+
 
 class RegionCache:
     """Compiled regions of one model (or more), by structure and input layout; with counts. With
@@ -130,6 +142,9 @@ class RegionCache:
         self.worker_seconds = 0.0
         self.eager_runs = 0  # region calls that ran the traced ops while their compile was made
         self.wait_limit = 600.0  # seconds the loader waits for a worker's compile before making it itself
+        self.stale = (
+            0  # backwards running whose forward ran before the last take-in (NOTE: [A backward across the switch])
+        )
         self._queue: list[_Load] = []  # loads the loader thread has yet to make
         self._queued = threading.Condition()  # guards `_queue` and `_loader`
         self._loader: threading.Thread | None = None
@@ -179,6 +194,17 @@ class RegionCache:
             self._queue.append(load)
             self._queued.notify()
         return True
+
+    @contextlib.contextmanager
+    def backward_of(self, generation: int) -> Iterator[None]:
+        """Where a backward runs whose forward ran at `generation`: if compiles came in since, its
+        regions find the compile for each call's layouts (NOTE: [A backward across the switch])."""
+        stale = int(generation != self.generation)
+        self.stale += stale
+        try:
+            yield
+        finally:
+            self.stale -= stale
 
     def _start_loader(self) -> None:
         """Start the loader thread where loads wait and none runs. Not at `send`, within the step that
@@ -372,13 +398,20 @@ class Region(nn.Module):
         self.eager = False  # `fn` runs the traced ops: the compile is being made in the workers
 
     def forward(self, *args: Any) -> Any:
-        if self.fn is None or self.dims is not None or self.recheck or self.generation != self.cache.generation:
-            self._compile(args)
-        if self.eager:
+        if self.cache.stale:  # a backward of an older step's forward: these layouts alone, kept nowhere
+            fn, eager = self._find(args)
+        else:
+            if self.fn is None or self.dims is not None or self.recheck or self.generation != self.cache.generation:
+                self.generation = self.cache.generation
+                self.fn, self.eager = self._find(args)
+            fn, eager = self.fn, self.eager
+        if eager:
             self.cache.eager_runs += 1
-        return self.fn(*args)
+        return fn(*args)
 
-    def _compile(self, args: tuple) -> None:
+    def _find(self, args: tuple) -> tuple[Any, bool]:
+        """What runs this region for `args`' layouts: their compile (found, or made now), or the traced
+        ops while it is made in the background (then True)."""
         layout = tuple(
             (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
             if isinstance(a, torch.Tensor)
@@ -386,21 +419,19 @@ class Region(nn.Module):
             for a in args
         )
         key = (self.structure, layout)
-        self.generation, self.eager = self.cache.generation, False
         fn = self.cache.compiled.get(key)
         if fn is None and key in self.cache.pending:  # compiling in the workers
-            fn, self.eager = self.gm.forward, True
-        elif fn is None:
+            return self.gm.forward, True
+        if fn is None:
             fn = self._symbolic(args) if self.dims is not None else None
             if fn is None and self.cache.send(self, key, args):
-                fn, self.eager = self.gm.forward, True
-            elif fn is None:
+                return self.gm.forward, True
+            if fn is None:
                 fn, _ = self._inductor(args, symbolic=False)
-            if not self.eager:
-                self.cache.compiled[key] = fn
+            self.cache.compiled[key] = fn
         elif self.fn is None:  # the same region of another block, compiled already
             self.cache.hits += 1
-        self.fn = fn
+        return fn, False
 
     def _symbolic(self, args: tuple) -> Any:
         """A compile of symbolic sizes that admits `args`: one made before, or a new one; None once
