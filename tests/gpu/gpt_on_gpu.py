@@ -47,8 +47,8 @@ def run(model, steps: int, rank: int, world: int, device, guard: int, batch: int
         x, y = data(step, batch, device)
         n = batch // world
         x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
-        if step == guard and hasattr(model, "wait_compiled"):  # the regions compiling in the background: in
-            model.wait_compiled()  # (a compile synchronizes; the steps after it must not)
+        if step == guard and hasattr(model, "wait_compiled"):
+            model.wait_compiled()  # the background compiles in first: a compile may synchronize, the steps not
         if step >= guard:
             torch.cuda.set_sync_debug_mode("error")
         loss = F.cross_entropy(model(x).view(-1, 256), y.reshape(-1))

@@ -142,9 +142,8 @@ class RegionCache:
         self.worker_seconds = 0.0
         self.eager_runs = 0  # region calls that ran the traced ops while their compile was made
         self.wait_limit = 600.0  # seconds the loader waits for a worker's compile before making it itself
-        self.stale = (
-            0  # backwards running whose forward ran before the last take-in (NOTE: [A backward across the switch])
-        )
+        # backwards running whose forward ran before the last take-in (NOTE: [A backward across the switch])
+        self.stale = 0
         self._queue: list[_Load] = []  # loads the loader thread has yet to make
         self._queued = threading.Condition()  # guards `_queue` and `_loader`
         self._loader: threading.Thread | None = None
