@@ -624,14 +624,21 @@ class CompiledModule(nn.Module):
         return ""
 
     def _keep_artifacts(self) -> None:
-        """Add Inductor's regions compiled since the last call to this model's cache entries."""
-        if self._entries and self.regions.misses != self._artifacts_at and cache.writer():
+        """Add Inductor's regions compiled since the last call to this model's cache entries. Not while
+        the loader thread compiles (it records artifacts that the save reads): the next call saves."""
+        if not (self._entries and self.regions.misses != self._artifacts_at and cache.writer()):
+            return
+        if not COMPILING.acquire(blocking=False):
+            return
+        try:
             self._artifacts_at = self.regions.misses
             for path in self._entries:
                 try:
                     cache.save_artifacts(path, compiling=len(self.regions.pending))
                 except Exception as e:  # torch's own format and files: a failure costs a later compile, not this step
                     log.warning("fbmt: the compile cache could not save Inductor's artifacts into %s (%s)", path, e)
+        finally:
+            COMPILING.release()
 
     def _say_why_new(self, key: tuple, args: tuple, kwargs: dict) -> None:
         """Log what differs from the last program built; warn once when programs pile up for input

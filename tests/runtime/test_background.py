@@ -334,6 +334,37 @@ def test_a_compile_that_fails_in_the_loader_raises_where_a_step_begins(monkeypat
         cache.poll(wait=True)
 
 
+def test_artifacts_are_saved_between_the_loaders_compiles(tmp_path, monkeypatch):
+    """torch records a compile's artifacts while it makes it: a model saves them where a call begins only
+    while no compile runs (the save reads what the loader writes), and never waits for one."""
+    from fbmt.compiler import cache
+
+    monkeypatch.setattr(regions, "compile_static", _traced)
+    saves = []
+    monkeypatch.setattr(cache, "save_artifacts", lambda path, compiling: saves.append(compiling))
+    model = fbmt.compile(gpt(n_layer=1), backend="inductor", background_compile=False, cache_dir=tmp_path)
+    x = torch.randint(0, 64, (2, 8))
+    model(x)  # its regions compile in the step (no workers): the next call saves them
+    held, release = threading.Event(), threading.Event()
+
+    def compiling():
+        with regions.COMPILING:
+            held.set()
+            release.wait(30)
+
+    loader = threading.Thread(target=compiling)
+    loader.start()
+    assert held.wait(30)
+    started = time.perf_counter()
+    model(x)
+    waited = time.perf_counter() - started
+    release.set()
+    loader.join()
+    assert saves == [] and waited < 10
+    model(x)
+    assert saves == [0]
+
+
 def test_a_compile_that_synchronizes_under_the_sync_debug_mode_says_what_to_do(monkeypatch):
     """Inductor may synchronize the device while compiling; under torch.cuda.set_sync_debug_mode("error")
     (the process's, not the loader's own) the next step would raise torch's error as if it had synced
