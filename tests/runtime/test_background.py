@@ -365,6 +365,30 @@ def test_artifacts_are_saved_between_the_loaders_compiles(tmp_path, monkeypatch)
     assert saves == [0]
 
 
+def test_a_load_ends_whatever_fails_in_it(monkeypatch):
+    """A load is done however it fails, even before its compile (here the warning about a failed worker
+    cannot be written): waiting for the compiles ends, with the error, and never hangs."""
+
+    class Failed(_Answered):
+        def submit(self, function, *args):
+            job = background.Job(function, args)
+            job._finish(None, "the worker process stopped")
+            return job
+
+    def no_log(*args, **kwargs):
+        raise OSError("the log's stream is closed")
+
+    monkeypatch.setattr(regions, "compile_static", _traced)
+    monkeypatch.setattr(regions.logs.log, "warning", no_log)
+    cache = regions.RegionCache(lambda: Failed())
+    Region(torch.fx.symbolic_trace(lambda x: (torch.ops.aten.cos.default(x),)), "cos", cache)(torch.randn(3))
+    raised = []
+    waiting = threading.Thread(target=lambda: raised.append(pytest.raises(OSError, cache.poll, wait=True)), daemon=True)
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive() and raised
+
+
 def test_a_compile_that_synchronizes_under_the_sync_debug_mode_says_what_to_do(monkeypatch):
     """Inductor may synchronize the device while compiling; under torch.cuda.set_sync_debug_mode("error")
     (the process's, not the loader's own) the next step would raise torch's error as if it had synced

@@ -333,21 +333,25 @@ class _Load:
         self.done.set()
 
     def make(self, limit: float) -> None:
-        job = self.job
-        if job is not None and not job.done():  # a worker stuck: the job is left to it, and made here
-            logs.log.warning(
-                "fbmt: a compile worker has not answered in %.0fs; the region compiles in this process", limit
-            )
-        elif job is not None and job.error is not None:
-            logs.log.warning("fbmt: a compile worker failed on a region (%s); it compiles in this process", job.error)
+        """Compile it here; done whatever happens (`wait_compiled` waits for `done`)."""
         started = time.perf_counter()
         try:
+            job = self.job
+            if job is not None and not job.done():  # a worker stuck: the job is left to it, and made here
+                logs.log.warning(
+                    "fbmt: a compile worker has not answered in %.0fs; the region compiles in this process", limit
+                )
+            elif job is not None and job.error is not None:
+                logs.log.warning(
+                    "fbmt: a compile worker failed on a region (%s); it compiles in this process", job.error
+                )
             # the same graph and fakes as the worker's: torch's caches hold what it compiled (NOTE)
             self.fn = compile_static(*self.args)
         except BaseException as e:  # raised where a step begins (`poll`), as a compile there would raise
             self.error = _explained(e)
-        self.seconds = time.perf_counter() - started
-        self.done.set()
+        finally:
+            self.seconds = time.perf_counter() - started
+            self.done.set()
 
 
 def _explained(error: BaseException) -> BaseException:
