@@ -443,6 +443,23 @@ def test_inductor_artifacts_saved_as_regions_come_in_all_load(tmp_path, monkeypa
     assert cache.artifacts_missing(entry) == 0  # what the first run compiled is still there
 
 
+def test_the_list_says_what_an_entry_holds_of_inductors_regions(tmp_path, monkeypatch, capsys):
+    import fbmt.cache as command
+
+    _trace(tmp_path)
+    (entry,) = cache.entries(tmp_path)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled regions", None))
+    listed = []
+    for compiling in (None, 3, 0):
+        if compiling is not None:
+            cache.save_artifacts(entry.path, compiling)
+        command.main(["list", "--dir", str(tmp_path)])
+        listed.append(capsys.readouterr().out.splitlines()[0])
+    assert "Inductor" not in listed[0], listed
+    assert listed[1].endswith("with Inductor's regions (not 3 that were compiling)"), listed
+    assert listed[2].endswith("with Inductor's regions, all"), listed
+
+
 SCALED_FILE = """
 import torch, torch.nn as nn
 
