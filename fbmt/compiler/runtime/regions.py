@@ -73,15 +73,14 @@ start's first step runs traced without waiting for Inductor at all, and the next
 with the loader. A worker that failed or did not answer in `wait_limit`, or a cache that does not answer
 (one turned off, another torch in the worker's environment), leaves that compile to the loader, as one
 made here; a compile that fails raises where the next step begins (one that synchronized the device
-under `torch.cuda.set_sync_debug_mode("error")`, which is the process's, says to wait for the
-compiles before turning it on). What a step computes never depends on
-the workers or the loader. The values of the traced and the compiled ops differ by their rounding (eager
-PyTorch's kernels and Inductor's), and the step that changes depends on the workers' and the loader's
-speed: a run is not bitwise repeatable, and `CompiledModule.wait_compiled()` takes every compile in at
-once. Regions of symbolic sizes (NOTE: [Symbolic regions]) compile in the step, as before, one compile
-at a time with the loader's (`COMPILING`, which a program's trace holds too: make_fx keeps its state in
-globals of the process); under CUDA graphs, which would capture the traced ops, nothing compiles in the
-background.
+under `torch.cuda.set_sync_debug_mode("error")`, which is the process's, says to wait for the compiles
+before turning it on). What a step computes never depends on the workers or the loader. The values of
+the traced and the compiled ops differ by their rounding (eager PyTorch's kernels and Inductor's), and
+the step that changes depends on the workers' and the loader's speed: a run is not bitwise repeatable,
+and `CompiledModule.wait_compiled()` takes every compile in at once. Regions of symbolic sizes (NOTE:
+[Symbolic regions]) compile in the step, as before, one compile at a time with the loader's
+(`COMPILING`, which a program's trace holds too: make_fx keeps its state in globals of the process);
+under CUDA graphs, which would capture the traced ops, nothing compiles in the background.
 """
 
 from __future__ import annotations
