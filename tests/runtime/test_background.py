@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -477,12 +481,43 @@ def test_waiting_for_compiles_while_the_interpreter_exits_ends(monkeypatch):
 
     exiting = threading.Event()
     exiting.set()
-    monkeypatch.setattr(regions, "_exiting", exiting)
+    monkeypatch.setattr(background, "exiting", exiting)
     cache = regions.RegionCache(lambda: None)
     region = _loaded_exp(cache)
     region(torch.randn(3))
     with pytest.raises(RuntimeError, match="exiting"):
         cache.poll(wait=True)
+
+
+EXITS_WHILE_COMPILING = """
+import atexit, time
+import torch, fbmt
+# an exit handler that takes a while, registered after fbmt is imported and before its workers start (as
+# Inductor's own pool registers its): the workers stopped, it gave the loader time to compile what they had
+atexit.register(time.sleep, 3)
+import torch.nn.functional as F
+from tests.models.reference import gpt
+torch.manual_seed(0)
+model = fbmt.compile(gpt(n_layer=1), backend="inductor", background_compile=True, cache_dir=False)
+x = torch.randint(0, 64, (2, 8))
+for _ in range(2):  # the second step starts the loader, which waits for the workers' first answers
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+assert model.regions.pending, model.regions  # the regions still compile as the script ends
+print("steps done", flush=True)
+"""
+
+
+def test_a_script_that_ends_while_its_regions_compile_exits_cleanly(tmp_path):
+    """NOTE: [Exiting while regions compile]: a script that ends before the workers answered exits with
+    status 0, and its loader compiles nothing in the exiting interpreter (before, the workers' stop failed
+    their jobs, the loader compiled them here, and the process could abort inside torch's C++)."""
+    root = str(Path(fbmt.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "FBMT_LOG": "info"}
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_WHILE_COMPILING], env=env, capture_output=True, text=True, timeout=300, cwd=root
+    )
+    assert done.returncode == 0 and "steps done" in done.stdout, done.stderr[-3000:]
+    assert "compiles in this process" not in done.stderr, done.stderr[-3000:]
 
 
 def test_a_program_whose_entry_lacks_many_of_its_regions_sends_them_to_the_workers(tmp_path, monkeypatch):

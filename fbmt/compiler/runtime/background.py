@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from fbmt import flags, logs
@@ -189,9 +190,29 @@ def pool(warm_up: tuple[str, str, tuple] | None = None) -> Workers | None:
         if count == 0:
             return None
         _pool = Workers(count, threads=max(1, per_rank // count), warm_up=warm_up)
-        atexit.register(_pool.close)
         logs.log.info("compile workers: %d processes of %d compile threads each", count, _pool.threads)
     return _pool
+
+
+# Set where the interpreter begins to exit, before the workers stop: a job they then fail is not made
+# again by its caller (in a thread the exiting interpreter would stop inside torch's C++, aborting the
+# process), and nothing new starts.
+exiting = threading.Event()
+_on_exit: list[Callable[[], None]] = []
+
+
+def on_exit(hook: Callable[[], None]) -> None:
+    """Run `hook` where the interpreter exits, after `exiting` is set and before the workers stop."""
+    _on_exit.append(hook)
+
+
+@atexit.register
+def _exit() -> None:
+    exiting.set()
+    for hook in _on_exit:
+        hook()
+    if _pool is not None:
+        _pool.close()
 
 
 def release() -> None:

@@ -85,7 +85,6 @@ under CUDA graphs, which would capture the traced ops, nothing compiles in the b
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import hashlib
@@ -95,6 +94,7 @@ import pickle
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -212,6 +212,7 @@ class RegionCache:
             if self._queue and self._loader is None:
                 _keep_the_steps_draws()
                 self._loader = threading.Thread(target=self._load, daemon=True, name="fbmt-region-loader")
+                _loaders.add(self._loader)
                 self._loader.start()
 
     def _load(self) -> None:
@@ -222,7 +223,7 @@ class RegionCache:
             importlib.import_module("torch._inductor.compile_fx")  # what every compile needs
         while True:
             with self._queued:
-                if _exiting.is_set():  # what is left fails, so that nothing waits for it
+                if background.exiting.is_set():  # what is left fails, so that nothing waits for it
                     for q in self._queue:
                         q.fail(RuntimeError("fbmt: the interpreter is exiting; the region was not compiled"))
                     self._queue.clear()
@@ -304,10 +305,36 @@ def _keep_the_steps_draws() -> None:
         owner.set_rng_state = set_rng_state
 
 
-# Set where the interpreter begins to exit: the loader starts no new compile (what it would make is
-# no longer wanted, and torch's modules are being torn down).
-_exiting = threading.Event()
-atexit.register(_exiting.set)
+# The loader threads alive, waited for where the interpreter exits (`_finish_loaders`).
+_loaders: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+# How long the interpreter's exit waits for a loader's compile under way (one region's, from the caches or
+# in full); past it, the exit goes on and may abort inside that compile.
+EXIT_WAIT = 120.0
+
+
+def _finish_loaders() -> None:
+    """Where the interpreter exits (`background.on_exit`, after `exiting` is set, before the workers stop):
+    wait for each loader thread to end.
+
+    NOTE: [Exiting while regions compile]
+    A script may end while regions still compile (a short run, a test, an evaluation). Once the
+    interpreter exits, a daemon thread that takes the interpreter again is stopped where it stands; in
+    torch's C++ (a compile) that aborts the whole process ("terminate called without an active
+    exception"), and a job that succeeded reports a failure. So where the interpreter exits, first
+    `background.exiting` is set: a loader starts no compile after it (what it would make is no longer
+    wanted), and those queued fail, so that nothing waits for them; then each loader thread is waited
+    for, which ends at once or after the one compile it is making; and only then do the workers stop
+    (before, their stop failed the jobs they had, and the loader compiled those here, in the exiting
+    interpreter). What the workers had put in torch's caches stays there for the next run."""
+    for thread in list(_loaders):
+        thread.join(0.2)  # one that waits for a worker ends at its next look
+        if thread.is_alive():
+            logs.log.info("fbmt: the interpreter is exiting; waiting for a region's compile under way to end")
+            thread.join(EXIT_WAIT)
+
+
+background.on_exit(_finish_loaders)
 
 
 class _Load:
@@ -335,6 +362,8 @@ class _Load:
         """Compile it here; done whatever happens (`wait_compiled` waits for `done`)."""
         started = time.perf_counter()
         try:
+            if background.exiting.is_set():  # NOTE: [Exiting while regions compile]
+                raise RuntimeError("fbmt: the interpreter is exiting; the region was not compiled")
             job = self.job
             if job is not None and not job.done():  # a worker stuck: the job is left to it, and made here
                 logs.log.warning(
