@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -518,6 +519,46 @@ def test_a_script_that_ends_while_its_regions_compile_exits_cleanly(tmp_path):
     )
     assert done.returncode == 0 and "steps done" in done.stdout, done.stderr[-3000:]
     assert "compiles in this process" not in done.stderr, done.stderr[-3000:]
+
+
+INTERRUPTED = """
+import atexit, time, torch, fbmt
+atexit.register(time.sleep, 2)  # an exit handler that takes a while (a logger's upload), run before fbmt's
+import torch.nn.functional as F
+from fbmt.compiler.runtime import background
+from tests.models.reference import gpt
+model = fbmt.compile(gpt(n_layer=1), backend="inductor", background_compile=True, cache_dir=False)
+x = torch.randint(0, 64, (2, 8))
+F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+print(*[p.pid for p in background._pool._processes], flush=True)
+time.sleep(120)
+"""
+
+
+def test_ctrl_c_interrupts_the_script_not_its_compile_workers(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the foreground process group) while the workers compile: the script
+    stops with its own KeyboardInterrupt, the workers print no traceback of theirs, and they are stopped."""
+    root = str(Path(fbmt.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    script = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED],
+        env=env,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group of its own, as a terminal's foreground job
+    )
+    pids = [int(p) for p in script.stdout.readline().split()]
+    assert pids, script.communicate(timeout=60)[1][-3000:]
+    os.killpg(script.pid, signal.SIGINT)
+    _, err = script.communicate(timeout=60)
+    # the script's own traceback alone: an interrupted worker would end with one of its own
+    assert script.returncode != 0 and err.count("KeyboardInterrupt") == 1, err[-3000:]
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids), "a compile worker outlived the script"
 
 
 def test_a_program_whose_entry_lacks_many_of_its_regions_sends_them_to_the_workers(tmp_path, monkeypatch):

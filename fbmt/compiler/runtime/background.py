@@ -74,6 +74,10 @@ class Workers:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,
+                # a session of their own: a terminal's Ctrl-C interrupts the training script alone, not
+                # also each worker (with a traceback of its own); they end when this process stops them
+                # or, where it died, once their standard input closes
+                start_new_session=True,
             )
             self._processes.append(process)
             threading.Thread(target=self._feed, args=(process,), daemon=True, name="fbmt-compile-worker").start()
