@@ -88,3 +88,45 @@ def test_the_parameters_views_of_every_layer_share_their_fake_values():
     made once per layout, not once per layer (each a fake op of a few hundred microseconds)."""
     (distinct2, views2), (distinct6, views6) = _gather_views(2), _gather_views(6)
     assert views6 > views2 and distinct6 == distinct2, ((distinct2, views2), (distinct6, views6))
+
+
+def _merged_views(n_layer: int) -> tuple[int, int, int]:
+    """(distinct fake values, views, of which `_unsafe_view`s) among the views the merge pass re-derives:
+    those of each merged product's column slices, transitively."""
+    from fbmt.compiler import ops
+
+    aten = torch.ops.aten
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    compiled = fbmt.compile(model, world_size=4, device="meta", cache_dir=False)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    program = compiled.trace(input_ids=ids, labels=ids, use_cache=False, device="cpu")
+    columns = [  # a merged product's outputs: column slices of an mm
+        s
+        for n in program.graph.nodes
+        if n.target is aten.mm.default
+        for s in n.users
+        if s.target is aten.slice.Tensor and s.args[1] == 1
+    ]
+    todo = list(columns)
+    views = []
+    while todo:
+        n = todo.pop()
+        users = [u for u in n.users if ops.aliases(u) and u.args[0] is n]
+        views += users
+        todo += users
+    unsafe = sum(v.target is aten._unsafe_view.default for v in views)
+    return len({id(v.meta["val"]) for v in views}), len(views), unsafe
+
+
+def test_the_merged_products_views_of_every_layer_share_their_fake_values():
+    """NOTE: [Views by their metadata]: the merge pass re-derives the views of each layer's merged
+    products (`_unsafe_view`s among them) once per layout, not once per layer."""
+    (distinct2, views2, unsafe2), (distinct6, views6, unsafe6) = _merged_views(2), _merged_views(6)
+    assert views6 > views2 and unsafe6 > unsafe2 and distinct6 == distinct2, (
+        (distinct2, views2, unsafe2),
+        (distinct6, views6, unsafe6),
+    )

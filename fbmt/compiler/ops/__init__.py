@@ -9,7 +9,7 @@ and written through `fbmt.compiler.meta`.
 """
 
 from fbmt.compiler.ops import graph, record, tables
-from fbmt.compiler.ops.graph import buffer_readers, emit, fake_like, nbytes, node_order, size
+from fbmt.compiler.ops.graph import buffer_readers, emit, fake_like, fake_value, nbytes, node_order, size
 from fbmt.compiler.ops.tables import (
     ATTENTION_BACKWARD,
     ATTENTION_FORWARD,
@@ -33,6 +33,7 @@ __all__ = [
     "buffer_readers",
     "emit",
     "fake_like",
+    "fake_value",
     "nbytes",
     "node_order",
     "size",

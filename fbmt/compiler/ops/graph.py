@@ -28,12 +28,12 @@ def emit(
         vals = fx.node.map_arg(args, lambda a: a.meta.get("val"))  # lists of nodes (a cat's) too
         fake = next((v for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
         if fake is not None:
-            node.meta["val"] = _fake_value(fake.fake_mode, target, vals, kwargs or {})
+            node.meta["val"] = fake_value(fake.fake_mode, target, vals, kwargs or {})
     return node
 
 
-def _fake_value(mode: Any, target: torch._ops.OpOverload, vals: tuple, kwargs: dict[str, Any]) -> Any:
-    """`target`'s fake result on `vals`.
+def fake_value(mode: Any, target: torch._ops.OpOverload, vals: tuple, kwargs: dict[str, Any]) -> Any:
+    """`target`'s fake result on `vals` (in `mode`), a view's memoized by metadata.
 
     NOTE: [Views by their metadata]
     A fake op costs a few hundred microseconds, and the shard pass makes two views (a slice and a view)
@@ -42,8 +42,11 @@ def _fake_value(mode: Any, target: torch._ops.OpOverload, vals: tuple, kwargs: d
     offset, dtype, device, requires_grad) and its arguments, which are the same for every layer's
     group, so a view op met again with equal metadata gets the fake result made the first time. That
     fake is a view of another node's value; a value's metadata is all the passes read of it (never
-    its storage). Sizes that are symbols are not memoized."""
-    key = _view_key(target, vals, kwargs) if is_view_op(target) else None
+    its storage). Sizes that are symbols are not memoized. `_unsafe_view` counts as a view here (its
+    schema claims a new tensor, but its result is a reshape of its input, decided the same way): the
+    merge pass re-derives the views of every layer's merged products, a third of them those."""
+    memoized = is_view_op(target) or target is torch.ops.aten._unsafe_view.default
+    key = _view_key(target, vals, kwargs) if memoized else None
     if key is not None:
         # kept on the mode itself: the fakes refer to their mode, so a table beside it would keep both alive
         seen = mode.__dict__.setdefault("_fbmt_views_by_metadata", {})

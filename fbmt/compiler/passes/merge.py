@@ -171,9 +171,8 @@ def _views_follow(node: fx.Node, val: torch.Tensor, updates: dict) -> bool:
         if not (ops.aliases(u) and u.args[0] is node):
             continue
         args = [val] + [a.meta.get("val") if isinstance(a, fx.Node) else a for a in u.args[1:]]
-        try:
-            with val.fake_mode:
-                new = u.target(*args, **u.kwargs)
+        try:  # every layer's slices take the same views: memoized by metadata (NOTE: [Views by their metadata])
+            new = ops.fake_value(val.fake_mode, u.target, args, u.kwargs)
         except (RuntimeError, ValueError):  # a view that needs the old layout: "Cannot view a tensor ..."
             return False
         updates[u] = new
