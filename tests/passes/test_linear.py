@@ -84,15 +84,15 @@ def _gather_views(n_layer: int) -> tuple[int, int]:
 
 
 def test_the_parameters_views_of_every_layer_share_their_fake_values():
-    """NOTE: [Views by their metadata]: the shard pass's views of each layer's gathered parameters are
+    """NOTE: [Values by their metadata]: the shard pass's views of each layer's gathered parameters are
     made once per layout, not once per layer (each a fake op of a few hundred microseconds)."""
     (distinct2, views2), (distinct6, views6) = _gather_views(2), _gather_views(6)
     assert views6 > views2 and distinct6 == distinct2, ((distinct2, views2), (distinct6, views6))
 
 
 def _merged_views(n_layer: int) -> tuple[int, int, int]:
-    """(distinct fake values, views, of which `_unsafe_view`s) among the views the merge pass re-derives:
-    those of each merged product's column slices, transitively."""
+    """(distinct fake values, values, of which `_unsafe_view`s) among what the merge pass makes: each
+    merged product, its column slices, and their views (re-derived), transitively."""
     from fbmt.compiler import ops
 
     aten = torch.ops.aten
@@ -112,7 +112,7 @@ def _merged_views(n_layer: int) -> tuple[int, int, int]:
         if s.target is aten.slice.Tensor and s.args[1] == 1
     ]
     todo = list(columns)
-    views = []
+    views = [*columns, *{s.args[0] for s in columns}]  # the slices, and the products they cut
     while todo:
         n = todo.pop()
         users = [u for u in n.users if ops.aliases(u) and u.args[0] is n]
@@ -122,9 +122,9 @@ def _merged_views(n_layer: int) -> tuple[int, int, int]:
     return len({id(v.meta["val"]) for v in views}), len(views), unsafe
 
 
-def test_the_merged_products_views_of_every_layer_share_their_fake_values():
-    """NOTE: [Views by their metadata]: the merge pass re-derives the views of each layer's merged
-    products (`_unsafe_view`s among them) once per layout, not once per layer."""
+def test_the_merged_products_and_their_views_share_fake_values_across_layers():
+    """NOTE: [Values by their metadata]: the merge pass makes each layer's merged products, their slices
+    and their views (`_unsafe_view`s among them) once per layout, not once per layer."""
     (distinct2, views2, unsafe2), (distinct6, views6, unsafe6) = _merged_views(2), _merged_views(6)
     assert views6 > views2 and unsafe6 > unsafe2 and distinct6 == distinct2, (
         (distinct2, views2, unsafe2),

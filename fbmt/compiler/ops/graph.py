@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fbmt.compiler import meta
-from fbmt.compiler.ops.tables import hint, is_view, is_view_op
+from fbmt.compiler.ops.tables import hint, is_view
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -33,57 +33,72 @@ def emit(
 
 
 def fake_value(mode: Any, target: torch._ops.OpOverload, vals: tuple, kwargs: dict[str, Any]) -> Any:
-    """`target`'s fake result on `vals` (in `mode`), a view's memoized by metadata.
+    """`target`'s fake result on `vals` (in `mode`), memoized by the arguments' metadata.
 
-    NOTE: [Views by their metadata]
-    A fake op costs a few hundred microseconds, and the shard pass makes two views (a slice and a view)
-    of each parameter from its group's gathered buffer, in each phase: thousands at a hundred layers,
-    most of that pass's time. A view's result is decided by its input's metadata (shape, strides,
-    offset, dtype, device, requires_grad) and its arguments, which are the same for every layer's
-    group, so a view op met again with equal metadata gets the fake result made the first time. That
-    fake is a view of another node's value; a value's metadata is all the passes read of it (never
-    its storage). Sizes that are symbols are not memoized. `_unsafe_view` counts as a view here (its
-    schema claims a new tensor, but its result is a reshape of its input, decided the same way): the
-    merge pass re-derives the views of every layer's merged products, a third of them those."""
-    memoized = is_view_op(target) or target is torch.ops.aten._unsafe_view.default
-    key = _view_key(target, vals, kwargs) if memoized else None
+    NOTE: [Values by their metadata]
+    A fake op costs a few hundred microseconds, and the passes make the same ops for every layer: the
+    shard pass two views (a slice and a view) of each parameter from its group's gathered buffer in
+    each phase, the merge pass a `cat` of each run's weights, one product and its column slices, and
+    the views of those slices. An op's fake result is decided by its arguments' metadata (a tensor's
+    shape, strides, offset, dtype, device and requires_grad; any other argument's type and value) and
+    the default dtype, which are the same for every layer, so an op that does not write met again with
+    equal metadata gets the fake result made the first time. That fake is another node's value (a view
+    of another's, for a view); a value's metadata is all the passes read of it (never its storage or
+    identity). Arguments or results with sizes that are symbols are not memoized (two `nonzero`s have
+    sizes of their own)."""
+    key = _metadata_key(target, vals, kwargs) if not target._schema.is_mutable else None
     if key is not None:
         # kept on the mode itself: the fakes refer to their mode, so a table beside it would keep both alive
-        seen = mode.__dict__.setdefault("_fbmt_views_by_metadata", {})
+        seen = mode.__dict__.setdefault("_fbmt_values_by_metadata", {})
         if key in seen:
             return seen[key]
     with mode:
         out = target(*vals, **kwargs)
-    if key is not None:
+    if key is not None and _plain(out):
         seen[key] = out
     return out
 
 
-def _view_key(target: Any, vals: tuple, kwargs: dict[str, Any]) -> tuple | None:
-    parts: list[Any] = [target]
-    for a in [*vals, *kwargs.items()]:
-        if isinstance(a, torch.Tensor):
-            sizes = (*a.shape, *a.stride(), a.storage_offset())
-            if not all(isinstance(x, int) for x in sizes):
-                return None
-            parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad))
-        elif isinstance(a, (list, tuple)) and all(isinstance(x, int) for x in a):
-            parts.append(tuple(a))
-        elif isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str):  # a keyword argument
-            if not isinstance(a[1], (int, bool, type(None))):
-                return None
-            parts.append(a)
-        elif isinstance(a, (int, bool, type(None))):
-            parts.append(a)
-        else:
-            return None
-    return tuple(parts)
+_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_UNKEYABLE = object()
+
+
+def _metadata_key(target: Any, vals: tuple, kwargs: dict[str, Any]) -> tuple | None:
+    key = (target, torch.get_default_dtype(), _part(vals), _part(tuple(sorted(kwargs.items()))))
+    return None if _UNKEYABLE in key else key
+
+
+def _part(a: Any) -> Any:
+    """An argument as a key (its metadata, for a tensor), or `_UNKEYABLE`."""
+    if isinstance(a, torch.Tensor):
+        sizes = (*a.shape, *a.stride(), a.storage_offset())
+        if not all(type(x) is int for x in sizes):
+            return _UNKEYABLE
+        return ("tensor", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad)
+    if isinstance(a, (list, tuple)):
+        parts = tuple(_part(x) for x in a)
+        return _UNKEYABLE if _UNKEYABLE in parts else (type(a).__name__, parts)
+    if isinstance(a, _SCALARS) and a == a:  # typed: 1, 1.0 and True are equal keys otherwise; not a nan
+        return (type(a).__name__, a)
+    return _UNKEYABLE
+
+
+def _plain(out: Any) -> bool:
+    """A fake result whose every size is an int (not a symbol a later call would need its own of)."""
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            if not all(type(x) is int for x in (*leaf.shape, *leaf.stride(), leaf.storage_offset())):
+                return False
+        elif not isinstance(leaf, _SCALARS):
+            return False
+    return True
 
 
 def fake_like(val: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fake tensor of `shape` in `val`'s fake mode, device and (unless given) dtype."""
-    with val.fake_mode:
-        return torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
+    """A fake tensor of `shape` in `val`'s fake mode, device and (unless given) dtype (NOTE: [Values by
+    their metadata]: one per shape, dtype and device)."""
+    kwargs = {"dtype": dtype or val.dtype, "device": val.device}
+    return fake_value(val.fake_mode, torch.ops.aten.empty.memory_format, (list(shape),), kwargs)
 
 
 def nbytes(value: Any) -> int:

@@ -148,7 +148,7 @@ def _merge_run(g: fx.Graph, run: list[tuple[fx.Node, fx.Node]]) -> bool:
         start = bounds[-1][1]
     updates: dict[fx.Node, Any] = {}
     for p, (a, b) in zip(products, bounds):
-        if not _views_follow(p, y_val[:, a:b], updates):
+        if not _views_follow(p, ops.fake_value(y_val.fake_mode, aten.slice.Tensor, (y_val, 1, a, b), {}), updates):
             return False
     tags = meta.facts(first, *_CARRIED)
     phase = meta.phase(first)
@@ -171,7 +171,7 @@ def _views_follow(node: fx.Node, val: torch.Tensor, updates: dict) -> bool:
         if not (ops.aliases(u) and u.args[0] is node):
             continue
         args = [val] + [a.meta.get("val") if isinstance(a, fx.Node) else a for a in u.args[1:]]
-        try:  # every layer's slices take the same views: memoized by metadata (NOTE: [Views by their metadata])
+        try:  # every layer's slices take the same views: memoized by metadata (NOTE: [Values by their metadata])
             new = ops.fake_value(val.fake_mode, u.target, args, u.kwargs)
         except (RuntimeError, ValueError):  # a view that needs the old layout: "Cannot view a tensor ..."
             return False
