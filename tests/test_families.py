@@ -1,0 +1,127 @@
+"""More Hugging Face model families, as users build and call them, against eager PyTorch: one process,
+fp32, two SGD steps, the loss and every parameter's gradient at each.
+
+`tests/test_transformers.py` runs a few families in depth (several ranks, caches, `generate`); this
+is the net for the others, whose attention, norms, rotary embeddings, routers and state-space layers
+are each their own code in transformers. Tiny configs through `AutoConfig.for_model` (nothing is
+downloaded); dropout and the routers' jitter noise off, as both draw numbers eager and fbmt draw
+differently."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import fbmt
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+NO_DRAWS = dict.fromkeys(
+    [
+        "dropout",
+        "attention_dropout",
+        "activation_dropout",
+        "hidden_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+        "router_jitter_noise",
+        "input_jitter_noise",
+    ],
+    0.0,
+)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+CAUSAL: dict[str, dict[str, Any]] = {
+    "qwen3": {},
+    "qwen3_moe": dict(MOE, num_experts=4),
+    "gemma": {},
+    "gemma2": dict(sliding_window=4),  # transformers runs it with eager attention only
+    "gemma3_text": dict(sliding_window=4),
+    "phi": dict(partial_rotary_factor=0.5),
+    "phi3": {},
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmo2": {},
+    "gpt_neox": dict(rotary_pct=0.5),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
+    "stablelm": {},
+    "granite": {},
+    "cohere2": dict(sliding_window=4),
+    "starcoder2": {},
+    "deepseek_v3": dict(
+        MOE,
+        n_routed_experts=4,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        n_group=1,
+        topk_group=1,
+    ),
+    "gptj": dict(rotary_dim=8),
+    "bloom": {},
+    "mpt": {},
+    "mamba": {},
+}
+MASKED = ["roberta", "electra", "deberta-v2", "modernbert", "distilbert", "albert"]
+
+
+def _model(model_type: str, auto: Any) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(model_type, **{**SMALL, **NO_DRAWS, **CAUSAL.get(model_type, {})})
+    torch.manual_seed(0)
+    try:
+        return auto.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # a family transformers runs with its eager attention only (Gemma 2)
+        return auto.from_config(config, attn_implementation="eager")
+
+
+def _trains_like_eager(ref: torch.nn.Module, masked: bool) -> None:
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        ids = torch.randint(3, VOCAB, (2, 12), generator=g)
+        call = dict(input_ids=ids, labels=ids, **({"attention_mask": torch.ones_like(ids)} if masked else {}))
+        want, got = ref(**call).loss, model(**call).loss
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step}: the loss")
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("model_type", list(CAUSAL))
+def test_a_causal_lm_of_this_family_trains_as_in_eager(model_type):
+    _trains_like_eager(_model(model_type, transformers.AutoModelForCausalLM), masked=False)
+
+
+@pytest.mark.parametrize("model_type", MASKED)
+def test_a_masked_lm_of_this_family_trains_as_in_eager(model_type):
+    _trains_like_eager(_model(model_type, transformers.AutoModelForMaskedLM), masked=True)
