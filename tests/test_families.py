@@ -125,3 +125,14 @@ def test_a_causal_lm_of_this_family_trains_as_in_eager(model_type):
 @pytest.mark.parametrize("model_type", MASKED)
 def test_a_masked_lm_of_this_family_trains_as_in_eager(model_type):
     _trains_like_eager(_model(model_type, transformers.AutoModelForMaskedLM), masked=True)
+
+
+def test_a_router_that_reads_values_is_named_without_a_setting_it_lacks():
+    """JetMoE's top-k gating reads its experts' sizes with `.tolist()`: the trace error names the router
+    and does not suggest `experts_implementation`, which this family cannot set."""
+    config = transformers.AutoConfig.for_model("jetmoe", **{**SMALL, **NO_DRAWS})
+    model = fbmt.compile(transformers.AutoModelForCausalLM.from_config(config), cache_dir=False)
+    ids = torch.randint(3, VOCAB, (2, 12))
+    with pytest.raises(fbmt.TraceError, match=r"experts\.router' \(JetMoeTopKGating\)") as error:
+        model(input_ids=ids, labels=ids)
+    assert "experts_implementation" not in str(error.value), error.value

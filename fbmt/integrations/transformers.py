@@ -213,9 +213,16 @@ def default_init_fn(model: nn.Module) -> Callable[[nn.Module], None] | None:
 
 
 def _experts_hint(module: nn.Module, kind: str) -> str | None:
-    """Transformers' mixture-of-experts layers other than "grouped_mm" choose experts by value."""
+    """Transformers' mixture-of-experts layers other than "grouped_mm" choose experts by value; said
+    only of a model whose experts can be set (JetMoE's cannot: its router reads values itself)."""
     experts = getattr(getattr(module, "config", None), "_experts_implementation", None)
     if kind not in ("DynamicOutputShapeException", "DataDependentOutputException") or experts in (None, "grouped_mm"):
+        return None
+    settable = getattr(type(module), "_can_set_experts_implementation", None)
+    try:
+        if callable(settable) and not settable():
+            return None
+    except Exception:  # transformers' check reads the model's source: where it cannot, say nothing of it
         return None
     return (
         f"this model's mixture-of-experts layers run transformers' {experts!r} experts, which choose "
