@@ -1,5 +1,5 @@
 """More Hugging Face model families, as users build and call them, against eager PyTorch: one process,
-fp32, two SGD steps, the loss and every parameter's gradient at each.
+fp32, two SGD steps (the second on a padded batch), the loss and every parameter's gradient at each.
 
 `tests/test_transformers.py` runs a few families in depth (several ranks, caches, `generate`); this
 is the net for the others, whose attention, norms, rotary embeddings, routers and state-space layers
@@ -77,6 +77,7 @@ CAUSAL: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=8,
         v_head_dim=16,
         head_dim=8,
+        num_key_value_heads=4,  # multi-head latent attention: a key and value per head
         n_group=1,
         topk_group=1,
     ),
@@ -86,10 +87,26 @@ CAUSAL: dict[str, dict[str, Any]] = {
     "mamba": {},
 }
 MASKED = ["roberta", "electra", "deberta-v2", "modernbert", "distilbert", "albert"]
+SEQ2SEQ = ["bart", "mbart", "pegasus", "marian"]
+CLASSIFIERS = ["llama", "qwen3", "gpt2", "roberta"]
+ENCODER_DECODER = dict(
+    d_model=64,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    decoder_ffn_dim=128,
+    decoder_start_token_id=2,
+    num_labels=3,
+)
 
 
 def _model(model_type: str, auto: Any) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(model_type, **{**SMALL, **NO_DRAWS, **CAUSAL.get(model_type, {})})
+    extra = ENCODER_DECODER if model_type in SEQ2SEQ or auto is transformers.AutoModelForSequenceClassification else {}
+    config = transformers.AutoConfig.for_model(
+        model_type, **{**SMALL, **NO_DRAWS, **extra, **CAUSAL.get(model_type, {})}
+    )
     torch.manual_seed(0)
     try:
         return auto.from_config(config, attn_implementation="sdpa")
@@ -97,13 +114,41 @@ def _model(model_type: str, auto: Any) -> torch.nn.Module:
         return auto.from_config(config, attn_implementation="eager")
 
 
-def _trains_like_eager(ref: torch.nn.Module, masked: bool) -> None:
+def _padded(ids: torch.Tensor) -> torch.Tensor:
+    """An attention mask of a batch padded on the left (row 0) and on the right (row 1)."""
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[1, 9:] = 0
+    return mask
+
+
+def _calls(kind: str, g: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Two steps' calls as each head's documentation writes them: a language model's second step a
+    padded batch (its pads' labels -100), a sequence-to-sequence model's a padded source, a classifier's
+    a batch padded on the right with the pad token."""
+    calls = []
+    for step in range(2):
+        ids = torch.randint(3, VOCAB, (3, 12), generator=g)
+        mask = _padded(ids) if step else torch.ones_like(ids)
+        if kind == "causal":
+            call = dict(input_ids=ids, labels=ids.masked_fill(mask == 0, -100))
+            calls.append(dict(call, attention_mask=mask) if step else call)
+        elif kind == "masked":
+            calls.append(dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)))
+        elif kind == "seq2seq":
+            calls.append(dict(input_ids=ids, attention_mask=mask, labels=ids[:, :6].contiguous()))
+        else:  # a classifier: its pooling finds each row's last token that is not the pad token
+            ids[1, 9:] = SMALL["pad_token_id"]
+            right = torch.ones_like(ids)
+            right[1, 9:] = 0
+            calls.append(dict(input_ids=ids, attention_mask=right, labels=torch.tensor([0, 2, 1])))
+    return calls
+
+
+def _trains_like_eager(ref: torch.nn.Module, kind: str) -> None:
     model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    g = torch.Generator().manual_seed(1)
-    for step in range(2):
-        ids = torch.randint(3, VOCAB, (2, 12), generator=g)
-        call = dict(input_ids=ids, labels=ids, **({"attention_mask": torch.ones_like(ids)} if masked else {}))
+    for step, call in enumerate(_calls(kind, torch.Generator().manual_seed(1))):
         want, got = ref(**call).loss, model(**call).loss
         want.backward()
         got.backward()
@@ -119,12 +164,22 @@ def _trains_like_eager(ref: torch.nn.Module, masked: bool) -> None:
 
 @pytest.mark.parametrize("model_type", list(CAUSAL))
 def test_a_causal_lm_of_this_family_trains_as_in_eager(model_type):
-    _trains_like_eager(_model(model_type, transformers.AutoModelForCausalLM), masked=False)
+    _trains_like_eager(_model(model_type, transformers.AutoModelForCausalLM), "causal")
 
 
 @pytest.mark.parametrize("model_type", MASKED)
 def test_a_masked_lm_of_this_family_trains_as_in_eager(model_type):
-    _trains_like_eager(_model(model_type, transformers.AutoModelForMaskedLM), masked=True)
+    _trains_like_eager(_model(model_type, transformers.AutoModelForMaskedLM), "masked")
+
+
+@pytest.mark.parametrize("model_type", SEQ2SEQ)
+def test_a_sequence_to_sequence_lm_of_this_family_trains_as_in_eager(model_type):
+    _trains_like_eager(_model(model_type, transformers.AutoModelForSeq2SeqLM), "seq2seq")
+
+
+@pytest.mark.parametrize("model_type", CLASSIFIERS)
+def test_a_sequence_classifier_of_this_family_trains_as_in_eager(model_type):
+    _trains_like_eager(_model(model_type, transformers.AutoModelForSequenceClassification), "classifier")
 
 
 def test_a_router_that_reads_values_is_named_without_a_setting_it_lacks():
