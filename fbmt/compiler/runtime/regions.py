@@ -328,9 +328,13 @@ def _finish_loaders() -> None:
     (before, their stop failed the jobs they had, and the loader compiled those here, in the exiting
     interpreter). What the workers had put in torch's caches stays there for the next run."""
     for thread in list(_loaders):
-        thread.join(0.2)  # one that waits for a worker ends at its next look
+        thread.join(2.0)  # one that waits for a worker ends at its next look; a load from the caches soon
         if thread.is_alive():
-            logs.log.info("fbmt: the interpreter is exiting; waiting for a region's compile under way to end")
+            logs.log.warning(
+                "fbmt: the script is ending while a region compiles in this process; waiting for that compile "
+                "to end (at most %.0f s more)",
+                EXIT_WAIT,
+            )
             thread.join(EXIT_WAIT)
 
 
