@@ -88,6 +88,25 @@ CAUSAL: dict[str, dict[str, Any]] = {
 }
 MASKED = ["roberta", "electra", "deberta-v2", "modernbert", "distilbert", "albert"]
 SEQ2SEQ = ["bart", "mbart", "pegasus", "marian"]
+VISION = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    image_size=32,
+    patch_size=8,
+    num_labels=3,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    drop_path_rate=0.0,
+)
+IMAGE: dict[str, dict[str, Any]] = {
+    "vit": {},
+    "beit": dict(use_mask_token=False),
+    "dinov2": {},
+    "convnext": dict(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2),
+    "resnet": dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic"),
+}
 CLASSIFIERS = ["llama", "qwen3", "gpt2", "roberta"]
 ENCODER_DECODER = dict(
     d_model=64,
@@ -177,6 +196,36 @@ def test_a_sequence_to_sequence_lm_of_this_family_trains_as_in_eager(model_type)
     _trains_like_eager(_model(model_type, transformers.AutoModelForSeq2SeqLM), "seq2seq")
 
 
+@pytest.mark.parametrize("model_type", list(IMAGE))
+def test_an_image_classifier_of_this_family_trains_as_in_eager(model_type):
+    """Patch embeddings, convolutions, and (ResNet) batch norm, whose running statistics the forward
+    updates: equal to eager's after both steps."""
+    config = transformers.AutoConfig.for_model(model_type, **{**VISION, **IMAGE[model_type]})
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForImageClassification.from_config(config)
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        call = dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g), labels=torch.tensor([0, 2]))
+        want, got = ref(**call).loss, model(**call).loss
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step}: the loss")
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            if p.grad is None:  # unused by the call (DINOv2's mask token): zeros (NOTE: [Unused parameters])
+                assert not grads[name].any(), name
+                continue
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    buffers = dict(model.named_buffers())
+    for name, b in ref.named_buffers():
+        torch.testing.assert_close(buffers[name], b, msg=name)
+
+
 @pytest.mark.parametrize("model_type", CLASSIFIERS)
 def test_a_sequence_classifier_of_this_family_trains_as_in_eager(model_type):
     _trains_like_eager(_model(model_type, transformers.AutoModelForSequenceClassification), "classifier")
@@ -191,3 +240,33 @@ def test_a_router_that_reads_values_is_named_without_a_setting_it_lacks():
     with pytest.raises(fbmt.TraceError, match=r"experts\.router' \(JetMoeTopKGating\)") as error:
         model(input_ids=ids, labels=ids)
     assert "experts_implementation" not in str(error.value), error.value
+
+
+def test_unused_parameters_are_named_and_frozen_ones_train_as_in_eager(caplog):
+    """NOTE: [Unused parameters]: DINOv2 called without `bool_masked_pos` reads no mask token. Eager leaves
+    its `.grad` None and AdamW skips it; fbmt's shard gives it zeros, so weight decay would shrink it:
+    the compile says so, naming it, and a model that froze it before `fbmt.compile` trains as eager."""
+    config = transformers.AutoConfig.for_model("dinov2", **VISION)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForImageClassification.from_config(config)
+    call = dict(
+        pixel_values=torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)), labels=torch.tensor([0, 2])
+    )
+    with caplog.at_level("WARNING", logger="fbmt"):
+        unfrozen = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+        unfrozen(**call).loss.backward()
+    assert "does not use 1 trainable parameter: dinov2.embeddings.mask_token" in caplog.text, caplog.text
+    assert "dinov2.embeddings.mask_token" in unfrozen.program.summary("shard")
+
+    ref.dinov2.embeddings.mask_token.requires_grad_(False)
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (ref, model)]
+    for _ in range(2):
+        ref(**call).loss.backward()
+        model(**call).loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    state = model.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)

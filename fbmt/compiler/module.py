@@ -206,6 +206,7 @@ class CompiledModule(nn.Module):
         self._input_shapes: dict[Any, list[tuple[int, ...]]] = {}  # a program's key -> its inputs' shapes
         self._admitted: dict[Any, Any] = {}  # a call's key -> the key of the symbolic program that runs it
         self._fixed_sizes: set[Any] = set()  # call families whose forward failed on symbolic sizes
+        self._said_unused: set[tuple[str, ...]] = set()  # NOTE: [Unused parameters], warned once per set
         # backend="inductor": compiled compute regions, shared by all programs; made in worker processes
         # while the first steps run them as traced (NOTE: [Compiles in the background])
         background = plan.backend == "inductor" and in_background(
@@ -547,6 +548,7 @@ class CompiledModule(nn.Module):
             if why_not:
                 program.origin += f"; not kept in the compile cache: {why_not}"
         exe = pipeline.lower(program, self.plan, self.regions, send=id(program) not in self._regions_on_disk)
+        self._say_unused(program)
         log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
@@ -639,6 +641,28 @@ class CompiledModule(nn.Module):
                     log.warning("fbmt: the compile cache could not save Inductor's artifacts into %s (%s)", path, e)
         finally:
             COMPILING.release()
+
+    def _say_unused(self, program: Program) -> None:
+        """Warn, once per set, of trainable parameters a program does not read whose shards' gradients
+        hold zeros for them where eager leaves `.grad` None (NOTE: [Unused parameters] in passes/shard.py)."""
+        try:
+            unused = tuple(program.stats("shard").unused)
+        except (KeyError, AttributeError):  # no shard pass ran (forward only), or a stats record without it
+            return
+        if not unused or unused in self._said_unused:
+            return
+        self._said_unused.add(unused)
+        names = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+        log.warning(
+            "fbmt: this call of %s does not use %s: %s. Eager PyTorch leaves an unused "
+            "parameter's .grad None and the optimizer skips it; these share a flat shard with parameters the "
+            "call uses, so their gradients are zeros, and an optimizer with weight decay (AdamW) or momentum "
+            "still changes them. To keep them as they are, freeze them before fbmt.compile "
+            "(.requires_grad_(False))",
+            type(self._orig).__name__,
+            f"{len(unused)} trainable parameter{'s' if len(unused) > 1 else ''}",
+            names,
+        )
 
     def _say_why_new(self, key: tuple, args: tuple, kwargs: dict) -> None:
         """Log what differs from the last program built; warn once when programs pile up for input

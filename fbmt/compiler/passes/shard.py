@@ -15,7 +15,8 @@ Ensures, for each flat group of the layout:
   `grad_reduce="sum"`): a `reduce_scatter`, or an `all_to_all_reduce` on a narrow wire (NOTE:
   [Narrow wire]); its `wait` yields the shard gradient (output role `shard_grad`). A group none of
   whose parameters gets a gradient returns None, as eager autograd leaves `.grad` None for unused
-  parameters.
+  parameters; a parameter without a gradient in a group that has one gets zeros (NOTE: [Unused
+  parameters]).
 Forward values computed from parameters alone (transposes, casts) that the backward reads are
 recomputed in the backward from the backward's own views, so no view of a released buffer is saved.
 
@@ -43,6 +44,17 @@ the end of an offloaded forward (the optimizer may write the shards next) and ba
 reads the gradients). The optimizer steps on the host: `AdamOffloadOptimizer` updates an fp32 host
 shard in place with the C++ Adam, and any torch optimizer works on CPU tensors. Where the host is the
 device (a CPU rank) the host kinds run as the plain ones.
+
+NOTE: [Unused parameters]
+A call may not read every trainable parameter (DINOv2's mask token without `bool_masked_pos`, a
+pooler a head skips). Eager autograd leaves such a parameter's `.grad` None, and torch's optimizers
+skip it: no weight decay, no momentum, no step. fbmt's optimizer sees flat shards, one per group: a
+group none of whose parameters is read gets None too, but one whose others are read has a gradient,
+in which the unread parameter's elements are zeros, and an optimizer with weight decay (AdamW) or
+momentum still changes them. No layout decided before the calls can avoid this for every call (one
+call reads what another does not), so the pass names them (`ShardStats.unused`, the program's
+summary) and the model warns once per set (`CompiledModule._say_unused`): freezing them before
+`fbmt.compile` keeps them as they are.
 """
 
 from __future__ import annotations
@@ -77,6 +89,7 @@ class ShardStats:
     reductions: dict[str, int]  # gradient reductions, by kind
     labels: dict[str, str] = field(default_factory=dict)  # how the summary names a kind's (its table row's label)
     offload: bool = False  # the shards live in host memory (NOTE: [Offload])
+    unused: tuple[str, ...] = ()  # parameters this program reads not, given zero gradients (NOTE: [Unused parameters])
 
     def __str__(self) -> str:
         levels = f"zero={self.zero}" + (f" ({len(self.zero_by_block)} blocks overridden)" if self.zero_by_block else "")
@@ -84,9 +97,14 @@ class ShardStats:
             levels += f", kept gathered across the turnaround: {', '.join(b or '<root>' for b in self.turnaround)}"
         labelled = [f" ({n} {self.labels[name]})" for name, n in self.reductions.items() if self.labels.get(name)]
         gathers = f"{self.gathers} all-gathers" + (" (from host memory)" if self.offload else "")
+        unused = ""
+        if self.unused:
+            names = ", ".join(self.unused[:3]) + (f" and {len(self.unused) - 3} more" if len(self.unused) > 3 else "")
+            n = len(self.unused)
+            unused = f"; zero gradients for {n} parameter{'s' if n > 1 else ''} this call does not use: {names}"
         return (
             f"{levels}, grads {self.grad_reduce}: {self.groups} flat groups, {gathers}, "
-            f"{sum(self.reductions.values())} reduce-scatters{''.join(labelled)}"
+            f"{sum(self.reductions.values())} reduce-scatters{''.join(labelled)}{unused}"
         )
 
 
@@ -126,6 +144,7 @@ def shard_parameters(
         shards[-1].meta["val"] = program.fake((group.shard_numel,), group.dtype)
         roles[shards[-1]] = Role("shard", group.index)
     shard_grads: list[tuple[Role, Any]] = []
+    unused: list[str] = []  # NOTE: [Unused parameters]
     gathers = 0
     for group, shard in zip(program.layout.groups, shards):
         level = 2 if group.index in turnaround else per_block.get(group.block, zero)
@@ -154,6 +173,8 @@ def shard_parameters(
         if group.requires_grad and program.needs_grad:
             grad = _reduce(program, group, grads, grad_reduce == "mean", reduce_dtype, narrow_wire, offload)
             shard_grads.append((Role("shard_grad", group.index), grad))
+            if grad is not None:
+                unused += [s.name for s in group.slots if not isinstance(grads.get(s.name), fx.Node)]
     for p in params.values():
         assert not p.users, f"parameter placeholder {p.name} still has users {list(p.users)}"
         g.erase_node(p)
@@ -167,7 +188,9 @@ def shard_parameters(
     held = tuple(program.layout.groups[i].block for i in sorted(turnaround))
     groups = len(program.layout.groups)
     labels = {name: kind.label for name in reductions if (kind := collectives.named(name)) is not None and kind.label}
-    stats = ShardStats(zero, dict(per_block), held, grad_reduce, groups, gathers, dict(reductions), labels, offload)
+    stats = ShardStats(
+        zero, dict(per_block), held, grad_reduce, groups, gathers, dict(reductions), labels, offload, tuple(unused)
+    )
     return program, stats
 
 
