@@ -89,7 +89,9 @@ class ShardStats:
     reductions: dict[str, int]  # gradient reductions, by kind
     labels: dict[str, str] = field(default_factory=dict)  # how the summary names a kind's (its table row's label)
     offload: bool = False  # the shards live in host memory (NOTE: [Offload])
-    unused: tuple[str, ...] = ()  # parameters this program reads not, given zero gradients (NOTE: [Unused parameters])
+    unused: tuple[
+        str, ...
+    ] = ()  # trainable parameters the program does not read: zero gradients (NOTE: [Unused parameters])
 
     def __str__(self) -> str:
         levels = f"zero={self.zero}" + (f" ({len(self.zero_by_block)} blocks overridden)" if self.zero_by_block else "")

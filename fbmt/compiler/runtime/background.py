@@ -214,7 +214,10 @@ def on_exit(hook: Callable[[], None]) -> None:
 def _exit() -> None:
     exiting.set()
     for hook in _on_exit:
-        hook()
+        try:
+            hook()
+        except Exception as e:  # the workers stop whatever a hook met
+            logs.log.warning("fbmt: at exit, %s failed (%s: %s)", getattr(hook, "__name__", hook), type(e).__name__, e)
     if _pool is not None:
         _pool.close()
 
