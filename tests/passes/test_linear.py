@@ -130,3 +130,19 @@ def test_the_merged_products_and_their_views_share_fake_values_across_layers():
         (distinct2, views2, unsafe2),
         (distinct6, views6, unsafe6),
     )
+
+
+def test_fakes_that_carry_values_are_not_memoized_by_their_metadata():
+    """NOTE: [Values by their metadata]: two fakes of one metadata whose propagated constants differ give
+    results of their own; without constants, one result serves both."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fbmt.compiler import ops
+
+    mode = FakeTensorMode()
+    with mode:
+        a, b = torch.empty(2), torch.empty(2)
+    mul = torch.ops.aten.mul.Tensor
+    assert ops.fake_value(mode, mul, (a, 2.0), {}) is ops.fake_value(mode, mul, (b, 2.0), {})
+    a.constant, b.constant = torch.tensor([1.0, 2.0]), torch.tensor([5.0, 7.0])
+    assert ops.fake_value(mode, mul, (a, 3.0), {}) is not ops.fake_value(mode, mul, (b, 3.0), {})

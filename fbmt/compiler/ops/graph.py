@@ -45,7 +45,7 @@ def fake_value(mode: Any, target: torch._ops.OpOverload, vals: tuple, kwargs: di
     equal metadata gets the fake result made the first time. That fake is another node's value (a view
     of another's, for a view); a value's metadata is all the passes read of it (never its storage or
     identity). Arguments or results with sizes that are symbols are not memoized (two `nonzero`s have
-    sizes of their own)."""
+    sizes of their own), nor fakes that carry values (a constant the fake mode propagates)."""
     key = _metadata_key(target, vals, kwargs) if not target._schema.is_mutable else None
     if key is not None:
         # kept on the mode itself: the fakes refer to their mode, so a table beside it would keep both alive
@@ -72,7 +72,8 @@ def _part(a: Any) -> Any:
     """An argument as a key (its metadata, for a tensor), or `_UNKEYABLE`."""
     if isinstance(a, torch.Tensor):
         sizes = (*a.shape, *a.stride(), a.storage_offset())
-        if not all(type(x) is int for x in sizes):
+        # a fake that carries its values (a small constant the fake mode propagates) is more than metadata
+        if not all(type(x) is int for x in sizes) or getattr(a, "constant", None) is not None:
             return _UNKEYABLE
         return ("tensor", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad)
     if isinstance(a, (list, tuple)):
