@@ -107,9 +107,11 @@ def passes(plan: Plan) -> list[tuple[str, Pass]]:
     return [(name, functools.partial(fn, **bind(plan))) for name, fn, bind in PIPELINE]
 
 
-def run(program: Program, plan: Plan) -> Program:
-    """The passes of `plan` on a traced program."""
-    return run_passes(program, passes(plan), disable=plan.disable, checks=plan.checks, dump_dir=plan.dump_dir)
+def run(program: Program, plan: Plan, given_up: bool = False) -> Program:
+    """The passes of `plan` on a traced program; `given_up`: the caller will not read it again."""
+    return run_passes(
+        program, passes(plan), disable=plan.disable, checks=plan.checks, dump_dir=plan.dump_dir, given_up=given_up
+    )
 
 
 def compile_program(
@@ -157,7 +159,7 @@ def compile_program(
             )
         plan = plan.with_choice(search(program, plan))  # each block's policy, and the depth it chose
     with logs.stage("passes", begin=False) as said:
-        program = run(program, plan)
+        program = run(program, plan, given_up=True)  # the traced program is not kept: no copy of it
         said["done"] = ", ".join(f"{r.name} {r.seconds:.2f}s" for r in program.history)
     return program
 

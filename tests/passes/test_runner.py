@@ -103,3 +103,20 @@ def test_passes_after_the_first_write_in_place_and_each_record_is_its_own_progra
         texts["blocks"] != texts["shard"] and "all_gather(" in texts["shard"] and "all_gather(" not in texts["blocks"]
     )
     assert not done._owned and done.copy().graph is not done.graph  # outside the runner, copy() copies
+
+
+def test_a_program_given_up_is_written_in_place_and_gives_the_same_program():
+    # compile_program gives the traced program up: no pass copies its graph, and the result is the
+    # program the copying run gives
+    from fbmt.compiler import pipeline
+    from fbmt.compiler.options import CompileOptions
+    from fbmt.compiler.plan import Plan
+
+    plan = Plan.of(CompileOptions(), 2)
+    kept = pipeline.run(traced(MLP(), torch.randn(2, 12), world_size=2), plan)
+    given = traced(MLP(), torch.randn(2, 12), world_size=2)
+    graph = given.graph
+    done = pipeline.run(given, plan, given_up=True)
+    assert done.graph is graph
+    assert [r.text for r in done.history] == [r.text for r in kept.history]
+    assert str(done.graph) == str(kept.graph)

@@ -32,11 +32,15 @@ def run_passes(
     disable: tuple[str, ...] = (),
     checks: bool = False,
     dump_dir: str | None = None,
+    given_up: bool = False,
 ) -> Program:
+    """`given_up`: the caller will not read `program` again, so the first pass that writes may write to
+    its graph instead of a copy (a copy of tens of thousands of nodes costs as much as a pass)."""
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         _dump(dump_dir, 0, "trace", program)
-    made: set[fx.Graph] = set()  # graphs a pass made: the first pass that writes copies the caller's
+    made: set[fx.Graph] = {program.graph} if given_up else set()  # graphs no one else reads
+    # (a pass made them): a pass writes to those in place, and copies the caller's first
     for i, (name, fn) in enumerate(passes, 1):
         started = time.perf_counter()
         before, given = program, program.graph
