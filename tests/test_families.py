@@ -121,10 +121,10 @@ ENCODER_DECODER = dict(
 )
 
 
-def _model(model_type: str, auto: Any) -> torch.nn.Module:
+def _model(model_type: str, auto: Any, **more: Any) -> torch.nn.Module:
     extra = ENCODER_DECODER if model_type in SEQ2SEQ or auto is transformers.AutoModelForSequenceClassification else {}
     config = transformers.AutoConfig.for_model(
-        model_type, **{**SMALL, **NO_DRAWS, **extra, **CAUSAL.get(model_type, {})}
+        model_type, **{**SMALL, **NO_DRAWS, **extra, **CAUSAL.get(model_type, {}), **more}
     )
     torch.manual_seed(0)
     try:
@@ -192,6 +192,35 @@ def _trains_like_eager(ref: torch.nn.Module, kind: str) -> None:
 @pytest.mark.parametrize("model_type", list(CAUSAL))
 def test_a_causal_lm_of_this_family_trains_as_in_eager(model_type):
     _trains_like_eager(_model(model_type, transformers.AutoModelForCausalLM), "causal")
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "bert"])
+def test_a_model_of_its_published_depth_trains_with_dropout_as_in_eager(model_type):
+    """GPT-2 small's and BERT-base's 12 layers, dropout on as their configs have it: the shard pass
+    once followed the forward's chain of layers from each dropout mask by recursion, past Python's
+    limit. Both draw their masks as eager does, given the same seed."""
+    auto = transformers.AutoModelForCausalLM if model_type == "gpt2" else transformers.AutoModelForMaskedLM
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=12, num_attention_heads=4, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    ref = auto.from_config(config, attn_implementation="sdpa")
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for step in range(2):
+        ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m in (ref, model):
+            torch.manual_seed(step)
+            losses.append(m(input_ids=ids, labels=ids).loss)
+            losses[-1].backward()
+        torch.testing.assert_close(losses[1], losses[0], msg=f"step {step}: the loss")
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
 
 
 @pytest.mark.parametrize("model_type", MASKED)

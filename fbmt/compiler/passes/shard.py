@@ -317,17 +317,16 @@ def _reduce(
 def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:
     """Backward reads of forward values computed from parameters alone become backward recomputes."""
     g = program.graph
+    # in the graph's order, each node's inputs are decided before it: a recursion from the backward's
+    # reads would go as deep as the forward's chain of layers (a GPT-2 of 12 layers passed Python's limit)
     derived: dict[fx.Node, bool] = {}
-
-    def is_derived(n: fx.Node) -> bool:
-        if n not in derived:
-            derived[n] = n in params or (
-                meta.phase(n) == FWD
-                and ops.pure(n)
-                and bool(n.all_input_nodes)
-                and all(is_derived(a) for a in n.all_input_nodes)
-            )
-        return derived[n]
+    for n in g.nodes:
+        derived[n] = n in params or (
+            meta.phase(n) == FWD
+            and ops.pure(n)
+            and bool(n.all_input_nodes)
+            and all(derived[a] for a in n.all_input_nodes)
+        )
 
     env: dict[fx.Node, fx.Node] = {}
 
@@ -346,5 +345,5 @@ def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:
         if meta.phase(u) != BWD or u in env.values():
             continue
         for a in u.all_input_nodes:
-            if meta.phase(a) == FWD and a not in params and is_derived(a):
+            if meta.phase(a) == FWD and a not in params and derived[a]:
                 u.replace_input_with(a, clone(a, u))
