@@ -121,10 +121,10 @@ ENCODER_DECODER = dict(
 )
 
 
-def _model(model_type: str, auto: Any, **more: Any) -> torch.nn.Module:
+def _model(model_type: str, auto: Any) -> torch.nn.Module:
     extra = ENCODER_DECODER if model_type in SEQ2SEQ or auto is transformers.AutoModelForSequenceClassification else {}
     config = transformers.AutoConfig.for_model(
-        model_type, **{**SMALL, **NO_DRAWS, **extra, **CAUSAL.get(model_type, {}), **more}
+        model_type, **{**SMALL, **NO_DRAWS, **extra, **CAUSAL.get(model_type, {})}
     )
     torch.manual_seed(0)
     try:
