@@ -1,4 +1,5 @@
-"""What compiling does, and what it skips: the second trace only where the graph mutates, fewer
+"""What compiling does, and what it skips: the second trace only where the graph writes to more than
+the tensors it made, fewer
 cycle collections while compiling, the block of a module found by its path's prefixes."""
 
 from __future__ import annotations
@@ -40,6 +41,46 @@ class InPlace(Plain):
         return self.b(torch.relu(h))
 
 
+class Fresh(Plain):
+    """In-place ops on a product's result and on a factory's (NOTE: [Writes to fresh tensors]): they
+    are rewritten as their functional ops, without a second trace."""
+
+    def forward(self, x):
+        h = self.a(x)
+        h.mul_(2).add_(1)
+        noise = torch.empty_like(h).fill_(0.5)
+        noise.add_(h)
+        return self.b(torch.relu(h) * noise)
+
+
+class ThroughView(Plain):
+    """A write to a slice of a product's result: functionalization writes it back into the whole."""
+
+    def forward(self, x):
+        h = self.a(x)
+        h[:, :4].mul_(3)
+        return self.b(torch.relu(h))
+
+
+class ViewThenWrite(Plain):
+    """A view taken before the write and read after it sees the write: functionalization, not a rewrite."""
+
+    def forward(self, x):
+        h = self.a(x)
+        v = h.view(-1, 4, 4)
+        h.mul_(2)
+        return self.b(torch.relu(v.reshape(-1, 16) + h))
+
+
+class Dropout(Plain):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
 @pytest.fixture
 def functionalizations(monkeypatch):
     calls = []
@@ -53,21 +94,26 @@ def functionalizations(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("cls, second_trace", [(Plain, False), (InPlace, True)])
+@pytest.mark.parametrize(
+    "cls, second_trace",
+    [(Plain, False), (InPlace, True), (Fresh, False), (Dropout, False), (ThroughView, True), (ViewThenWrite, True)],
+)
 def test_functionalization_runs_where_the_graph_mutates_and_both_match_eager(cls, second_trace, functionalizations):
     torch.manual_seed(0)
     ref = cls()
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, device="cpu", cache_dir=False)
     x = torch.randn(3, 8)
-    for _ in range(2):  # twice: the buffer's update is written back once per call
+    for step in range(2):  # twice: the buffer's update is written back once per call
+        torch.manual_seed(step)  # the same dropout masks
         model(x).square().sum().backward()
+        torch.manual_seed(step)
         ref(x).square().sum().backward()
-    assert bool(functionalizations) == second_trace
     grads = model.full_gradients()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
     for name, b in ref.named_buffers():
         torch.testing.assert_close(dict(model.named_buffers())[name], b, msg=name)
+    assert bool(functionalizations) == second_trace
 
 
 class Attention(nn.Module):
@@ -78,6 +124,35 @@ class Attention(nn.Module):
     def forward(self, x):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).transpose(1, 3).unbind(2)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_writes_to_fresh_tensors_rewritten_give_the_functionalized_program(family, monkeypatch):
+    """Hugging Face's dropout (its mask drawn in place) rewritten without the second trace: the program
+    functionalization gives, names included, stamped or not (NOTE: [Writes to fresh tensors])."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.BertConfig(
+            vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32
+        )
+        model = transformers.BertForMaskedLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+
+    def text() -> str:
+        compiled = fbmt.compile(copy.deepcopy(model), world_size=2, device="cpu", cache_dir=False)
+        return "\n".join(line for line in str(compiled.trace(input_ids=ids, labels=ids)).splitlines() if line[0] != "#")
+
+    for stamping in ("1", "0"):
+        monkeypatch.setenv("FBMT_STAMP", stamping)
+        rewritten = text()
+        assert "= bernoulli.p(" in rewritten and "= bernoulli_.float(" not in rewritten
+        with monkeypatch.context() as m:
+            m.setattr(trace_module, "_without_writes", lambda graph: False)
+            assert rewritten == text()
 
 
 def test_keyword_arguments_given_their_default_are_dropped():

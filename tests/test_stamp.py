@@ -160,9 +160,67 @@ class _AuxStack(_Stack):
         return self.head(x).square().mean() + aux  # the other blocks' aux get no gradient
 
 
-def test_a_result_its_kind_gave_a_gradient_that_gets_none_makes_the_trace_run_again_whole(monkeypatch):
+def test_calls_whose_results_no_one_reads_are_a_kind_of_their_own(monkeypatch):
+    # the fake forward's autograd graph says which results the backward gives gradients to: the aux of
+    # the first three blocks gets none (their kind is traced so), the last block's does (traced as code)
     said = _same(monkeypatch, lambda: _AuxStack(_Aux), _x())
-    assert "stamped" not in said  # the first call's aux got none: traced again, every block as code
+    assert "(layers.0's x3)" in said
+
+
+def _t5():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_ff=32, num_layers=4, num_decoder_layers=4, num_heads=2, d_kv=8,
+        decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def test_t5_blocks_are_stamped_though_the_last_passes_on_a_bias_no_one_reads():
+    """Each T5 layer returns the position bias it got, for the next; the last one's gets no gradient,
+    so that call is traced as code, the middle ones stamped (the first computes the bias: its own).
+    Not node for node the whole trace's program: the whole trace also drops the decoder's cross-attention
+    mask of zeros, which its stamped kind gets as an argument (the same values either way)."""
+    ids, labels = _tokens()
+    ref = _t5()
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    want = ref(input_ids=ids, labels=labels[:, :8].contiguous()).loss
+    got = model(input_ids=ids, labels=labels[:, :8].contiguous()).loss
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert "(encoder.block.1's x2, decoder.block.1's x2)" in _trace_line(model.program)
+
+
+class _DropsGrad(torch.autograd.Function):
+    """Reads its second argument, and gives it no gradient: a reader the fake forward's graph shows."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        return x + aux.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _DroppedAuxStack(_Stack):
+    def forward(self, x):
+        x = self.inp(x)
+        total = 0
+        for layer in self.layers:
+            x, aux = layer(x)
+            total = total + aux
+        return _DropsGrad.apply(self.head(x).square().mean(), total)
+
+
+def test_a_result_its_kind_gave_a_gradient_that_gets_none_makes_the_trace_run_again_whole(monkeypatch):
+    said = _same(monkeypatch, lambda: _DroppedAuxStack(_Aux), _x())
+    assert "stamped" not in said  # every aux got none: traced again, every block as code
 
 
 class _Tied(nn.Module):

@@ -158,6 +158,7 @@ class Kind:
     constants: dict[fx.Node, torch.Tensor] = field(default_factory=dict)  # tensors its forward made from values
     decided: dict[fx.Node, str] = field(default_factory=dict)  # the attention masks its trace decided
     notes: list[str] = field(default_factory=list)  # those it dropped itself (a kind it functionalized)
+    gets_grad: tuple[bool, ...] | None = None  # per result tensor, whether its calls' get a gradient
 
     def variant(self, known: dict[int, Any]) -> Kind:
         """This kind for calls that get these arguments from constants or from sizes alone (their values
@@ -178,6 +179,7 @@ class Kind:
             objects=self.objects,
             writes=self.writes,
             known=known,
+            gets_grad=self.gets_grad,
         )
 
     @property
@@ -392,6 +394,36 @@ def _as_before(obj: Any, writes: list[_Write], leaf: int) -> Any:
     return copy
 
 
+# the number autograd gives the next node it makes (older torch: none, and no call's results are
+# predicted: a surprise in the backward then traces again, as NOTE: [Stamped blocks] says)
+_next_node_number = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def _read_after(roots: list[torch.Tensor]) -> dict[tuple[Any, int], float]:
+    """For every (grad_fn, output_nr) autograd passes a gradient through from `roots`: the number of
+    the latest node that reads it (`inf` for a root itself), so that a result a block passes on
+    unchanged is told apart from its later readers' (T5's position bias, which each decoder layer
+    returns as it got it)."""
+    latest: dict[tuple[Any, int], float] = {}
+    stack = []
+    for t in roots:
+        if t.grad_fn is not None:
+            latest[(t.grad_fn, t.output_nr)] = float("inf")
+            stack.append(t.grad_fn)
+    seen: set[Any] = set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        number = fn._sequence_nr()
+        for nxt, nr in fn.next_functions:
+            if nxt is not None:
+                latest[(nxt, nr)] = max(latest.get((nxt, nr), -1), number)
+                stack.append(nxt)
+    return latest
+
+
 @dataclass
 class _Call:
     """A block call of the fake forward, and what it proved (its signature)."""
@@ -406,6 +438,11 @@ class _Call:
     out_leaves: list[Any] = field(default_factory=list)
     writes: list[_Write] = field(default_factory=list)  # to its argument objects
     objects: dict[int, Any] = field(default_factory=dict)  # the objects as the call got them (exemplars only)
+    # per result tensor, where autograd will give it a gradient (`Stamper.group`): until then, the
+    # (grad_fn, output_nr) it gets it through, "leaf" (none to follow), or None (it needs none)
+    grad_fns: list[Any] | None = None
+    gets_grad: tuple[bool, ...] | None = None
+    ended: int = 0  # the number of the first autograd node made after it returned
 
 
 class Stamper:
@@ -540,6 +577,13 @@ class Stamper:
             call.out_leaves = [
                 _Tensor(x.detach(), x.requires_grad) if isinstance(x, torch.Tensor) else x for x in out_leaves
             ]
+            if _next_node_number is not None:
+                call.ended = _next_node_number()
+                call.grad_fns = [
+                    None if not x.requires_grad else "leaf" if x.grad_fn is None else (x.grad_fn, x.output_nr)
+                    for x in out_leaves
+                    if isinstance(x, torch.Tensor)
+                ]
             if objs and call.key in uncopied:
                 call.key = None
             elif objs and call.key not in exemplars:  # the objects as this call got them, for its kind's trace
@@ -552,17 +596,24 @@ class Stamper:
                 exemplars.add(call.key)
             return out
 
+        self._held = held  # alive until the calls are grouped
         with self._wrapped(record):
             yield
-        self._group()
-        held.clear()
 
-    def _group(self) -> None:
-        """Calls alike become kinds; a kind of one call is traced as code."""
+    def group(self, roots: list[torch.Tensor]) -> None:
+        """After the fake forward: calls alike become kinds; a kind of one call is traced as code.
+        `roots`: the results the backward will give gradients to. A call's kind includes which of its
+        results get a gradient (the last layer of a T5 decoder returns a position bias no one reads),
+        as its kind's backward is traced for those (NOTE: [Stamped blocks])."""
+        read = _read_after(roots)
+        for c in self.calls:
+            if c.grad_fns is not None:  # a result read by a node made after the call returned
+                c.gets_grad = tuple(g == "leaf" or (g is not None and read.get(g, -1) >= c.ended) for g in c.grad_fns)
+            c.grad_fns = None  # the fake forward's autograd graph is not kept
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(self.calls):
             if c.key is not None:
-                groups.setdefault(c.key, []).append(i)
+                groups.setdefault((c.key, c.gets_grad), []).append(i)
         self.kinds = []
         for calls in groups.values():
             if len(calls) < 2:
@@ -585,8 +636,10 @@ class Stamper:
                     calls=calls,
                     objects=c.objects,
                     writes=c.writes,
+                    gets_grad=c.gets_grad,
                 )
             )
+        self._held.clear()
 
     def adopt(self, kind: Kind) -> None:
         """A kind whose trace can be stamped: its calls will be."""
@@ -777,7 +830,7 @@ _SIZE_READS = {
 }
 
 
-def _base_name(graph: fx.Graph, n: fx.Node) -> str:
+def base_name(graph: fx.Graph, n: fx.Node) -> str:
     """The name make_fx gives a node of this target, before its count: an op's packet ("mm"), but a
     size read's whole overload ("sym_size_int"), which make_fx makes outside its op calls."""
     if isinstance(n.target, torch._ops.OpOverload) and n.target not in _SIZE_READS:
@@ -814,7 +867,7 @@ def inline(
             c = new.create_node("get_attr", name, name=name)
         else:
             args, kwargs = fx.map_arg((n.args, n.kwargs), local.__getitem__)
-            c = new.create_node(n.op, n.target, args, kwargs, name=_base_name(new, n))
+            c = new.create_node(n.op, n.target, args, kwargs, name=base_name(new, n))
         c.meta = dict(n.meta)
         if module is not None:
             meta.tag(c, module=module)

@@ -37,6 +37,7 @@ from fbmt import flags, logs
 from fbmt.compiler import masks, meta, objects, sizes, stamp
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.ops import record
+from fbmt.compiler.ops.graph import fake_value
 from fbmt.compiler.program import BWD, FWD, Program, Results, Role
 from fbmt.logs import user_line
 
@@ -244,6 +245,9 @@ def trace(
     needs_grad = needs_grad and bool(diff_out) and bool(wrt_params or wrt_inputs)
     if not needs_grad:
         diff_out = []
+    if stamper is not None:  # which results of each block call the backward gives gradients to, then kinds
+        by_key = dict(zip(results.keys, probe_outs))
+        stamper.group([by_key[k] for k in diff_out])
     with fake_mode:
         by_key = dict(zip(results.keys, probe_outs))
         fake_tangents = [torch.empty(by_key[k].shape, dtype=by_key[k].dtype, device=by_key[k].device) for k in diff_out]
@@ -292,7 +296,8 @@ def trace(
         with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
             first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
     gm, graph, dropped = first, first.graph, False
-    if _mutates(first.graph):  # NOTE: [Functional already]
+    rewritten = _mutates(graph) and _without_writes(graph)  # NOTE: [Writes to fresh tensors]
+    if not rewritten and _mutates(first.graph):  # NOTE: [Functional already]
         masks.drop_dead(decided)  # before the second trace, which would trace the dead masks again
         dropped = True
         with _translate_errors(module):
@@ -310,6 +315,9 @@ def trace(
             decided = {moved[n]: kind for n, kind in decided.items()}
         decided.update(kinds_decided)
         stamper.release()
+    elif rewritten:  # named as the functionalized trace would name them, as inlining names its own
+        graph, moved = _named_as_make_fx(graph)
+        decided = {moved[n]: kind for n, kind in decided.items()}
     if not dropped:
         masks.drop_dead(decided)
 
@@ -367,7 +375,8 @@ def _trace_kind(
     n, n_pb = kind.n_inputs, len(kind.params) + len(kind.buffers)
     rg = [r for _, r in kind.inputs]
     outs = kind.out_tensors()
-    diff = [i for i, o in enumerate(outs) if needs_grad and o.requires_grad]
+    gets = kind.gets_grad or (True,) * len(outs)  # a result its calls' callers read no gradient of gets none
+    diff = [i for i, o in enumerate(outs) if needs_grad and o.requires_grad and gets[i]]
     wrt = [i for i, r in enumerate(rg) if r] if diff else []
     if diff and not wrt:
         diff = []
@@ -408,7 +417,8 @@ def _trace_kind(
             gm = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
     except TraceError as e:  # the model's trace will meet it too and say so, where it is
         return f"its trace failed ({str(e).splitlines()[0]})"
-    if _mutates(gm.graph):  # as the model's trace does (NOTE: [Functional already]); it must then write
+    if _mutates(gm.graph) and not _without_writes(gm.graph):  # as the model's trace does (NOTE: [Functional
+        # already], NOTE: [Writes to fresh tensors]); it must then write
         first = gm  # to no input: its copy would write to its exemplar's
         masks.drop_dead(decided)  # before the second trace, as the model's trace drops its own
         kind.notes = [f"{kind.block}'s kind: {line}" for line in masks.CausalMasks.said(decided)]
@@ -595,6 +605,143 @@ def _mutates(graph: fx.Graph) -> bool:
     )
 
 
+# NOTE: [Writes to fresh tensors]
+# Most graphs that write at all write only to tensors they have just made: dropout draws its mask into
+# `empty_like(x)` (`bernoulli_`, then `div_`), RMSNorm adds its epsilon to its mean in place. Such a
+# write is its op's functional form on the value as it is at that point (`bernoulli.p`, `add.Tensor`),
+# read by whatever reads the tensor after it: what functionalization makes of it, at the cost of a
+# second trace of the whole graph (as long as the first). `_without_writes` makes that rewrite where
+# every write is of this kind: the written tensor is the result of an op that returns a tensor of its
+# own (a factory, a product, a mean: no input, no view; or such a write), and nothing reads it through
+# a view (a view read after a write sees the write; the functional form would not). Anything else (a
+# write to an input or a buffer, to a slice, `x[:, 0] = 1`) is left to functionalization. Autograd
+# has already refused a write to a tensor its backward reads as it was (the trace runs autograd), and
+# the backward's nodes read each tensor as it is when they run, later in the graph.
+_WHOLE_ALIASES = {aten.detach.default, aten.alias.default}  # the tensor itself, under another node
+_FUNCTIONAL: dict[Any, Any] = {}
+
+
+def _functional(op: torch._ops.OpOverload) -> Any:
+    """The functional op of an in-place one that writes its first argument alone and returns it
+    (`bernoulli_.float` -> `bernoulli.p`): an overload of the name without its `_` whose arguments
+    are the same; None where there is none."""
+    if op in _FUNCTIONAL:
+        return _FUNCTIONAL[op]
+    found, schema = None, op._schema
+    args, rets = schema.arguments, schema.returns
+    writes_self = (
+        bool(args)
+        and args[0].alias_info is not None
+        and args[0].alias_info.is_write
+        and all(a.alias_info is None for a in args[1:])
+        and len(rets) == 1
+        and rets[0].alias_info is not None
+    )
+    name = schema.name.split("::")[-1]
+    packet = getattr(aten, name[:-1], None) if writes_self and name.endswith("_") else None
+    for overload in packet.overloads() if packet is not None else ():
+        cand = getattr(packet, overload)._schema
+        if cand.is_mutable or len(cand.returns) != 1 or len(cand.arguments) != len(args):
+            continue
+        if all(
+            (a.name, str(a.type), a.kwarg_only) == (b.name, str(b.type), b.kwarg_only)
+            for a, b in zip(args, cand.arguments)
+        ):
+            found = getattr(packet, overload)
+            break
+    _FUNCTIONAL[op] = found
+    return found
+
+
+def _own_tensor(t: Any) -> bool:
+    """Whether op `t` returns one tensor of its own (no input, no view of one; by its schema), which
+    it does not write (`_unsafe_view`'s schema says so, but it views the value it is given)."""
+    if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable or t is aten._unsafe_view.default:
+        return False
+    returns = t._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None and str(returns[0].type) == "Tensor"
+
+
+def _reads_only(n: fx.Node) -> bool:
+    """Whether `n` reads its arguments without aliasing or writing any (by its op's schema)."""
+    t = n.target
+    if n.op == "output":
+        return True
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
+        return False
+    return t is not aten._unsafe_view.default and all(r.alias_info is None for r in t._schema.returns)
+
+
+def _without_writes(graph: fx.Graph) -> bool:
+    """Rewrite every in-place op of `graph` as its functional op, where all of them write to fresh
+    tensors (NOTE: [Writes to fresh tensors]); False, and the graph as it was, where one does not."""
+    root: dict[fx.Node, fx.Node] = {}  # a fresh tensor, a write to it or an alias of it -> the fresh tensor
+    writes: list[tuple[fx.Node, Any]] = []
+    for n in graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if n.target in _WHOLE_ALIASES and n.args[0] in root:
+            root[n] = root[n.args[0]]
+        elif n.target._schema.is_mutable:
+            op, x = _functional(n.target), n.args[0] if n.args else None
+            if op is None or not isinstance(x, fx.Node):
+                return False
+            if x not in root and not (x.op == "call_function" and _own_tensor(x.target)):
+                return False
+            root[n] = root[x] = root.get(x, x)
+            writes.append((n, op))
+    if not writes:
+        return False
+    for member in root:
+        for user in member.users:
+            if user not in root and not _reads_only(user):
+                return False
+    # in the graph's order, each read of a fresh tensor reads its value at that point
+    now: dict[fx.Node, fx.Node] = {}
+    written = dict(writes)
+    for n in list(graph.nodes):
+        for arg in [a for a in n.all_input_nodes if a in root]:
+            value = now.get(root[arg], root[arg])
+            if value is not arg:
+                n.replace_input_with(arg, value)
+        if n in written:
+            op = written[n]
+            # the arguments the trace left at their default (`bernoulli_`'s p=0.5), which the functional
+            # op may not default
+            given = list(n.args)
+            mine = op._schema.arguments
+            for i, a in enumerate(n.target._schema.arguments[len(given) :], len(given)):
+                if a.kwarg_only or a.name in n.kwargs or not a.has_default_value() or mine[i].has_default_value():
+                    break
+                given.append(a.default_value)
+            with graph.inserting_before(n):
+                f = graph.call_function(op, tuple(given), n.kwargs)
+            f.meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
+            vals = fx.map_arg((f.args, f.kwargs), lambda a: a.meta.get("val"))
+            fake = next((v for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
+            if fake is not None:
+                f.meta["val"] = fake_value(fake.fake_mode, op, *vals)
+            now[root[n]] = f
+    for n, _ in reversed(writes):
+        graph.erase_node(n)
+    return True
+
+
+def _named_as_make_fx(graph: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A copy of `graph` whose nodes are named in order as make_fx names them (an op's name and a
+    count), and where each node went."""
+    new, env = fx.Graph(), {}
+    for n in graph.nodes:
+        if n.op == "output":
+            env[n] = new.output(fx.map_arg(n.args[0], env.__getitem__))
+        else:
+            args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
+            name = stamp.base_name(new, n) if n.op == "call_function" else n.name
+            env[n] = new.create_node(n.op, n.target, args, kwargs, name=name, type_expr=n.type)
+        env[n].meta = dict(n.meta)
+    return new, env
+
+
 def _lift_constants(graph: fx.Graph, owner: Any, before: int) -> dict[str, torch.Tensor]:
     """Tensors the forward makes from Python values (`torch.tensor([])` in a cache's set-up, the
     scalar of `x[:, 0] = 1.0`) are attributes of the traced module (`_tensor_constant0`); the
@@ -667,6 +814,13 @@ def _canonicalize(program: Program) -> None:
 
 class _TagCarrier(fx.Interpreter):
     """Runs the first trace under functionalization and copies module tags onto the new nodes."""
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        # without autograd: the first trace's backward is in its graph already, and autograd would take
+        # a stamp op's results as needing gradients where the first trace had marked some as not (an
+        # attention kernel given one as its mask then refuses it)
+        with torch.no_grad():
+            return super().run(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         graph = get_proxy_mode().tracer.graph
