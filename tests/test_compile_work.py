@@ -205,3 +205,19 @@ def test_block_of_module_is_the_longest_block_that_prefixes_the_path(root):
     paths = [None, ""] + [".".join(rng.choices(names, k=rng.randint(1, 4))) for _ in range(500)]
     for path in paths:
         assert layout.block_of_module(path) == _longest_prefix(blocks, path), path
+
+
+def test_a_model_compiled_on_meta_traces_with_its_buffers_where_its_parameters_are_traced():
+    """BERT's token types (a buffer) index an embedding: compiled on meta for inspection and traced on
+    CPU fakes, the buffers are on the CPU as the parameters are, so its gradient's op meets one device."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32
+    )
+    model = transformers.BertForMaskedLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+    program = fbmt.compile(model, world_size=2, device="meta", cache_dir=False).trace(
+        input_ids=ids, labels=ids, device="cpu"
+    )
+    devices = {n.meta["val"].device.type for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert devices == {"cpu"}, devices

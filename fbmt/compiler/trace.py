@@ -190,6 +190,13 @@ def trace(
     with fake_mode:
         fake_params = [torch.empty(shape, dtype=dt, device=param_device) for _, shape, dt, _ in params]
     fake_buffers = [fake_mode.from_tensor(b, static_shapes=True) for b in buffers.values()]  # never symbolic
+    if param_device.type != "meta":  # a model compiled on meta, traced as if it lived on param_device: its
+        # buffers live there too (BERT's token types index an embedding whose gradient is on that device)
+        with fake_mode:
+            fake_buffers = [
+                torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=param_device) if b.is_meta else f
+                for b, f in zip(buffers.values(), fake_buffers)
+            ]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     in_objects = {i: objects.tensors_in(x) for i, x in enumerate(leaves) if objects.is_object(x)}
