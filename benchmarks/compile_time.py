@@ -6,6 +6,7 @@
     PYTHONPATH=.base python benchmarks/compile_time.py --package fbmt_base   # an older commit's tree
     FBMT_STAMP=0 python benchmarks/compile_time.py --hf --d-model 256   # HF's Llama, no stamping
     python benchmarks/compile_time.py --hf --hf-call default --d-model 256   # called as HF documents it
+    python benchmarks/compile_time.py --hf --family t5 --d-model 256 --layers 8,24   # GPT-2, BERT, T5: dropout on
 
 Nothing runs: the model is built on meta, compiled for `--world` ranks and traced on CPU fakes, as
 `fbmt.simulate` does, so the numbers are the compiler's own time, without Inductor or a device.
@@ -36,6 +37,7 @@ def compile_once(
     cache_dir: str | bool = False,
     hf: bool = False,
     hf_call: str = "no-cache",
+    family: str = "llama",
 ) -> tuple[float, dict[str, float], int]:
     fbmt = importlib.import_module(package)
     ids = torch.zeros(2, 1024, dtype=torch.long)
@@ -58,6 +60,9 @@ def compile_once(
             args, kwargs = (), {"input_ids": ids, "labels": ids}
             if hf_call == "no-cache":
                 kwargs["use_cache"] = False
+            if family != "llama":  # as their configs have them: dropout on (a mask drawn in place)
+                model = _family(transformers, family, layers, d_model)
+                kwargs = {"input_ids": ids[:, :512].contiguous(), "labels": ids[:, :512].contiguous()}
         else:
             gpt = importlib.import_module(f"{package}.models.gpt")
             GPT, GPTConfig = gpt.GPT, gpt.GPTConfig
@@ -76,6 +81,22 @@ def compile_once(
     return total, passes, len(program.graph.nodes)
 
 
+def _family(transformers, family: str, layers: int, d_model: int):
+    """GPT-2, BERT or T5 (T5: `layers` in the encoder and in the decoder) of width `d_model`."""
+    heads = dict(num_attention_heads=16) if family != "t5" else dict(num_heads=16, d_kv=d_model // 16)
+    config = transformers.AutoConfig.for_model(
+        family,
+        vocab_size=32000,
+        hidden_size=d_model,
+        num_hidden_layers=layers,
+        intermediate_size=4 * d_model,
+        **heads,
+        **(dict(d_ff=4 * d_model, num_decoder_layers=layers, decoder_start_token_id=0) if family == "t5" else {}),
+    )
+    auto = {"gpt2": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM", "t5": "AutoModelForSeq2SeqLM"}[family]
+    return getattr(transformers, auto).from_config(config, attn_implementation="sdpa")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="4,16,64")
@@ -92,6 +113,7 @@ def main() -> None:
         default="no-cache",
         help="with --hf: use_cache=False, or not given",
     )
+    ap.add_argument("--family", choices=("llama", "gpt2", "bert", "t5"), default="llama", help="with --hf: which model")
     args = ap.parse_args()
     if args.profile:
         prof = cProfile.Profile()
@@ -105,13 +127,22 @@ def main() -> None:
             args.cache or False,
             args.hf,
             args.hf_call,
+            args.family,
         )
         pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
         return
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
         total, passes, nodes = compile_once(
-            layers, args.d_model, args.world, args.remat, args.package, args.cache or False, args.hf, args.hf_call
+            layers,
+            args.d_model,
+            args.world,
+            args.remat,
+            args.package,
+            args.cache or False,
+            args.hf,
+            args.hf_call,
+            args.family,
         )
         rows.append((layers, total, passes, nodes))
         print(f"L={layers}: {total:.2f} s, {nodes} nodes", flush=True)

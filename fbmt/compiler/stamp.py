@@ -46,9 +46,13 @@ for the others:
    the program tracing every block gives, names included (tests/test_stamp.py, and the golden
    programs, which stamping left unchanged).
 
-A stamped call whose outputs get other gradients than its kind's (an output the model does not use)
-makes the whole trace run again without stamping (`Refused`): a surprise costs time, never a
-different program. `FBMT_STAMP=0` turns stamping off.
+Which results of a call get a gradient is part of its kind (`Stamper.group`): its kind's backward is
+traced for those alone. The fake forward's autograd graph tells: a result gets one where a node made
+after the call returned reads it on the way to what the backward differentiates (T5's layers return
+the position bias they got, for the next; the last one's gets none, so that call is a kind of its
+own). A stamped call whose outputs still get other gradients than its kind's (a reader whose backward
+gives none) makes the whole trace run again without stamping (`Refused`): a surprise costs time,
+never a different program. `FBMT_STAMP=0` turns stamping off.
 
 A program of symbolic sizes (NOTE: [Dynamic sizes]) is stamped too. Its calls' sizes are expressions
 in the trace's symbols, so the signatures and metadata compare those expressions (`_size`), never the
