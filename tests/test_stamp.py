@@ -40,6 +40,21 @@ def _facts(program) -> list[tuple]:
     ]
 
 
+def _unnamed(program) -> list[tuple]:
+    """Each node's target and module, in the graph's order."""
+    return [(str(n.target), n.meta.get("fbmt_module")) for n in program.graph.nodes]
+
+
+def _masks(program) -> list[str]:
+    """What each attention kernel of the forward is given as its mask, in order."""
+    mask = lambda n: n.kwargs.get("attn_mask") or (n.args[3] if len(n.args) > 3 else None)  # noqa: E731
+    return [
+        str(getattr(mask(n), "target", None))
+        for n in program.graph.nodes
+        if "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)
+    ]
+
+
 def _trace_line(program) -> str:
     return next((str(r.stats) for r in program.history if r.name == "trace"), "")
 
@@ -177,12 +192,19 @@ def _t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
-def test_t5_blocks_are_stamped_though_the_last_passes_on_a_bias_no_one_reads():
-    """Each T5 layer returns the position bias it got, for the next; the last one's gets no gradient,
-    so that call is traced as code, the middle ones stamped (the first computes the bias: its own).
-    Not node for node the whole trace's program: the whole trace also drops the decoder's cross-attention
-    mask of zeros, which its stamped kind gets as an argument (the same values either way)."""
+def test_t5_blocks_that_pass_on_the_bias_they_got_are_stamped(monkeypatch):
+    """Each T5 layer returns the position biases it got, for the next (the first computes them: a kind
+    of its own). Those results are the tensors the layer got, after its op as before it: no gradient
+    goes through the op for them (the last layer's gets none at all), and the next layer knows the
+    decoder's cross-attention bias as the zeros it is, so its mask is dropped as the whole trace drops it."""
     ids, labels = _tokens()
+    call = dict(input_ids=ids, labels=labels[:, :8].contiguous())
+    whole, stamped = (_program(monkeypatch, stamp, _t5, (), call) for stamp in (False, True))
+    assert "(encoder.block.1's x3, decoder.block.1's x3)" in _trace_line(stamped)
+    # the same ops, the attention kernels given the same masks (none where the whole trace drops one);
+    # the bias's gradient sums the layers' parts in another order (NOTE: [Stamped blocks])
+    assert sorted(op for op, *_ in _unnamed(stamped)) == sorted(op for op, *_ in _unnamed(whole))
+    assert _masks(stamped) == _masks(whole)
     ref = _t5()
     model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
     want = ref(input_ids=ids, labels=labels[:, :8].contiguous()).loss
@@ -193,7 +215,7 @@ def test_t5_blocks_are_stamped_though_the_last_passes_on_a_bias_no_one_reads():
     grads = model.full_gradients()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert "(encoder.block.1's x2, decoder.block.1's x2)" in _trace_line(model.program)
+    assert "(encoder.block.1's x3, decoder.block.1's x3)" in _trace_line(model.program)
 
 
 class _DropsGrad(torch.autograd.Function):

@@ -48,11 +48,15 @@ for the others:
 
 Which results of a call get a gradient is part of its kind (`Stamper.group`): its kind's backward is
 traced for those alone. The fake forward's autograd graph tells: a result gets one where a node made
-after the call returned reads it on the way to what the backward differentiates (T5's layers return
-the position bias they got, for the next; the last one's gets none, so that call is a kind of its
-own). A stamped call whose outputs still get other gradients than its kind's (a reader whose backward
-gives none) makes the whole trace run again without stamping (`Refused`): a surprise costs time,
-never a different program. `FBMT_STAMP=0` turns stamping off.
+after the call returned reads it on the way to what the backward differentiates. A result the block
+returns as it got it (T5's layers return the position biases they got, for the next) is, after the
+stamp op, that tensor itself, as after the block's own code: what the trace knows of it stays (the
+next call knows the decoder's cross-attention bias as the zeros it is, and its kind drops that mask),
+and its gradient goes around the op, so no call's kind depends on whether it gets one. That is the
+one place a stamped program differs from the whole trace's: the layers' parts of such a tensor's
+gradient are added in another order. A stamped call whose outputs still get other gradients than its
+kind's (a reader whose backward gives none) makes the whole trace run again without stamping
+(`Refused`): a surprise costs time, never a different program. `FBMT_STAMP=0` turns stamping off.
 
 A program of symbolic sizes (NOTE: [Dynamic sizes]) is stamped too. Its calls' sizes are expressions
 in the trace's symbols, so the signatures and metadata compare those expressions (`_size`), never the
@@ -163,6 +167,7 @@ class Kind:
     decided: dict[fx.Node, str] = field(default_factory=dict)  # the attention masks its trace decided
     notes: list[str] = field(default_factory=list)  # those it dropped itself (a kind it functionalized)
     gets_grad: tuple[bool, ...] | None = None  # per result tensor, whether its calls' get a gradient
+    passes: dict[int, int] = field(default_factory=dict)  # result tensor -> the input its calls return as is
 
     def variant(self, known: dict[int, Any]) -> Kind:
         """This kind for calls that get these arguments from constants or from sizes alone (their values
@@ -184,6 +189,7 @@ class Kind:
             writes=self.writes,
             known=known,
             gets_grad=self.gets_grad,
+            passes=self.passes,
         )
 
     @property
@@ -447,6 +453,7 @@ class _Call:
     grad_fns: list[Any] | None = None
     gets_grad: tuple[bool, ...] | None = None
     ended: int = 0  # the number of the first autograd node made after it returned
+    passes: dict[int, int] = field(default_factory=dict)  # result tensor -> the input it returned as it got it
 
 
 class Stamper:
@@ -581,6 +588,8 @@ class Stamper:
             call.out_leaves = [
                 _Tensor(x.detach(), x.requires_grad) if isinstance(x, torch.Tensor) else x for x in out_leaves
             ]
+            out_keys = [signature.key(x) for x in out_leaves if isinstance(x, torch.Tensor)]
+            call.passes = {j: k for j, k in enumerate(out_keys) if type(k) is int and k < len(tensors)}
             if _next_node_number is not None:
                 call.ended = _next_node_number()
                 call.grad_fns = [
@@ -611,8 +620,12 @@ class Stamper:
         as its kind's backward is traced for those (NOTE: [Stamped blocks])."""
         read = _read_after(roots)
         for c in self.calls:
-            if c.grad_fns is not None:  # a result read by a node made after the call returned
-                c.gets_grad = tuple(g == "leaf" or (g is not None and read.get(g, -1) >= c.ended) for g in c.grad_fns)
+            if c.grad_fns is not None:  # a result read by a node made after the call returned; one it
+                # returned as it got it is that tensor again after the op, whose gradient goes around it
+                c.gets_grad = tuple(
+                    j not in c.passes and (g == "leaf" or (g is not None and read.get(g, -1) >= c.ended))
+                    for j, g in enumerate(c.grad_fns)
+                )
             c.grad_fns = None  # the fake forward's autograd graph is not kept
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(self.calls):
@@ -641,6 +654,7 @@ class Stamper:
                     objects=c.objects,
                     writes=c.writes,
                     gets_grad=c.gets_grad,
+                    passes=c.passes,
                 )
             )
         self._held.clear()
@@ -702,8 +716,12 @@ class Stamper:
             for _ in range(self.calls[call].nested):  # the calls within it are stamped with it
                 next(counter, None)
             inputs = [*_local_tensors(block, kind.params), *_local_tensors(block, kind.buffers), *tensors]
-            outs = iter(_Stamped.apply(kind.id, call, *inputs))
+            made = list(_Stamped.apply(kind.id, call, *inputs))
             self.stamped[kind.block] = self.stamped.get(kind.block, 0) + 1
+            # a result the block returns as it got it is that tensor, as the block's own code gives it: what
+            # the model's trace knows of it (a mask from constants, which decides the next call's) stays
+            n = len(kind.out_tensors())
+            outs = iter([inputs[kind.passes[j]] if j in kind.passes else made[j] for j in range(n)] + made[n:])
             result = pytree.tree_unflatten(
                 [next(outs) if isinstance(x, _Tensor) else x for x in kind.out_leaves], kind.out_spec
             )
