@@ -252,11 +252,10 @@ def trace(
     needs_grad = needs_grad and bool(diff_out) and bool(wrt_params or wrt_inputs)
     if not needs_grad:
         diff_out = []
+    by_key = dict(zip(results.keys, probe_outs))
     if stamper is not None:  # which results of each block call the backward gives gradients to, then kinds
-        by_key = dict(zip(results.keys, probe_outs))
         stamper.group([by_key[k] for k in diff_out])
     with fake_mode:
-        by_key = dict(zip(results.keys, probe_outs))
         fake_tangents = [torch.empty(by_key[k].shape, dtype=by_key[k].dtype, device=by_key[k].device) for k in diff_out]
     del probe, copies, probe_outs, by_key
 
