@@ -115,25 +115,9 @@ def main() -> None:
     )
     ap.add_argument("--family", choices=("llama", "gpt2", "bert", "t5"), default="llama", help="with --hf: which model")
     args = ap.parse_args()
-    if args.profile:
-        prof = cProfile.Profile()
-        prof.runcall(
-            compile_once,
-            args.profile,
-            args.d_model,
-            args.world,
-            args.remat,
-            args.package,
-            args.cache or False,
-            args.hf,
-            args.hf_call,
-            args.family,
-        )
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
-        return
-    rows = []
-    for layers in (int(x) for x in args.layers.split(",")):
-        total, passes, nodes = compile_once(
+
+    def once(layers: int) -> tuple[float, dict[str, float], int]:
+        return compile_once(
             layers,
             args.d_model,
             args.world,
@@ -144,6 +128,15 @@ def main() -> None:
             args.hf_call,
             args.family,
         )
+
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.runcall(once, args.profile)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+        return
+    rows = []
+    for layers in (int(x) for x in args.layers.split(",")):
+        total, passes, nodes = once(layers)
         rows.append((layers, total, passes, nodes))
         print(f"L={layers}: {total:.2f} s, {nodes} nodes", flush=True)
     names = list(rows[0][2])
