@@ -740,3 +740,21 @@ def test_a_kinds_trace_that_detaches_or_aliases_an_input_first_is_stamped_readin
     assert stamping.split_kind(kind, g, n_outputs=1, wrt=[0]) is None
     assert kind.prelude == [first] and kind.forward == [out] and kind.backward == [grad]
     assert kind.outputs == [out] and kind.grads == [grad]
+
+
+def test_without_autograds_node_numbers_t5_is_stamped_all_the_same(monkeypatch):
+    """A torch without `_get_sequence_nr` tells no results apart by their readers: the ones a layer
+    passes on as it got them still go around the op, so T5's layers are still one kind."""
+    monkeypatch.setattr(stamping, "_next_node_number", None)
+    ids, labels = _tokens()
+    ref = _t5()
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    call = dict(input_ids=ids, labels=labels[:, :8].contiguous())
+    want, got = ref(**call).loss, model(**call).loss
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert "(encoder.block.1's x3, decoder.block.1's x3)" in _trace_line(model.program)

@@ -620,11 +620,16 @@ class Stamper:
         as its kind's backward is traced for those (NOTE: [Stamped blocks])."""
         read = _read_after(roots)
         for c in self.calls:
-            if c.grad_fns is not None:  # a result read by a node made after the call returned; one it
-                # returned as it got it is that tensor again after the op, whose gradient goes around it
+            # a result read by a node made after the call returned; one it returned as it got it is that
+            # tensor again after the op, whose gradient goes around it
+            if c.grad_fns is not None:
                 c.gets_grad = tuple(
                     j not in c.passes and (g == "leaf" or (g is not None and read.get(g, -1) >= c.ended))
                     for j, g in enumerate(c.grad_fns)
+                )
+            elif c.passes:  # no node numbers to tell the others by (an older torch)
+                c.gets_grad = tuple(
+                    j not in c.passes for j in range(len([x for x in c.out_leaves if isinstance(x, _Tensor)]))
                 )
             c.grad_fns = None  # the fake forward's autograd graph is not kept
         groups: dict[tuple, list[int]] = {}
