@@ -171,7 +171,11 @@ def _trains_like_eager(ref: torch.nn.Module, kind: str) -> None:
     model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
     for step, call in enumerate(_calls(kind, torch.Generator().manual_seed(1))):
-        want, got = ref(**call).loss, model(**call).loss
+        losses = []
+        for m in (ref, model):
+            torch.manual_seed(step)  # a model with dropout on draws eager's masks
+            losses.append(m(**call).loss)
+        want, got = losses
         want.backward()
         got.backward()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step}: the loss")
@@ -199,28 +203,13 @@ def test_a_model_of_its_published_depth_trains_with_dropout_as_in_eager(model_ty
     """GPT-2 small's and BERT-base's 12 layers, dropout on as their configs have it: the shard pass
     once followed the forward's chain of layers from each dropout mask by recursion, past Python's
     limit. Both draw their masks as eager does, given the same seed."""
-    auto = transformers.AutoModelForCausalLM if model_type == "gpt2" else transformers.AutoModelForMaskedLM
+    causal = model_type == "gpt2"
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModelForMaskedLM
     config = transformers.AutoConfig.for_model(
         model_type, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=12, num_attention_heads=4, intermediate_size=64
     )
     torch.manual_seed(0)
-    ref = auto.from_config(config, attn_implementation="sdpa")
-    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    for step in range(2):
-        ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(step))
-        losses = []
-        for m in (ref, model):
-            torch.manual_seed(step)
-            losses.append(m(input_ids=ids, labels=ids).loss)
-            losses[-1].backward()
-        torch.testing.assert_close(losses[1], losses[0], msg=f"step {step}: the loss")
-        grads = model.full_gradients()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+    _trains_like_eager(auto.from_config(config, attn_implementation="sdpa"), "causal" if causal else "masked")
 
 
 @pytest.mark.parametrize("model_type", MASKED)

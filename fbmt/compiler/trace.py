@@ -189,14 +189,14 @@ def trace(
     params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]
     with fake_mode:
         fake_params = [torch.empty(shape, dtype=dt, device=param_device) for _, shape, dt, _ in params]
-    fake_buffers = [fake_mode.from_tensor(b, static_shapes=True) for b in buffers.values()]  # never symbolic
-    if param_device.type != "meta":  # a model compiled on meta, traced as if it lived on param_device: its
-        # buffers live there too (BERT's token types index an embedding whose gradient is on that device)
-        with fake_mode:
-            fake_buffers = [
-                torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=param_device) if b.is_meta else f
-                for b, f in zip(buffers.values(), fake_buffers)
-            ]
+        # never symbolic; a model compiled on meta, traced as if it lived on param_device, has its buffers
+        # there too (BERT's token types index an embedding whose gradient is on that device)
+        fake_buffers = [
+            torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=param_device)
+            if b.is_meta and param_device.type != "meta"
+            else fake_mode.from_tensor(b, static_shapes=True)
+            for b in buffers.values()
+        ]
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     in_objects = {i: objects.tensors_in(x) for i, x in enumerate(leaves) if objects.is_object(x)}
@@ -302,8 +302,9 @@ def trace(
         with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
             first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
     gm, graph, dropped = first, first.graph, False
-    rewritten = _mutates(graph) and _without_writes(graph)  # NOTE: [Writes to fresh tensors]
-    if not rewritten and _mutates(first.graph):  # NOTE: [Functional already]
+    mutates = _mutates(graph)
+    rewritten = mutates and _without_writes(graph)  # NOTE: [Writes to fresh tensors]
+    if mutates and not rewritten:  # NOTE: [Functional already]
         masks.drop_dead(decided)  # before the second trace, which would trace the dead masks again
         dropped = True
         with _translate_errors(module):
