@@ -6,7 +6,7 @@
     PYTHONPATH=.base python benchmarks/compile_time.py --package fbmt_base   # an older commit's tree
     FBMT_STAMP=0 python benchmarks/compile_time.py --hf --d-model 256   # HF's Llama, no stamping
     python benchmarks/compile_time.py --hf --hf-call default --d-model 256   # called as HF documents it
-    python benchmarks/compile_time.py --hf --family t5 --d-model 256 --layers 8,24   # GPT-2, BERT, T5: dropout on
+    python benchmarks/compile_time.py --hf --family t5 --d-model 256 --layers 8,24   # GPT-2, BERT, T5, BART: dropout on
 
 Nothing runs: the model is built on meta, compiled for `--world` ranks and traced on CPU fakes, as
 `fbmt.simulate` does, so the numbers are the compiler's own time, without Inductor or a device.
@@ -82,8 +82,13 @@ def compile_once(
 
 
 def _family(transformers, family: str, layers: int, d_model: int):
-    """GPT-2, BERT or T5 (T5: `layers` in the encoder and in the decoder) of width `d_model`."""
+    """GPT-2, BERT, T5 or BART (T5, BART: `layers` in the encoder and in the decoder) of width `d_model`."""
     heads = dict(num_attention_heads=16) if family != "t5" else dict(num_heads=16, d_kv=d_model // 16)
+    if family == "bart":
+        heads = dict(encoder_attention_heads=16, decoder_attention_heads=16, max_position_embeddings=1024)
+        heads.update(
+            encoder_layers=layers, decoder_layers=layers, encoder_ffn_dim=4 * d_model, decoder_ffn_dim=4 * d_model
+        )
     config = transformers.AutoConfig.for_model(
         family,
         vocab_size=32000,
@@ -93,7 +98,7 @@ def _family(transformers, family: str, layers: int, d_model: int):
         **heads,
         **(dict(d_ff=4 * d_model, num_decoder_layers=layers, decoder_start_token_id=0) if family == "t5" else {}),
     )
-    auto = {"gpt2": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM", "t5": "AutoModelForSeq2SeqLM"}[family]
+    auto = {"gpt2": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}.get(family, "AutoModelForSeq2SeqLM")
     return getattr(transformers, auto).from_config(config, attn_implementation="sdpa")
 
 
@@ -113,7 +118,9 @@ def main() -> None:
         default="no-cache",
         help="with --hf: use_cache=False, or not given",
     )
-    ap.add_argument("--family", choices=("llama", "gpt2", "bert", "t5"), default="llama", help="with --hf: which model")
+    ap.add_argument(
+        "--family", choices=("llama", "gpt2", "bert", "t5", "bart"), default="llama", help="with --hf: which model"
+    )
     args = ap.parse_args()
 
     def once(layers: int) -> tuple[float, dict[str, float], int]:

@@ -72,6 +72,41 @@ class ViewThenWrite(Plain):
         return self.b(torch.relu(v.reshape(-1, 16) + h))
 
 
+class ShiftRight(Plain):
+    """Writes through a slice, a select and a slice of a slice of a factory's result, as T5 and BART
+    shift their labels right: each its functional op scattered back into the whole, no second trace."""
+
+    def forward(self, x):
+        shifted = x.new_zeros(x.shape)
+        shifted[:, 1:] = x[:, :-1].clone()
+        shifted[:, 0] = 0.5
+        shifted[1:][:, 2:4].mul_(-1)
+        shifted.masked_fill_(shifted > 1, 1.0)
+        return self.b(torch.tanh(self.a(shifted)))
+
+
+class WriteBetween(Plain):
+    """A write to the whole between a view and the write through it: the view holds the first write."""
+
+    def forward(self, x):
+        shifted = x.new_zeros(x.shape)
+        view = shifted[:, 1:]
+        shifted.add_(x)
+        view.mul_(3)
+        return self.b(torch.tanh(self.a(shifted)))
+
+
+class ViewOfTheViewReadAfter(Plain):
+    """A view of the written view, taken before the write and read after it, sees the write."""
+
+    def forward(self, x):
+        shifted = x.new_zeros(x.shape)
+        view = shifted[:, 1:]
+        first = view[0]
+        view.copy_(x[:, :-1])
+        return self.b(torch.tanh(self.a(shifted))) * first.sum()
+
+
 class Dropout(Plain):
     def __init__(self):
         super().__init__()
@@ -96,7 +131,17 @@ def functionalizations(monkeypatch):
 
 @pytest.mark.parametrize(
     "cls, second_trace",
-    [(Plain, False), (InPlace, True), (Fresh, False), (Dropout, False), (ThroughView, True), (ViewThenWrite, True)],
+    [
+        (Plain, False),
+        (InPlace, True),
+        (Fresh, False),
+        (Dropout, False),
+        (ShiftRight, False),
+        (ThroughView, True),
+        (ViewThenWrite, True),
+        (WriteBetween, True),
+        (ViewOfTheViewReadAfter, True),
+    ],
 )
 def test_functionalization_runs_where_the_graph_mutates_and_both_match_eager(cls, second_trace, functionalizations):
     torch.manual_seed(0)
@@ -153,6 +198,51 @@ def test_writes_to_fresh_tensors_rewritten_give_the_functionalized_program(famil
         with monkeypatch.context() as m:
             m.setattr(trace_module, "_without_writes", lambda graph: False)
             assert rewritten == text()
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_labels_shifted_right_through_slices_need_no_second_trace(family, functionalizations, monkeypatch):
+    """T5 and BART shift their labels right by writing through a slice and a select of `new_zeros`: no
+    second trace, eager's loss and gradients; T5's program has functionalization's ops, less the views
+    of the whole it takes after each write and leaves unread."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "t5":
+        config = transformers.T5Config(
+            vocab_size=64, d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=8,
+            decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0,
+        )  # fmt: skip
+        ref = transformers.T5ForConditionalGeneration(config)
+    else:
+        config = transformers.BartConfig(
+            vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+            max_position_embeddings=32,
+        )  # fmt: skip
+        ref = transformers.BartForConditionalGeneration(config)
+    ids, labels = torch.randint(2, 64, (2, 9)), torch.randint(2, 64, (2, 7))
+    labels[1, 5:] = -100  # padding: shifted in as the pad token
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, device="cpu", cache_dir=False)
+    want, got = ref(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert not functionalizations
+    if family == "t5":
+        views = (torch.ops.aten.slice.Tensor, torch.ops.aten.select.int)
+
+        def ops() -> list[str]:
+            program = fbmt.compile(copy.deepcopy(ref), world_size=2, device="cpu", cache_dir=False).trace(
+                input_ids=ids, labels=labels
+            )
+            return sorted(str(n.target) for n in program.graph.nodes if n.users or n.target not in views)
+
+        rewritten = ops()
+        monkeypatch.setattr(trace_module, "_without_writes", lambda graph: False)
+        assert ops() == rewritten
 
 
 def test_keyword_arguments_given_their_default_are_dropped():

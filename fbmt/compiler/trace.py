@@ -301,12 +301,15 @@ def trace(
         logs.log.info("traced again without stamping blocks: %s", e)
         with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
             first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
-    gm, graph, dropped = first, first.graph, False
+    gm, graph = first, first.graph
     mutates = _mutates(graph)
     rewritten = mutates and _without_writes(graph)  # NOTE: [Writes to fresh tensors]
+    # the dead masks go before any node is named again: by the second trace (which would trace them
+    # again), or as it would name them
+    dropped = mutates
+    if dropped:
+        masks.drop_dead(decided)
     if mutates and not rewritten:  # NOTE: [Functional already]
-        masks.drop_dead(decided)  # before the second trace, which would trace the dead masks again
-        dropped = True
         with _translate_errors(module):
             gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
                 *flat_in
@@ -318,13 +321,14 @@ def trace(
         owner = types.SimpleNamespace(**held)
         if dropped:
             masks.drop_dead(kinds_decided)
-        else:  # the masks' nodes as inlining copied them (and named them, as make_fx had)
-            decided = {moved[n]: kind for n, kind in decided.items()}
+        # the masks' nodes as inlining copied them (and named them, as make_fx had); a dropped one, and
+        # one of a graph traced again, as it was
+        decided = {moved.get(n, n): kind for n, kind in decided.items()}
         decided.update(kinds_decided)
         stamper.release()
     elif rewritten:  # named as the functionalized trace would name them, as inlining names its own
         graph, moved = _named_as_make_fx(graph)
-        decided = {moved[n]: kind for n, kind in decided.items()}
+        decided = {moved.get(n, n): kind for n, kind in decided.items()}
     if not dropped:
         masks.drop_dead(decided)
 
@@ -620,11 +624,17 @@ def _mutates(graph: fx.Graph) -> bool:
 # second trace of the whole graph (as long as the first). `_without_writes` makes that rewrite where
 # every write is of this kind: the written tensor is the result of an op that returns a tensor of its
 # own (a factory, a product, a mean: no input, no view; or such a write), and nothing reads it through
-# a view (a view read after a write sees the write; the functional form would not). Anything else (a
-# write to an input or a buffer, to a slice, `x[:, 0] = 1`) is left to functionalization. Autograd
-# has already refused a write to a tensor its backward reads as it was (the trace runs autograd), and
-# the backward's nodes read each tensor as it is when they run, later in the graph.
+# a view (a view read after a write sees the write; the functional form would not). A write through
+# slices and selects of such a tensor (`shifted[:, 1:] = ids[:, :-1]`, `shifted[:, 0] = start`: T5's
+# and BART's labels shifted right) is its functional op on the view, scattered back into the whole
+# (`slice_scatter`, `select_scatter`), as functionalization writes it; only where the view serves that
+# write alone (nothing else reads it or the write's result) and no other write to the tensor comes
+# between the view and its write. Anything else (a write to an input or a buffer, a view read after
+# a write) is left to functionalization. Autograd has already refused a write to a tensor its backward
+# reads as it was (the trace runs autograd), and the backward's nodes read each tensor as it is when
+# they run, later in the graph.
 _WHOLE_ALIASES = {aten.detach.default, aten.alias.default}  # the tensor itself, under another node
+_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
 _FUNCTIONAL: dict[Any, Any] = {}
 
 
@@ -683,25 +693,51 @@ def _without_writes(graph: fx.Graph) -> bool:
     """Rewrite every in-place op of `graph` as its functional op, where all of them write to fresh
     tensors (NOTE: [Writes to fresh tensors]); False, and the graph as it was, where one does not."""
     root: dict[fx.Node, fx.Node] = {}  # a fresh tensor, a write to it or an alias of it -> the fresh tensor
+    views: dict[fx.Node, fx.Node] = {}  # a slice or select of a fresh tensor (or of such a view) -> its base
+    through: dict[fx.Node, tuple[fx.Node, list[fx.Node]]] = {}  # a write through views -> its tensor, the views
     writes: list[tuple[fx.Node, Any]] = []
+    last_write: dict[fx.Node, int] = {}  # a fresh tensor -> the position of its latest write so far
+    position = {n: i for i, n in enumerate(graph.nodes)}
+
+    def fresh(x: Any) -> bool:
+        return isinstance(x, fx.Node) and (x in root or (x.op == "call_function" and _own_tensor(x.target)))
+
     for n in graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
-        if n.target in _WHOLE_ALIASES and n.args[0] in root:
-            root[n] = root[n.args[0]]
+        x = n.args[0] if n.args else None
+        if n.target in _WHOLE_ALIASES and x in root:
+            root[n] = root[x]
+        elif n.target in _SCATTERS and (fresh(x) or x in views):
+            views[n] = x
         elif n.target._schema.is_mutable:
-            op, x = _functional(n.target), n.args[0] if n.args else None
+            op = _functional(n.target)
             if op is None or not isinstance(x, fx.Node):
                 return False
-            if x not in root and not (x.op == "call_function" and _own_tensor(x.target)):
+            if x in views:  # through views: each serves this write alone, taken since the last write
+                chain = [x]
+                while chain[0] in views:
+                    chain.insert(0, views[chain[0]])
+                base, chain = chain[0], chain[1:]
+                if n.users or any(len(v.users) != 1 for v in chain):
+                    return False
+                top = root.get(base, base)
+                if last_write.get(top, -1) > position[chain[0]]:
+                    return False
+                root[base] = top
+                through[n] = top, chain
+            elif fresh(x):
+                root[n] = root[x] = top = root.get(x, x)
+            else:
                 return False
-            root[n] = root[x] = root.get(x, x)
+            last_write[top] = position[n]
             writes.append((n, op))
     if not writes:
         return False
+    served = {v for _, chain in through.values() for v in chain}
     for member in root:
         for user in member.users:
-            if user not in root and not _reads_only(user):
+            if user not in root and user not in served and user not in through and not _reads_only(user):
                 return False
     # in the graph's order, each read of a fresh tensor reads its value at that point
     now: dict[fx.Node, fx.Node] = {}
@@ -712,26 +748,38 @@ def _without_writes(graph: fx.Graph) -> bool:
             if value is not arg:
                 n.replace_input_with(arg, value)
         if n in written:
-            op = written[n]
-            # the arguments the trace left at their default (`bernoulli_`'s p=0.5), which the functional
-            # op may not default
-            given = list(n.args)
-            mine = op._schema.arguments
-            for i, a in enumerate(n.target._schema.arguments[len(given) :], len(given)):
-                if a.kwarg_only or a.name in n.kwargs or not a.has_default_value() or mine[i].has_default_value():
-                    break
-                given.append(a.default_value)
-            with graph.inserting_before(n):
-                f = graph.call_function(op, tuple(given), n.kwargs)
-            f.meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
-            vals = fx.map_arg((f.args, f.kwargs), lambda a: a.meta.get("val"))
-            fake = next((v for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
-            if fake is not None:
-                f.meta["val"] = fake_value(fake.fake_mode, op, *vals)
-            now[root[n]] = f
+            value = _functional_node(graph, n, written[n])
+            top, chain = through.get(n, (root.get(n), []))
+            for view in reversed(chain):  # written back into each view's base, outermost last
+                value = _new_node(graph, n, _SCATTERS[view.target], (view.args[0], value, *view.args[1:]), view.kwargs)
+            now[top] = value
     for n, _ in reversed(writes):
         graph.erase_node(n)
     return True
+
+
+def _functional_node(graph: fx.Graph, n: fx.Node, op: Any) -> fx.Node:
+    """In-place op `n` as functional op `op`, before it: the arguments the trace left at their default
+    (`bernoulli_`'s p=0.5), which the functional op may not default, given."""
+    given = list(n.args)
+    mine = op._schema.arguments
+    for i, a in enumerate(n.target._schema.arguments[len(given) :], len(given)):
+        if a.kwarg_only or a.name in n.kwargs or not a.has_default_value() or mine[i].has_default_value():
+            break
+        given.append(a.default_value)
+    return _new_node(graph, n, op, tuple(given), n.kwargs)
+
+
+def _new_node(graph: fx.Graph, n: fx.Node, op: Any, args: tuple, kwargs: dict) -> fx.Node:
+    """A node of `op` before `n`, tagged as `n` is, with its fake value."""
+    with graph.inserting_before(n):
+        f = graph.call_function(op, args, kwargs)
+    f.meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
+    vals = fx.map_arg((f.args, f.kwargs), lambda a: a.meta.get("val"))
+    fake = next((v for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
+    if fake is not None:
+        f.meta["val"] = fake_value(fake.fake_mode, op, *vals)
+    return f
 
 
 def _named_as_make_fx(graph: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
