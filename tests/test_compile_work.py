@@ -54,7 +54,8 @@ class Fresh(Plain):
 
 
 class ThroughView(Plain):
-    """A write to a slice of a product's result: functionalization writes it back into the whole."""
+    """A write to a slice of a product's result; its backward reads the gradient's slice, then writes
+    zeros through it: both rewritten, the write scattered back into the whole."""
 
     def forward(self, x):
         h = self.a(x)
@@ -83,6 +84,38 @@ class ShiftRight(Plain):
         shifted[1:][:, 2:4].mul_(-1)
         shifted.masked_fill_(shifted > 1, 1.0)
         return self.b(torch.tanh(self.a(shifted)))
+
+
+class ReadThenShift(Plain):
+    """mBART's shift: a slice read (its clone) before the tensor is written through another slice."""
+
+    def forward(self, x):
+        shifted = x.clone()
+        shifted.masked_fill_(shifted > 1, 1.0)
+        shifted[:, 1:] = shifted[:, :-1].clone()
+        shifted[:, 0] = shifted.t()[-1]
+        return self.b(torch.tanh(self.a(shifted)))
+
+
+class SliceReadAfterWrite(Plain):
+    """A slice taken before a write to the whole and read after it sees the write."""
+
+    def forward(self, x):
+        shifted = x.new_zeros(x.shape)
+        head = shifted[:, :2]
+        shifted.add_(x)
+        return self.b(torch.tanh(self.a(shifted))) * head.sum()
+
+
+class WritesOfAnotherDtype(Plain):
+    """In-place ops keep the dtype of the tensor they write, where their functional ops would promote
+    (bf16 plus fp32 is fp32): the rewrite casts back, as functionalization does."""
+
+    def forward(self, x):
+        h = self.a(x).bfloat16()
+        h.add_(torch.full(h.shape, 1e-3))
+        h[:, 1:].mul_(torch.full((h.shape[0], 15), 1.001))
+        return self.b(torch.relu(h.float()))
 
 
 class WriteBetween(Plain):
@@ -137,8 +170,11 @@ def functionalizations(monkeypatch):
         (Fresh, False),
         (Dropout, False),
         (ShiftRight, False),
-        (ThroughView, True),
+        (ReadThenShift, False),
+        (WritesOfAnotherDtype, False),
+        (ThroughView, False),
         (ViewThenWrite, True),
+        (SliceReadAfterWrite, True),
         (WriteBetween, True),
         (ViewOfTheViewReadAfter, True),
     ],

@@ -679,6 +679,17 @@ def _own_tensor(t: Any) -> bool:
     return len(returns) == 1 and returns[0].alias_info is None and str(returns[0].type) == "Tensor"
 
 
+def _view(t: Any) -> bool:
+    """Whether op `t` returns one view of its first argument and writes none (by its schema; and
+    `_unsafe_view`, whose schema says otherwise)."""
+    if t is aten._unsafe_view.default:
+        return True
+    if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable or t in _WHOLE_ALIASES:
+        return False
+    returns = t._schema.returns
+    return len(returns) == 1 and str(returns[0].type) == "Tensor" and returns[0].alias_info is not None
+
+
 def _reads_only(n: fx.Node) -> bool:
     """Whether `n` reads its arguments without aliasing or writing any (by its op's schema)."""
     t = n.target
@@ -693,14 +704,20 @@ def _without_writes(graph: fx.Graph) -> bool:
     """Rewrite every in-place op of `graph` as its functional op, where all of them write to fresh
     tensors (NOTE: [Writes to fresh tensors]); False, and the graph as it was, where one does not."""
     root: dict[fx.Node, fx.Node] = {}  # a fresh tensor, a write to it or an alias of it -> the fresh tensor
-    views: dict[fx.Node, fx.Node] = {}  # a slice or select of a fresh tensor (or of such a view) -> its base
+    views: dict[fx.Node, fx.Node] = {}  # a view of a fresh tensor (or of such a view) -> its base
     through: dict[fx.Node, tuple[fx.Node, list[fx.Node]]] = {}  # a write through views -> its tensor, the views
     writes: list[tuple[fx.Node, Any]] = []
-    last_write: dict[fx.Node, int] = {}  # a fresh tensor -> the position of its latest write so far
+    written_at: dict[fx.Node, list[int]] = {}  # a fresh tensor -> the positions of its writes
     position = {n: i for i, n in enumerate(graph.nodes)}
 
     def fresh(x: Any) -> bool:
         return isinstance(x, fx.Node) and (x in root or (x.op == "call_function" and _own_tensor(x.target)))
+
+    def chain_of(v: fx.Node) -> list[fx.Node]:  # the tensor a view is of, then its views, outermost first
+        chain = [v]
+        while chain[0] in views:
+            chain.insert(0, views[chain[0]])
+        return chain
 
     for n in graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
@@ -708,36 +725,41 @@ def _without_writes(graph: fx.Graph) -> bool:
         x = n.args[0] if n.args else None
         if n.target in _WHOLE_ALIASES and x in root:
             root[n] = root[x]
-        elif n.target in _SCATTERS and (fresh(x) or x in views):
+        elif _view(n.target) and (fresh(x) or x in views):
             views[n] = x
         elif n.target._schema.is_mutable:
             op = _functional(n.target)
-            if op is None or not isinstance(x, fx.Node):
+            if op is None or not isinstance(x, fx.Node) or "val" not in n.meta:  # (its dtype: below)
                 return False
-            if x in views:  # through views: each serves this write alone, taken since the last write
-                chain = [x]
-                while chain[0] in views:
-                    chain.insert(0, views[chain[0]])
-                base, chain = chain[0], chain[1:]
-                if n.users or any(len(v.users) != 1 for v in chain):
+            if x in views and not n.users:  # through views (nothing reads the view after, as written)
+                base, *chain = chain_of(x)
+                if any(v.target not in _SCATTERS for v in chain):
                     return False
-                top = root.get(base, base)
-                if last_write.get(top, -1) > position[chain[0]]:
-                    return False
-                root[base] = top
+                root[base] = top = root.get(base, base)
                 through[n] = top, chain
             elif fresh(x):
                 root[n] = root[x] = top = root.get(x, x)
             else:
                 return False
-            last_write[top] = position[n]
+            written_at.setdefault(top, []).append(position[n])
             writes.append((n, op))
     if not writes:
         return False
-    served = {v for _, chain in through.values() for v in chain}
     for member in root:
         for user in member.users:
-            if user not in root and user not in served and user not in through and not _reads_only(user):
+            if user not in root and user not in views and user not in through and not _reads_only(user):
+                return False
+    # a view holds its tensor's value where it is taken: each use of it (a read, a view of it, the
+    # write through it) must come before the tensor is written again
+    for view in views:
+        base = chain_of(view)[0]
+        after = written_at.get(root.get(base, base))
+        if after is None:  # a view of a tensor nothing writes
+            continue
+        for user in view.users:
+            if not (user in views or user in root or user in through or _reads_only(user)):
+                return False
+            if any(position[view] < w < position[user] for w in after):
                 return False
     # in the graph's order, each read of a fresh tensor reads its value at that point
     now: dict[fx.Node, fx.Node] = {}
@@ -760,14 +782,20 @@ def _without_writes(graph: fx.Graph) -> bool:
 
 def _functional_node(graph: fx.Graph, n: fx.Node, op: Any) -> fx.Node:
     """In-place op `n` as functional op `op`, before it: the arguments the trace left at their default
-    (`bernoulli_`'s p=0.5), which the functional op may not default, given."""
+    (`bernoulli_`'s p=0.5), which the functional op may not default, given; its result in the dtype
+    of the tensor written (an in-place op keeps it, where the functional op would promote: bf16 plus
+    fp32 is bf16 in place), as functionalization casts it."""
     given = list(n.args)
     mine = op._schema.arguments
     for i, a in enumerate(n.target._schema.arguments[len(given) :], len(given)):
         if a.kwarg_only or a.name in n.kwargs or not a.has_default_value() or mine[i].has_default_value():
             break
         given.append(a.default_value)
-    return _new_node(graph, n, op, tuple(given), n.kwargs)
+    f = _new_node(graph, n, op, tuple(given), n.kwargs)
+    dtype = n.meta["val"].dtype
+    if f.meta["val"].dtype != dtype:
+        f = _new_node(graph, n, aten._to_copy.default, (f,), {"dtype": dtype, "layout": torch.strided})
+    return f
 
 
 def _new_node(graph: fx.Graph, n: fx.Node, op: Any, args: tuple, kwargs: dict) -> fx.Node:
