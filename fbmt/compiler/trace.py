@@ -618,21 +618,24 @@ def _mutates(graph: fx.Graph) -> bool:
 
 # NOTE: [Writes to fresh tensors]
 # Most graphs that write at all write only to tensors they have just made: dropout draws its mask into
-# `empty_like(x)` (`bernoulli_`, then `div_`), RMSNorm adds its epsilon to its mean in place. Such a
-# write is its op's functional form on the value as it is at that point (`bernoulli.p`, `add.Tensor`),
-# read by whatever reads the tensor after it: what functionalization makes of it, at the cost of a
-# second trace of the whole graph (as long as the first). `_without_writes` makes that rewrite where
-# every write is of this kind: the written tensor is the result of an op that returns a tensor of its
-# own (a factory, a product, a mean: no input, no view; or such a write), and nothing reads it through
-# a view (a view read after a write sees the write; the functional form would not). A write through
-# slices and selects of such a tensor (`shifted[:, 1:] = ids[:, :-1]`, `shifted[:, 0] = start`: T5's
-# and BART's labels shifted right) is its functional op on the view, scattered back into the whole
-# (`slice_scatter`, `select_scatter`), as functionalization writes it; only where the view serves that
-# write alone (nothing else reads it or the write's result) and no other write to the tensor comes
-# between the view and its write. Anything else (a write to an input or a buffer, a view read after
-# a write) is left to functionalization. Autograd has already refused a write to a tensor its backward
-# reads as it was (the trace runs autograd), and the backward's nodes read each tensor as it is when
-# they run, later in the graph.
+# `empty_like(x)` (`bernoulli_`, then `div_`), RMSNorm adds its epsilon to its mean in place, T5 and
+# BART shift their labels right into `new_zeros` (`shifted[:, 1:] = ids[:, :-1]`, `shifted[:, 0] =
+# start`), and autograd writes a slice's gradient into a new tensor. Such a write is its op's
+# functional form on the value as it is at that point (`bernoulli.p`, `add.Tensor`), read by whatever
+# reads the tensor after it; a write through slices and selects is the functional op on the view,
+# scattered back into the whole (`slice_scatter`, `select_scatter`). That is what functionalization
+# makes of it, at the cost of a second trace of the whole graph (as long as the first).
+# `_without_writes` makes the rewrite where every write is of this kind, and soundly:
+# - the written tensor is the result of an op that returns a tensor of its own (a factory, a product,
+#   a mean: no input, no view; or such a write); a write to an input or a buffer is left to
+#   functionalization, which writes it back;
+# - a view holds the value its tensor had where the view was taken, so each use of a view (a read, a
+#   view of it, the write through it) must come before the tensor is written again (a view read after
+#   a write sees the write; the rewritten one would not), and nothing reads a write through a view;
+# - an in-place op keeps the dtype of the tensor it writes where its functional op would promote
+#   (bf16 plus fp32 is fp32): the result is cast back, as functionalization casts it.
+# Autograd has already refused a write to a tensor its backward reads as it was (the trace runs
+# autograd), and the backward's nodes read each tensor as it is when they run, later in the graph.
 _WHOLE_ALIASES = {aten.detach.default, aten.alias.default}  # the tensor itself, under another node
 _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
 _FUNCTIONAL: dict[Any, Any] = {}
