@@ -118,6 +118,26 @@ class WritesOfAnotherDtype(Plain):
         return self.b(torch.relu(h.float()))
 
 
+class StridesRead(Plain):
+    """A product written in place keeps its tensor's strides (column-major here), where the functional
+    product is row-major: `as_strided`, which reads the storage by strides, is left to functionalization."""
+
+    def forward(self, x):
+        h = torch.empty_strided((3, 16), (1, 3), device=x.device).zero_()
+        h.addmm_(x, self.a.weight.t()).add_(self.a.bias)
+        return self.b(torch.tanh(h.as_strided((3, 16), (16, 1))))
+
+
+class StridesReadDownstream(Plain):
+    """The same layout read by `as_strided` of a tensor computed from the one written (which follows its
+    layout in eager), no gradient going through either."""
+
+    def forward(self, x):
+        h = torch.empty_strided((3, 16), (1, 3), device=x.device).zero_()
+        h.addmm_(x, torch.linspace(-1, 1, 128, device=x.device).view(8, 16))
+        return self.b(torch.tanh(self.a(x) * (h * 2).as_strided((3, 16), (16, 1))))
+
+
 class WriteBetween(Plain):
     """A write to the whole between a view and the write through it: the view holds the first write."""
 
@@ -174,6 +194,8 @@ def functionalizations(monkeypatch):
         (WritesOfAnotherDtype, False),
         (ThroughView, False),
         (ViewThenWrite, True),
+        (StridesRead, True),
+        (StridesReadDownstream, True),
         (SliceReadAfterWrite, True),
         (WriteBetween, True),
         (ViewOfTheViewReadAfter, True),

@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fbmt import flags, logs
@@ -639,6 +640,7 @@ def _mutates(graph: fx.Graph) -> bool:
 _WHOLE_ALIASES = {aten.detach.default, aten.alias.default}  # the tensor itself, under another node
 _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
 _FUNCTIONAL: dict[Any, Any] = {}
+_RELAYOUTS = {"resize_", "resize_as_", "set_"}  # write a tensor's size or storage, not its values
 
 
 def _functional(op: torch._ops.OpOverload) -> Any:
@@ -661,7 +663,10 @@ def _functional(op: torch._ops.OpOverload) -> Any:
     packet = getattr(aten, name[:-1], None) if writes_self and name.endswith("_") else None
     for overload in packet.overloads() if packet is not None else ():
         cand = getattr(packet, overload)._schema
-        if cand.is_mutable or len(cand.returns) != 1 or len(cand.arguments) != len(args):
+        # a view (`t_` as `t`) or a new size (`resize_`) changes the tensor's layout, which a value does not
+        if cand.is_mutable or len(cand.returns) != 1 or cand.returns[0].alias_info is not None:
+            continue
+        if name in _RELAYOUTS or len(cand.arguments) != len(args):
             continue
         if all(
             (a.name, str(a.type), a.kwarg_only) == (b.name, str(b.type), b.kwarg_only)
@@ -725,6 +730,8 @@ def _without_writes(graph: fx.Graph) -> bool:
     for n in graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
+        if n.target is aten.as_strided.default:  # NOTE: [Strides read after a write]
+            return False
         x = n.args[0] if n.args else None
         if n.target in _WHOLE_ALIASES and x in root:
             root[n] = root[x]
@@ -911,6 +918,7 @@ class _TagCarrier(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         graph = get_proxy_mode().tracer.graph
         before = graph._root.prev
+        self.node = n
         result = super().run_node(n)
         path = meta.module(n)
         if path is not None:
@@ -919,6 +927,23 @@ class _TagCarrier(fx.Interpreter):
                 meta.tag_missing(k, module=path)
                 k = k.next
         return result
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        # NOTE: [Strides read after a write]
+        # `as_strided` reads its tensor's storage by strides. A tensor written in place keeps the layout
+        # it was made with; the functional op that stands for the write lays its result out as it likes
+        # (a product is row-major, whatever the tensor it wrote). So `as_strided` reads a copy laid out
+        # as eager's tensor was (the first trace's strides), unless the two provably agree; a tensor
+        # computed from the written one follows its layout, so every `as_strided` is checked. The
+        # rewrite of NOTE: [Writes to fresh tensors] checks nothing: a graph with one is left to this.
+        if target is aten.as_strided.default and isinstance(self.node.args[0], fx.Node):
+            x, want = args[0], self.node.args[0].meta.get("val")
+            if isinstance(want, torch.Tensor) and not all(
+                statically_known_true(a == b) for a, b in zip(x.stride(), want.stride(), strict=True)
+            ):
+                laid = torch.empty_strided(x.shape, want.stride(), dtype=x.dtype, device=x.device)
+                args = (laid.copy_(x), *args[1:])
+        return super().call_function(target, args, kwargs)
 
 
 class _Forward(nn.Module):
