@@ -641,6 +641,8 @@ _WHOLE_ALIASES = {aten.detach.default, aten.alias.default}  # the tensor itself,
 _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
 _FUNCTIONAL: dict[Any, Any] = {}
 _RELAYOUTS = {"resize_", "resize_as_", "set_"}  # write a tensor's size or storage, not its values
+# ops that read their first argument's storage by strides (NOTE: [Strides read after a write])
+_BY_STRIDES = {aten.as_strided.default, aten.as_strided_scatter.default, aten._reshape_alias.default}
 
 
 def _functional(op: torch._ops.OpOverload) -> Any:
@@ -730,7 +732,7 @@ def _without_writes(graph: fx.Graph) -> bool:
     for n in graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
-        if n.target is aten.as_strided.default:  # NOTE: [Strides read after a write]
+        if n.target in _BY_STRIDES:  # NOTE: [Strides read after a write]
             return False
         x = n.args[0] if n.args else None
         if n.target in _WHOLE_ALIASES and x in root:
@@ -930,13 +932,14 @@ class _TagCarrier(fx.Interpreter):
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         # NOTE: [Strides read after a write]
-        # `as_strided` reads its tensor's storage by strides. A tensor written in place keeps the layout
+        # `as_strided` (and `as_strided_scatter`, `_reshape_alias`) reads its tensor's storage by
+        # strides. A tensor written in place keeps the layout
         # it was made with; the functional op that stands for the write lays its result out as it likes
         # (a product is row-major, whatever the tensor it wrote). So `as_strided` reads a copy laid out
         # as eager's tensor was (the first trace's strides), unless the two provably agree; a tensor
         # computed from the written one follows its layout, so every `as_strided` is checked. The
         # rewrite of NOTE: [Writes to fresh tensors] checks nothing: a graph with one is left to this.
-        if target is aten.as_strided.default and isinstance(self.node.args[0], fx.Node):
+        if target in _BY_STRIDES and isinstance(self.node.args[0], fx.Node):
             x, want = args[0], self.node.args[0].meta.get("val")
             if isinstance(want, torch.Tensor) and not all(
                 statically_known_true(a == b) for a, b in zip(x.stride(), want.stride(), strict=True)
