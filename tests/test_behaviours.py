@@ -177,6 +177,34 @@ def test_untraceable_code_names_module_op_and_line():
     assert "torch.where" in msg
 
 
+class ConvertsItsLayer(nn.Module):
+    """Converts a submodule in its forward on every call, as SwitchTransformers' router does."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.fc, self.dtype = nn.Linear(4, 4), dtype
+
+    def forward(self, x):
+        self.fc = self.fc.to(self.dtype)
+        return self.fc(x.to(self.dtype)).float()
+
+
+def test_a_conversion_in_the_forward_that_changes_nothing_runs_and_one_that_would_is_named():
+    """NOTE: [Conversions in the forward]: eager's `.to` of a module already in that dtype changes nothing."""
+    ref, model = _pair(lambda: ConvertsItsLayer(torch.float32))
+    x = torch.randn(3, 4)
+    ref(x).square().sum().backward()
+    model(x).square().sum().backward()
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    model = fbmt.compile(ConvertsItsLayer(torch.float64))
+    with pytest.raises(
+        fbmt.TraceError, match=r"module '<root>' converts a Linear's weight in its forward.*before fbmt"
+    ):
+        model(x)
+
+
 def test_input_on_the_wrong_device_is_named():
     model = fbmt.compile(MLP())
     with pytest.raises(ValueError, match=r"tensor input #0 \(shape \(2, 12\)\) is on meta.*\.to\('cpu'\)"):

@@ -1011,13 +1011,38 @@ class _ModuleTagger:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
+        """The tagger's hooks, and conversions in the forward kept as eager keeps them (NOTE:
+        [Conversions in the forward])."""
         pre = nn.modules.module.register_module_forward_pre_hook(self._pre)
         post = nn.modules.module.register_module_forward_hook(self._post)
+        convert, tagger = nn.Module._apply, self
+        nn.Module._apply = lambda module, fn, recurse=True: tagger._unchanged(module, fn, recurse)
         try:
             yield
         finally:
+            nn.Module._apply = convert
             pre.remove()
             post.remove()
+
+    # NOTE: [Conversions in the forward]
+    # A forward may convert a module each call: SwitchTransformers' router runs
+    # `self.classifier = self.classifier.to(self.dtype)`. Where the module is in that dtype and on that
+    # device already, eager's `.to` gives each tensor back as it is and changes nothing. Traced, the
+    # module's parameters are fake tensors that `Module._apply` cannot swap in ("Couldn't swap
+    # Linear.weight"), so a conversion that changes nothing is skipped, and one that would change a
+    # tensor is an error that names the module and the tensor.
+    def _unchanged(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        tensors = [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
+        for name, t in tensors:
+            if fn(t) is not t:
+                raise TraceError(
+                    f"fbmt.compile: module '{self.current or '<root>'}' converts a {type(module).__name__}'s "
+                    f"{name} in its forward (`.to()`, `.float()`, ...: {tuple(t.shape)} {t.dtype} on {t.device}), "
+                    "which the compiled program cannot do to its sharded parameters; convert the model before "
+                    "fbmt.compile (its parameters then need no conversion each call), or compute in that dtype "
+                    "with a cast of the input"
+                )
+        return module
 
 
 def _prints(tagger: _ModuleTagger) -> Any:
