@@ -1078,6 +1078,29 @@ def register_trace_hint(provider: Callable[[nn.Module, str], str | None]) -> Non
         _HINT_PROVIDERS.append(provider)
 
 
+def _outside_tensor_hint(module: nn.Module) -> str:
+    """What to do about a tensor the forward read that is neither a parameter, a buffer nor an input
+    (the trace gives the program only those): the modules' plain tensor attributes, by name."""
+    plain = [
+        f"{path}.{name}" if path else name
+        for path, m in module.named_modules()
+        for name, v in vars(m).items()
+        if isinstance(v, torch.Tensor)
+    ]
+    if plain:
+        head, _, leaf = plain[0].rpartition(".")
+        return (
+            f"the forward reads a tensor that is neither a parameter, a buffer nor an argument, and the program "
+            f"can take only those; these modules hold tensors as plain attributes: {', '.join(plain[:4])}. "
+            f"Register each as a buffer (`self.register_buffer('{leaf}', tensor, persistent=False)` in "
+            f"{head or 'the model'}'s __init__) or pass it as an argument"
+        )
+    return (
+        "the forward reads a tensor that is neither a parameter, a buffer nor an argument (a global's, a "
+        "closure's), and the program can take only those; register it as a buffer or pass it as an argument"
+    )
+
+
 @contextmanager
 def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
     tagger = _ModuleTagger(module)
@@ -1096,6 +1119,8 @@ def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
             kind,
             "see the original error above; if the module is fine in eager mode, please report it with this message",
         )
+        if "convert all Tensors to FakeTensors" in first:  # a real tensor met the traced ones
+            hint = _outside_tensor_hint(module)
         for provider in _HINT_PROVIDERS:  # what libraries around the compiler know (integrations)
             hint = provider(module, kind) or hint
         at = _user_frame(e)
