@@ -205,6 +205,65 @@ def test_a_conversion_in_the_forward_that_changes_nothing_runs_and_one_that_woul
         model(x)
 
 
+class Settable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop, self.k = nn.Linear(4, 4), nn.Dropout(0.5), 1.0
+        self.register_buffer("temp", torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.drop(self.fc(x)) * self.k * self.temp
+
+
+def test_an_attribute_set_after_compile_is_read_by_the_next_call_as_in_eager():
+    """NOTE: [Attributes read as constants]: a dropout's p, a plain attribute of the model and a buffer,
+    set on the compiled model as on the eager one; the first two build a program each, the buffer is an
+    input."""
+    ref, model = _pair(Settable)
+    x = torch.randn(3, 4)
+    for name, value in [("k", 1.0), ("drop.p", 0.0), ("k", 3.0), ("temp", torch.tensor(2.0)), ("drop.p", 0.25)]:
+        for m in (ref, model):  # (the first sets what was there: the program compiled before any change)
+            owner, _, attr = name.rpartition(".")
+            setattr(m.get_submodule(owner) if owner else m, attr, value)
+        torch.manual_seed(0)
+        want = ref(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(model(x), want, msg=name)
+    assert len(model.programs) == 4  # as built, p = 0.0, k = 3.0 (the buffer is an input), p = 0.25
+
+
+def test_a_hugging_face_config_flag_set_after_compile_is_read_by_the_next_call():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    ref, model = _pair(lambda: transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 64, (2, 8))
+    assert model(ids).hidden_states is None
+    for m in (ref, model):
+        m.config.output_hidden_states = True
+    want, got = ref(ids).hidden_states, model(ids).hidden_states
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+class PlainTensorAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(4, 4), torch.tensor(2.0)  # not a buffer: the program cannot take it
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_a_tensor_that_is_no_parameter_buffer_or_argument_is_named_with_what_to_do():
+    with pytest.raises(
+        fbmt.TraceError, match=r"plain attributes: scale\. Register each as a buffer \(`self\.register_buffer\('scale'"
+    ):
+        fbmt.compile(PlainTensorAttribute())(torch.randn(2, 4))
+
+
 def test_input_on_the_wrong_device_is_named():
     model = fbmt.compile(MLP())
     with pytest.raises(ValueError, match=r"tensor input #0 \(shape \(2, 12\)\) is on meta.*\.to\('cpu'\)"):

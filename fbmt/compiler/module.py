@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 import inspect
 import logging
+import operator
 import time
 import weakref
 from collections import OrderedDict
@@ -64,7 +66,81 @@ def _same_but_shapes(old: tuple, new: tuple) -> bool:
     return True
 
 
-def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict) -> str:
+# NOTE: [Attributes read as constants]
+# A trace records what the forward reads of its modules' Python attributes as constants of the program:
+# `nn.Dropout.p`, an attention's `scaling`, a Hugging Face config's `output_hidden_states`. Eager PyTorch
+# reads them at every call, so a user who sets `dropout.p = 0.0` or `model.config.output_hidden_states =
+# True` after compile would get the old program's results, silently. So a call's key holds the values
+# of the plain attributes (numbers, strings, dtypes, tuples of them) of every module and of the configs
+# the modules hold (objects with `to_dict`), and a changed value builds (or loads) the program of the
+# new values, `FBMT_LOG=info` naming the attribute. Read from each object's `__dict__` kept at compile
+# (each object's values read by one C getter, their types checked as one set: small beside a step). An attribute
+# added after compile is not watched (the forward traced could not have read it). Only what the modules
+# reach by attribute is watched: the compiled model's `modules()` lists its own, so a loop over it that
+# sets each dropout's `p` finds none (the original's: `model.compiled_from.modules()`).
+_EXACT = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size})
+_PLAIN = (*_EXACT, enum.Enum)
+
+
+def _value(v: Any) -> Any:
+    """A watched attribute's value as a key: a list as a tuple, an object that took a plain value's place
+    by its type (a forward that makes a new one each call would otherwise build a program each call)."""
+    if type(v) in _EXACT or isinstance(v, enum.Enum):
+        return v
+    if isinstance(v, (tuple, list)):
+        return tuple(_value(x) for x in v)
+    return ("object", type(v).__qualname__)
+
+
+def _plain(v: Any) -> bool:
+    return isinstance(v, _PLAIN) or (
+        isinstance(v, (tuple, list)) and len(v) <= 16 and all(isinstance(x, _PLAIN) for x in v)
+    )
+
+
+class _Attributes:
+    """The plain attributes of a model's modules and of their configs (NOTE: [Attributes read as
+    constants]): `values()` at each call, and which changed between two."""
+
+    def __init__(self, named: list[tuple[str, nn.Module]]):
+        self.watched: list[tuple[str, dict, tuple[str, ...]]] = []
+        self.getters: list[tuple[dict, tuple[str, ...], Callable[[dict], tuple]]] = []
+        seen: set[int] = set()
+        for path, m in named:
+            self._watch(path or type(m).__name__, m, exclude=("training",))
+            for name, v in vars(m).items():
+                if not isinstance(v, (nn.Module, torch.Tensor, type)) and hasattr(v, "to_dict") and id(v) not in seen:
+                    seen.add(id(v))
+                    self._watch(f"{path}.{name}" if path else name, v)
+
+    def _watch(self, where: str, obj: Any, exclude: tuple[str, ...] = ()) -> None:
+        d = vars(obj)
+        names = tuple(k for k, v in d.items() if k not in exclude and _plain(v))
+        if names:
+            self.watched.append((where, d, names))
+            # read in C where it can: a getter of the names, the types checked as one set
+            get = operator.itemgetter(*names) if len(names) > 1 else (lambda d, n=names[0]: (d[n],))
+            self.getters.append((d, names, get))
+
+    def values(self) -> tuple:
+        out = []
+        for d, names, get in self.getters:
+            try:
+                vals = get(d)
+            except KeyError:  # an attribute deleted since
+                vals = tuple(map(d.get, names))
+            out.append(vals if _EXACT.issuperset(map(type, vals)) else tuple(map(_value, vals)))
+        return tuple(out)
+
+    def changed(self, old: tuple, new: tuple) -> str:
+        for (where, _, names), a, b in zip(self.watched, old, new):
+            for name, x, y in zip(names, a, b):
+                if x != y:
+                    return f"{where}.{name} = {y!r}, where it was {x!r}"
+        return "other module attributes"
+
+
+def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _Attributes | None = None) -> str:
     """What tells the call with key `new` from the one with key `old` (`_key`'s), in a user's words."""
     said = []
     if old[0] != new[0]:
@@ -80,8 +156,10 @@ def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict) -> str:
         else:
             said.append(f"{where} {str(b)[:80]}, where it was {str(a)[:80]}")
     labels = ("", "", "submodules' train()/eval() modes", "grad mode", "which parameters require grad")
-    labels += ("recording (fbmt.inspect)", "autocast", "entry (the submodule called)", "the device traced for")
-    said += [f"another {labels[i]}" for i in range(2, min(len(old), len(new))) if old[i] != new[i]]
+    labels += ("recording (fbmt.inspect)", "autocast", "entry (the submodule called)", "", "the device traced for")
+    said += [f"another {labels[i]}" for i in range(2, min(len(old), len(new))) if old[i] != new[i] and labels[i]]
+    if attributes is not None and min(len(old), len(new)) > 8 and old[8] != new[8]:  # `_key`'s module attributes
+        said.append(f"a module attribute set since: {attributes.changed(old[8], new[8])}")
     return "; ".join(said) or "another call signature"
 
 
@@ -220,6 +298,7 @@ class CompiledModule(nn.Module):
         # what every call reads, found once: walking the module tree on every call costs host time before the
         # step's first kernel
         self._submodules = list(module.modules())
+        self._attributes = _Attributes(list(module.named_modules()))  # NOTE: [Attributes read as constants]
         self._buffer_owners: dict[str, tuple[nn.Module, str]] = {}  # buffer name -> (module, attribute)
         self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
         self._placeholders = Placeholders(module, layout, shards)
@@ -385,6 +464,7 @@ class CompiledModule(nn.Module):
             record.active(),
             autocast,
             entry,
+            self._attributes.values(),
         )
 
     # ---- programs for many input sizes (NOTE: [Dynamic sizes]) ----
@@ -668,7 +748,7 @@ class CompiledModule(nn.Module):
         """Log what differs from the last program built; warn once when programs pile up for input
         shapes alone (each new sequence length traces and compiles again)."""
         last = next(reversed(self.programs))
-        why = _difference(last, key, args, kwargs)
+        why = _difference(last, key, args, kwargs, self._attributes)
         log.info("a new program for %s (%d built so far)", why, len(self.programs))
         by_shape = all(k[0] == key[0] and _same_but_shapes(k[1], key[1]) and k[2:] == key[2:] for k in self.programs)
         if by_shape and len(self.programs) + 1 >= _SHAPES_WARNING and not self._warned_shapes:

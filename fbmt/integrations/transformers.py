@@ -143,6 +143,21 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
                 raise
         return self._from_original(name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute or buffer of the wrapped model is set there, as eager sets it, and the next call
+        reads it (NOTE: [Attributes read as constants] in fbmt/compiler/module.py); anything else is this
+        module's own."""
+        orig = self.__dict__.get("_orig")
+        if (
+            orig is not None
+            and name not in self.__dict__
+            and (name in vars(orig) or name in orig._buffers)
+            and inspect.getattr_static(type(self), name, None) is None
+        ):
+            setattr(orig, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def _from_original(self, name: str) -> Any:
         """Attribute `name` of the wrapped model: its class's methods and properties bound to this one
         (NOTE: [The wrapped model's methods]), a method that restructures refused, anything else the original's."""
