@@ -363,7 +363,7 @@ def _describe_module(module: nn.Module) -> str:
 
 # attributes that hold Python's hash() of a string, which each process salts anew (transformers'
 # GenerationConfig keeps one), and that no forward reads
-_SALTED = frozenset({"_original_object_hash"})
+SALTED = frozenset({"_original_object_hash"})
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
 
 
@@ -399,7 +399,7 @@ def _describe(x: Any, paths: dict[int, str], seen: set[int], depth: int) -> str:
         return f"<{type(x).__qualname__}>"
     seen = seen | {id(x)}
     if isinstance(x, dict):
-        items = [(k, v) for k, v in x.items() if k not in _SALTED]
+        items = [(k, v) for k, v in x.items() if k not in SALTED]
         return "{" + ", ".join(f"{k!r}: {_describe(v, paths, seen, depth + 1)}" for k, v in items) + "}"
     if isinstance(x, (list, tuple)):
         return f"{type(x).__name__}[" + ", ".join(_describe(v, paths, seen, depth + 1) for v in x) + "]"

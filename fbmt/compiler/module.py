@@ -114,8 +114,8 @@ class _Attributes:
                     self._watch(f"{path}.{name}" if path else name, v)
 
     def _watch(self, where: str, obj: Any, exclude: tuple[str, ...] = ()) -> None:
-        d = vars(obj)
-        names = tuple(k for k, v in d.items() if k not in exclude and _plain(v))
+        d = vars(obj)  # (not what each process salts anew: the key is the compile cache's too)
+        names = tuple(k for k, v in d.items() if k not in exclude and k not in cache.SALTED and _plain(v))
         if names:
             self.watched.append((where, d, names))
             # read in C where it can: a getter of the names, the types checked as one set
