@@ -20,6 +20,7 @@ from torch import fx
 import fbmt
 from fbmt.compiler import stamp as stamping
 from fbmt.models.gpt import GPT, GPTConfig
+from tests.models.reference import loss_and_gradients_match
 from tests.workers import step_matches
 
 KEYS = ("fbmt_phase", "fbmt_module", "fbmt_block", "fbmt_recompute", "fbmt_group", "fbmt_bucket")
@@ -214,13 +215,7 @@ def _t5_stamped_trains_as_in_eager() -> None:
     call = dict(input_ids=ids, labels=labels[:, :8].contiguous())
     ref = _t5()
     model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
-    want, got = ref(**call).loss, model(**call).loss
-    want.backward()
-    got.backward()
-    torch.testing.assert_close(got, want)
-    grads = model.full_gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    loss_and_gradients_match(ref, model, call)
     assert "(encoder.block.1's x3, decoder.block.1's x3)" in _trace_line(model.program)
 
 

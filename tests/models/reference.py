@@ -124,3 +124,15 @@ def loss_of(name: str, out, target: torch.Tensor) -> torch.Tensor:
 
 
 BUILDERS = {"mlp": MLP, "gpt": gpt, "gpt_short": gpt_short, "buffered": Buffered, "llama": Llama}
+
+
+def loss_and_gradients_match(ref: nn.Module, model: nn.Module, call: dict) -> None:
+    """One call of a model that computes its own loss (a Hugging Face model given labels), eager `ref` and
+    compiled `model`: the same loss and every parameter's gradient."""
+    want, got = ref(**call).loss, model(**call).loss
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
