@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -230,6 +231,26 @@ def test_an_attribute_set_after_compile_is_read_by_the_next_call_as_in_eager():
         torch.manual_seed(0)
         torch.testing.assert_close(model(x), want, msg=name)
     assert len(model.programs) == 4  # as built, p = 0.0, k = 3.0 (the buffer is an input), p = 0.25
+
+
+class Counts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1  # read by nothing it computes
+        return self.fc(x)
+
+
+def test_an_attribute_the_forward_sets_at_every_call_is_named_and_stops_building_programs(caplog):
+    ref, model = _pair(Counts)
+    x = torch.randn(3, 4)
+    with caplog.at_level(logging.WARNING, logger="fbmt"):
+        for _ in range(6):
+            torch.testing.assert_close(model(x), ref(x))
+    assert len(model.programs) <= 3
+    assert "the forward sets Counts.calls at every call" in caplog.text
 
 
 def test_a_hugging_face_config_flag_set_after_compile_is_read_by_the_next_call():

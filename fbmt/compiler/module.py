@@ -75,7 +75,8 @@ def _same_but_shapes(old: tuple, new: tuple) -> bool:
 # the modules hold (objects with `to_dict`), and a changed value builds (or loads) the program of the
 # new values, `FBMT_LOG=info` naming the attribute. Read from each object's `__dict__` kept at compile
 # (each object's values read by one C getter, their types checked as one set: small beside a step). An attribute
-# added after compile is not watched (the forward traced could not have read it). Only what the modules
+# added after compile is not watched (the forward traced could not have read it), nor one the forward
+# itself sets at every call (a counter: `_Attributes.written` names it, once). Only what the modules
 # reach by attribute is watched: the compiled model's `modules()` lists its own, so a loop over it that
 # sets each dropout's `p` finds none (the original's: `model.compiled_from.modules()`).
 _EXACT = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size})
@@ -105,6 +106,7 @@ class _Attributes:
     def __init__(self, named: list[tuple[str, nn.Module]]):
         self.watched: list[tuple[str, dict, tuple[str, ...]]] = []
         self.getters: list[tuple[dict, tuple[str, ...], Callable[[dict], tuple]]] = []
+        self.set_by_forward: set[tuple[str, str]] = set()
         seen: set[int] = set()
         for path, m in named:
             self._watch(path or type(m).__name__, m, exclude=("training",))
@@ -115,7 +117,9 @@ class _Attributes:
 
     def _watch(self, where: str, obj: Any, exclude: tuple[str, ...] = ()) -> None:
         d = vars(obj)  # (not what each process salts anew: the key is the compile cache's too)
-        names = tuple(k for k, v in d.items() if k not in exclude and k not in cache.SALTED and _plain(v))
+        self._add(where, d, tuple(k for k, v in d.items() if k not in exclude and k not in cache.SALTED and _plain(v)))
+
+    def _add(self, where: str, d: dict, names: tuple[str, ...]) -> None:
         if names:
             self.watched.append((where, d, names))
             # read in C where it can: a getter of the names, the types checked as one set
@@ -138,6 +142,30 @@ class _Attributes:
                 if x != y:
                     return f"{where}.{name} = {y!r}, where it was {x!r}"
         return "other module attributes"
+
+    def written(self, before: tuple, after: tuple) -> None:
+        """Attributes the forward itself set while a program was traced: set again at another trace
+        (a counter, `self.calls += 1`), one is watched no more, or each call would build a program; the
+        program reads the value it had when traced, which fbmt says (an attribute set to the same value
+        each call costs one program more, once)."""
+        changed = [
+            (where, name)
+            for (where, _, names), a, b in zip(self.watched, before, after)
+            for name, x, y in zip(names, a, b)
+            if x != y
+        ]
+        again = [c for c in changed if c in self.set_by_forward]
+        self.set_by_forward.update(changed)
+        if not again:
+            return
+        log.warning(
+            "fbmt: the forward sets %s at every call; each compiled program reads the value it had when traced, "
+            "so a forward that computes with it differs from eager PyTorch: pass the value as an argument instead",
+            ", ".join(f"{where}.{name}" for where, name in again),
+        )
+        watched, self.watched, self.getters = self.watched, [], []
+        for where, d, names in watched:
+            self._add(where, d, tuple(n for n in names if (where, n) not in again))
 
 
 def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _Attributes | None = None) -> str:
@@ -604,6 +632,7 @@ class CompiledModule(nn.Module):
                 self.regions.start_workers()
             # not beside the loader thread's Inductor compile: make_fx (ours, and AOTAutograd's within
             # Inductor) keeps its current tracer and the node metadata it records in globals of the process
+            before = self._attributes.values()
             with COMPILING:
                 program = pipeline.compile_program(
                     self._orig,
@@ -618,6 +647,7 @@ class CompiledModule(nn.Module):
                     dynamic=dynamic,
                     entry=entry,
                 )
+            self._attributes.written(before, self._attributes.values())
             program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
             if k is not None:
                 why_not = self._to_cache(k, program, time.perf_counter() - started)
