@@ -74,9 +74,9 @@ def _same_but_shapes(old: tuple, new: tuple) -> bool:
 # of the plain attributes (numbers, strings, dtypes, tuples of them) of every module and of the configs
 # the modules hold (objects with `to_dict`), and a changed value builds (or loads) the program of the
 # new values, `FBMT_LOG=info` naming the attribute. Read from each object's `__dict__` kept at compile
-# (each object's values read by one C getter, their types checked as one set: small beside a step). An attribute
-# added after compile is not watched (the forward traced could not have read it), nor one the forward
-# itself sets at every call (a counter: `_Attributes.written` names it, once). Only what the modules
+# (each object's values by one C getter, their types checked as one set: small beside a step). An
+# attribute added after compile is not watched (the forward traced could not have read it), nor one the
+# forward itself sets at every call (a counter: `_Attributes.written` names it, once). Only what the modules
 # reach by attribute is watched: the compiled model's `modules()` lists its own, so a loop over it that
 # sets each dropout's `p` finds none (the original's: `model.compiled_from.modules()`).
 _EXACT = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size})
