@@ -933,12 +933,12 @@ class _TagCarrier(fx.Interpreter):
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         # NOTE: [Strides read after a write]
         # `as_strided` (and `as_strided_scatter`, `_reshape_alias`) reads its tensor's storage by
-        # strides. A tensor written in place keeps the layout
-        # it was made with; the functional op that stands for the write lays its result out as it likes
-        # (a product is row-major, whatever the tensor it wrote). So `as_strided` reads a copy laid out
-        # as eager's tensor was (the first trace's strides), unless the two provably agree; a tensor
-        # computed from the written one follows its layout, so every `as_strided` is checked. The
-        # rewrite of NOTE: [Writes to fresh tensors] checks nothing: a graph with one is left to this.
+        # strides. A tensor written in place keeps the layout it was made with; the functional op that
+        # stands for the write lays its result out as it likes (a product is row-major, whatever the
+        # tensor it wrote). So `as_strided` reads a copy laid out as eager's tensor was (the first
+        # trace's strides), unless the two provably agree; a tensor computed from the written one
+        # follows its layout, so every `as_strided` is checked. The rewrite of NOTE: [Writes to fresh
+        # tensors] checks nothing: a graph with one is left to this.
         if target in _BY_STRIDES and isinstance(self.node.args[0], fx.Node):
             x, want = args[0], self.node.args[0].meta.get("val")
             if isinstance(want, torch.Tensor) and not all(
