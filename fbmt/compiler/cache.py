@@ -285,7 +285,7 @@ def _data(v: Any) -> str | None:
     """A user module's global that a forward may read as data, by its value: plain values, tensors
     and arrays (a trace bakes what it reads of them into the program) and containers of those; None
     for anything else (a logger, a lock), which no trace turns into a value."""
-    if isinstance(v, _PLAIN):
+    if isinstance(v, PLAIN):
         return repr(v)
     if type(v).__module__ == "numpy" and type(v).__name__ == "ndarray":
         try:
@@ -319,14 +319,14 @@ def _definition(v: Any, values: bool = True) -> str:
             parts.append(f"{key}:{_definition(member)}")
         elif isinstance(member, type) and member.__module__ == v.__module__:  # a class defined inside
             parts.append(f"{key}:{_definition(member, values)}")
-        elif values and isinstance(member, _PLAIN):
+        elif values and isinstance(member, PLAIN):
             parts.append(f"{key}={member!r}")
     return f"class {_qualname(v)}({', '.join(map(_qualname, v.__bases__))}) " + " ".join(parts)
 
 
 def _value(x: Any) -> str:
     """A default argument's value as text, a function or class by its name (not its address)."""
-    if isinstance(x, _PLAIN):
+    if isinstance(x, PLAIN):
         return repr(x)
     if isinstance(x, (tuple, list)):
         return "(" + ",".join(map(_value, x)) + ")"
@@ -364,13 +364,13 @@ def _describe_module(module: nn.Module) -> str:
 # attributes that hold Python's hash() of a string, which each process salts anew (transformers'
 # GenerationConfig keeps one), and that no forward reads
 SALTED = frozenset({"_original_object_hash"})
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
+PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
 
 
 def _describe(x: Any, paths: dict[int, str], seen: set[int], depth: int) -> str:
     """A text that is the same for equal values in any process (objects by their state, functions
     by their code, modules of the tree by their path)."""
-    if isinstance(x, _PLAIN):
+    if isinstance(x, PLAIN):
         return repr(x)
     if isinstance(x, torch.Tensor):
         text = f"tensor{tuple(x.shape)}:{x.dtype}:{x.device.type}"

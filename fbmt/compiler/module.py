@@ -23,7 +23,7 @@ import operator
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +79,7 @@ def _same_but_shapes(old: tuple, new: tuple) -> bool:
 # forward itself sets at every call (a counter: `_Attributes.written` names it, once). Only what the modules
 # reach by attribute is watched: the compiled model's `modules()` lists its own, so a loop over it that
 # sets each dropout's `p` finds none (the original's: `model.compiled_from.modules()`).
-_EXACT = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size})
-_PLAIN = (*_EXACT, enum.Enum)
+_EXACT = frozenset(t for t in cache.PLAIN if t is not enum.Enum)  # the compile cache's plain values, by type
 
 
 def _value(v: Any) -> Any:
@@ -94,8 +93,8 @@ def _value(v: Any) -> Any:
 
 
 def _plain(v: Any) -> bool:
-    return isinstance(v, _PLAIN) or (
-        isinstance(v, (tuple, list)) and len(v) <= 16 and all(isinstance(x, _PLAIN) for x in v)
+    return isinstance(v, cache.PLAIN) or (
+        isinstance(v, (tuple, list)) and len(v) <= 16 and all(isinstance(x, cache.PLAIN) for x in v)
     )
 
 
@@ -136,11 +135,16 @@ class _Attributes:
             out.append(vals if _EXACT.issuperset(map(type, vals)) else tuple(map(_value, vals)))
         return tuple(out)
 
-    def changed(self, old: tuple, new: tuple) -> str:
+    def _differences(self, old: tuple, new: tuple) -> Iterator[tuple[str, str, Any, Any]]:
+        """(where, name, old value, new value) of each watched attribute that differs."""
         for (where, _, names), a, b in zip(self.watched, old, new):
             for name, x, y in zip(names, a, b):
                 if x != y:
-                    return f"{where}.{name} = {y!r}, where it was {x!r}"
+                    yield where, name, x, y
+
+    def changed(self, old: tuple, new: tuple) -> str:
+        for where, name, x, y in self._differences(old, new):
+            return f"{where}.{name} = {y!r}, where it was {x!r}"
         return "other module attributes"
 
     def written(self, before: tuple, after: tuple) -> None:
@@ -148,12 +152,7 @@ class _Attributes:
         (a counter, `self.calls += 1`), one is watched no more, or each call would build a program; the
         program reads the value it had when traced, which fbmt says (an attribute set to the same value
         each call costs one program more, once)."""
-        changed = [
-            (where, name)
-            for (where, _, names), a, b in zip(self.watched, before, after)
-            for name, x, y in zip(names, a, b)
-            if x != y
-        ]
+        changed = [(where, name) for where, name, _, _ in self._differences(before, after)]
         again = [c for c in changed if c in self.set_by_forward]
         self.set_by_forward.update(changed)
         if not again:
