@@ -233,6 +233,58 @@ def test_an_attribute_set_after_compile_is_read_by_the_next_call_as_in_eager():
     assert len(model.programs) == 4  # as built, p = 0.0, k = 3.0 (the buffer is an input), p = 0.25
 
 
+class ReadsAFlag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * 2 if getattr(self, "flag", False) else self.fc(x)
+
+
+def test_an_attribute_new_to_the_model_set_or_deleted_after_compile_is_read_as_in_eager():
+    """NOTE: [Attributes read as constants]: the traced forward read the attribute's absence."""
+    ref, model = _pair(ReadsAFlag)
+    x = torch.randn(3, 4)
+    for step in ["as built", True, False, True, "deleted"]:
+        for m in (ref, model):
+            if step == "deleted":
+                del m.flag
+            elif step != "as built":
+                m.flag = step
+        torch.testing.assert_close(model(x), ref(x), msg=str(step))
+    assert "flag" not in model.__dict__ and not hasattr(model.compiled_from, "flag")
+    assert len(model.programs) == 3  # absent, True, False
+
+
+def test_a_hook_registered_or_removed_after_compile_runs_as_in_eager():
+    """NOTE: [Attributes read as constants]: the trace runs the hooks there are; with them removed, the
+    first program serves again."""
+    ref, model = _pair(Settable)
+    ref.drop.p = model.drop.p = 0.0
+    x = torch.randn(3, 4)
+    handles = {}
+
+    def add(kind, fn):
+        handles[kind] = [getattr(m.fc, f"register_{kind}")(fn) for m in (ref, model)]
+
+    def remove(kind):
+        for h in handles.pop(kind):
+            h.remove()
+
+    steps = [
+        ("as built", lambda: None),
+        ("a forward hook", lambda: add("forward_hook", lambda mod, args, out: out * 10)),
+        ("removed", lambda: remove("forward_hook")),
+        ("a pre-hook", lambda: add("forward_pre_hook", lambda mod, args: (args[0] + 1,))),
+        ("both", lambda: add("forward_hook", lambda mod, args, out: out * 10)),
+    ]
+    for step, change in steps:
+        change()
+        torch.testing.assert_close(model(x), ref(x), msg=step)
+    assert len(model.programs) == 4  # as built (and once removed), a forward hook, a pre-hook, both
+
+
 class Counts(nn.Module):
     def __init__(self):
         super().__init__()
@@ -267,6 +319,47 @@ def test_a_hugging_face_config_flag_set_after_compile_is_read_by_the_next_call()
     assert len(got) == len(want) == 3
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def _no_dropout(m: nn.Module) -> None:
+    if isinstance(m, nn.Dropout):
+        m.p = 0.0
+
+
+@pytest.mark.parametrize("how", ["modules", "apply"])
+def test_a_loop_over_the_compiled_models_modules_changes_them_as_in_eager(how):
+    """NOTE: [The compiled model's modules]: a loop over `modules()` (or `apply`) reaches the model's own
+    modules, and the parameters stay the shards an optimizer steps."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    ref, model = _pair(lambda: transformers.BertModel(config, add_pooling_layer=False))
+    paths = [p for p, _ in model.named_modules()]
+    assert paths == [p for p, _ in ref.named_modules()] + ["flat_params"]
+    assert all(isinstance(p, nn.Parameter) and p.device.type == "cpu" for p in model.parameters())
+    assert [n for n, _ in model.named_parameters()] == [f"flat_params.{i}" for i in range(len(model.flat_params))]
+    ids = torch.randint(0, 64, (2, 8))
+    for m in (ref, model):
+        if how == "modules":
+            for sub in m.modules():
+                _no_dropout(sub)
+        else:
+            m.apply(_no_dropout)
+    torch.testing.assert_close(model(ids).last_hidden_state, ref(ids).last_hidden_state)  # no dropout left
+    with pytest.raises(RuntimeError, match=r"parameter 'encoder.layer.1.output.dense.weight' belongs to a module"):
+        model.apply(lambda m: nn.init.zeros_(m.weight) if isinstance(m, nn.Linear) else None)
+
+
+def test_a_compiled_sequential_indexes_and_iterates_its_own_layers():
+    """NOTE: [Containers compiled whole]: `model[1]` is the model's dropout, not the shards' list."""
+    ref, model = _pair(lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2)))
+    assert len(model) == 3 and [type(m) for m in model] == [type(m) for m in ref]
+    ref[1].p = model[-2].p = 0.0
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), ref(x))
+    with pytest.raises(RuntimeError, match=r"Sequential\.append\(\) on a compiled model would change"):
+        model.append(nn.ReLU())
 
 
 class PlainTensorAttribute(nn.Module):

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import enum
 import inspect
+import itertools
 import logging
 import operator
 import time
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from fbmt import job
 from fbmt.compiler import cache, objects, owners, pipeline, trace
@@ -75,11 +77,15 @@ def _same_but_shapes(old: tuple, new: tuple) -> bool:
 # the modules hold (objects with `to_dict`), and a changed value builds (or loads) the program of the
 # new values, `FBMT_LOG=info` naming the attribute. Read from each object's `__dict__` kept at compile
 # (each object's values by one C getter, their types checked as one set: small beside a step). An
-# attribute added after compile is not watched (the forward traced could not have read it), nor one the
-# forward itself sets at every call (a counter: `_Attributes.written` names it, once). Only what the modules
-# reach by attribute is watched: the compiled model's `modules()` lists its own, so a loop over it that
-# sets each dropout's `p` finds none (the original's: `model.compiled_from.modules()`).
+# attribute added or deleted since is watched from then on, found by each object's count of attributes,
+# which every call compares: a forward may have read its absence (`getattr(self, "flag", False)`). So are
+# the modules' forward and backward hooks, which the trace runs: one registered or removed since builds
+# (or finds) the program of the hooks there now. Not watched: an attribute the forward itself sets at
+# every call (a counter: `_Attributes.written` names it, once).
+# A loop over the compiled model's `modules()` reaches these modules (NOTE: [The compiled model's
+# modules]), and an attribute set on the compiled model is set on the model it wraps.
 _EXACT = frozenset(t for t in cache.PLAIN if t is not enum.Enum)  # the compile cache's plain values, by type
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 def _value(v: Any) -> Any:
@@ -103,46 +109,72 @@ class _Attributes:
     constants]): `values()` at each call, and which changed between two."""
 
     def __init__(self, named: list[tuple[str, nn.Module]]):
-        self.watched: list[tuple[str, dict, tuple[str, ...]]] = []
-        self.getters: list[tuple[dict, tuple[str, ...], Callable[[dict], tuple]]] = []
+        self.objects: list[tuple[str, dict, tuple[str, ...]]] = []  # (where, its __dict__, names never watched)
         self.set_by_forward: set[tuple[str, str]] = set()
+        self.unwatched: set[tuple[str, str]] = set()  # set by the forward at every call (`written`)
+        # the modules' forward and backward hooks: read again where one was registered or removed anywhere
+        # since (a handle made, a count changed)
+        self.hook_dicts = [getattr(m, k) for _, m in named for k in _HOOKS]
+        self.hook_mark: tuple[int, int] | None = None
+        self.first_hooks: tuple | None = None  # the hooks at the first call: what programs are traced with
+        self.hooks: tuple = ()  # which hooks are registered, where they differ from the first call's
         seen: set[int] = set()
         for path, m in named:
-            self._watch(path or type(m).__name__, m, exclude=("training",))
+            self.objects.append((path or type(m).__name__, vars(m), ("training",)))
             for name, v in vars(m).items():
                 if not isinstance(v, (nn.Module, torch.Tensor, type)) and hasattr(v, "to_dict") and id(v) not in seen:
                     seen.add(id(v))
-                    self._watch(f"{path}.{name}" if path else name, v)
+                    self.objects.append((f"{path}.{name}" if path else name, vars(v), ()))
+        self._scan()
 
-    def _watch(self, where: str, obj: Any, exclude: tuple[str, ...] = ()) -> None:
-        d = vars(obj)  # (not what each process salts anew: the key is the compile cache's too)
-        self._add(where, d, tuple(k for k, v in d.items() if k not in exclude and k not in cache.SALTED and _plain(v)))
-
-    def _add(self, where: str, d: dict, names: tuple[str, ...]) -> None:
-        if names:
-            self.watched.append((where, d, names))
-            # read in C where it can: a getter of the names, the types checked as one set
-            get = operator.itemgetter(*names) if len(names) > 1 else (lambda d, n=names[0]: (d[n],))
-            self.getters.append((d, names, get))
+    def _scan(self) -> None:
+        """Watch each object's plain attributes (not what each process salts anew: the key is the compile
+        cache's too); read in C where it can: a getter of the names, the types checked as one set."""
+        self.watched: list[tuple[str, dict, tuple[str, ...]]] = []
+        self.getters: list[tuple[dict, tuple[str, ...], Callable[[dict], tuple]]] = []
+        for where, d, never in self.objects:
+            names = tuple(
+                k
+                for k, v in d.items()
+                if k not in never and k not in cache.SALTED and (where, k) not in self.unwatched and _plain(v)
+            )
+            if names:
+                self.watched.append((where, d, names))
+                get = operator.itemgetter(*names) if len(names) > 1 else (lambda d, n=names[0]: (d[n],))
+                self.getters.append((d, names, get))
+        self.dicts = [d for _, d, _ in self.objects]
+        self.sizes = tuple(map(len, self.dicts))
 
     def values(self) -> tuple:
-        out = []
+        if tuple(map(len, self.dicts)) != self.sizes:  # an attribute added or deleted since: watch what is now
+            self._scan()
+        mark = (RemovableHandle.next_id, sum(map(len, self.hook_dicts)))
+        if mark != self.hook_mark:
+            self.hook_mark = mark
+            now = tuple((i, tuple(d)) for i, d in enumerate(self.hook_dicts) if d)  # by handle id
+            self.first_hooks = now if self.first_hooks is None else self.first_hooks
+            self.hooks = () if now == self.first_hooks else now  # (the compile cache's key has the hooks' code)
+        out: list[tuple] = [self.hooks]
         for d, names, get in self.getters:
             try:
                 vals = get(d)
-            except KeyError:  # an attribute deleted since
+            except KeyError:  # an attribute deleted and another added since
                 vals = tuple(map(d.get, names))
             out.append(vals if _EXACT.issuperset(map(type, vals)) else tuple(map(_value, vals)))
         return tuple(out)
 
     def _differences(self, old: tuple, new: tuple) -> Iterator[tuple[str, str, Any, Any]]:
         """(where, name, old value, new value) of each watched attribute that differs."""
-        for (where, _, names), a, b in zip(self.watched, old, new):
+        for (where, _, names), a, b in zip(self.watched, old[1:], new[1:]):
             for name, x, y in zip(names, a, b):
                 if x != y:
                     yield where, name, x, y
 
     def changed(self, old: tuple, new: tuple) -> str:
+        if old[0] != new[0]:
+            return "a module hook registered or removed"
+        if len(old) != len(new) or any(len(a) != len(b) for a, b in zip(old, new)):
+            return "an attribute added or deleted"
         for where, name, x, y in self._differences(old, new):
             return f"{where}.{name} = {y!r}, where it was {x!r}"
         return "other module attributes"
@@ -152,6 +184,8 @@ class _Attributes:
         (a counter, `self.calls += 1`), one is watched no more, or each call would build a program; the
         program reads the value it had when traced, which fbmt says (an attribute set to the same value
         each call costs one program more, once)."""
+        if len(before) != len(after) or any(len(a) != len(b) for a, b in zip(before, after)):
+            return  # the forward added an attribute: the next call's program reads it (once)
         changed = [(where, name) for where, name, _, _ in self._differences(before, after)]
         again = [c for c in changed if c in self.set_by_forward]
         self.set_by_forward.update(changed)
@@ -162,9 +196,8 @@ class _Attributes:
             "so a forward that computes with it differs from eager PyTorch: pass the value as an argument instead",
             ", ".join(f"{where}.{name}" for where, name in again),
         )
-        watched, self.watched, self.getters = self.watched, [], []
-        for where, d, names in watched:
-            self._add(where, d, tuple(n for n in names if (where, n) not in again))
+        self.unwatched.update(again)
+        self._scan()
 
 
 def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _Attributes | None = None) -> str:
@@ -942,6 +975,47 @@ class CompiledModule(nn.Module):
     def train(self, mode: bool = True) -> CompiledModule:
         nn.Module.train(self, mode)
         self._orig.train(mode)
+        return self
+
+    # NOTE: [The compiled model's modules]
+    # Scripts change a model through its module tree: `for m in model.modules(): if isinstance(m,
+    # nn.Dropout): m.p = 0.0`, `model.apply(fn)`, a search for the layers of a kind. A compiled model's own
+    # tree is itself and its flat shards' list, so such a loop would find nothing and change nothing,
+    # silently. `modules()`/`named_modules()` list this module in the place of the model it compiled, that
+    # model's modules under their paths, then the shards' list; `apply` visits them all, children first.
+    # What a loop sets there the next call reads (NOTE: [Attributes read as constants]); what it does to
+    # their parameters, `meta` placeholders, raises and names the parameter. The parameters stay the
+    # shards (`named_parameters`, what an optimizer steps), and `children()` stays this module's own:
+    # `to()`, `train()` and `state_dict()` walk it, and on the placeholders they would move or save nothing.
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True) -> Any:
+        """This module, the compiled model's modules under their paths, then the flat shards' list
+        (NOTE: [The compiled model's modules])."""
+        memo = set() if memo is None else memo
+        own = nn.Module.named_modules(self, memo, prefix, remove_duplicate)
+        yield from itertools.islice(own, 1)  # this module, where the model it compiled stood
+        for path, m in self._orig.named_modules(memo, prefix, remove_duplicate):
+            if m is not self._orig:
+                yield path, m
+        yield from own
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """This rank's flat shards (`flat_params.N`), which an optimizer steps; the compiled model's own
+        parameters are `meta` placeholders (NOTE: [The compiled model's modules])."""
+        modules = nn.Module.named_modules(self, prefix=prefix, remove_duplicate=remove_duplicate)
+        seen: set[nn.Parameter] = set()
+        for path, m in modules if recurse else [(prefix, self)]:
+            for name, p in m._parameters.items():
+                if p is None or p in seen:
+                    continue
+                if remove_duplicate:
+                    seen.add(p)
+                yield (f"{path}.{name}" if path else name), p
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> CompiledModule:
+        """`fn` on each module `modules()` lists, children before their parents, as eager applies it
+        (NOTE: [The compiled model's modules])."""
+        for _, m in reversed(list(self.named_modules())):
+            fn(m)
         return self
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:

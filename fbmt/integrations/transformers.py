@@ -59,8 +59,39 @@ def compiled_class(base: type, wrapped: type) -> type:
                     continue
                 own = inspect.getattr_static(base, attr, _MISSING)
                 namespace[attr] = _Original(attr) if own is _MISSING else own
+        for c in _CONTAINERS:
+            if issubclass(wrapped, c):
+                namespace.update({attr: _container_method(c, attr) for attr in vars(c) if attr not in _OWN})
         _classes[base, wrapped] = _metaclass(type(wrapped))("CompiledModule", (base, wrapped), namespace)
     return _classes[base, wrapped]
+
+
+# NOTE: [Containers compiled whole]
+# A compiled nn.Sequential, ModuleList or ModuleDict answers `model[0]`, `len(model)`, `for layer in
+# model` and `keys()` from the container it compiled: its class's methods, bound to the compiled model,
+# would read the compiled model's own submodules (the flat shards' list) instead, silently. Those that
+# change the container (`append`, `model[0] = ...`) are refused: the program was traced without the change.
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_OWN = frozenset({"__init__", "forward", "__dir__", "__module__", "__doc__", "__constants__", "__annotations__"})
+_CHANGES = frozenset({"__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop"})
+_CHANGES |= {"clear", "update"}
+
+
+def _container_method(container: type, name: str) -> Callable:
+    """Method `name` of `container`, run on the container a compiled model took over (NOTE:
+    [Containers compiled whole]); refused where it would change it."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if name in _CHANGES:
+            raise RuntimeError(
+                f"fbmt: {container.__name__}.{name.strip('_')}() on a compiled model would change the modules "
+                "fbmt.compile took over, and its programs were traced without the change: change the "
+                f"{container.__name__} before fbmt.compile"
+            )
+        return getattr(self._orig, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
 def _metaclass(of: type) -> type:
@@ -135,6 +166,10 @@ def check_model(model: nn.Module) -> None:
 class Forwarding(CompiledModule, metaclass=_Wrapping):
     """A compiled module that answers for the module it wraps (NOTE: [The wrapped model's methods])."""
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.__dict__["_built"] = True  # from now on an attribute set here is the wrapped model's
+
     def __getattr__(self, name: str) -> Any:
         try:
             return nn.Module.__getattr__(self, name)  # by name: the wrapped class follows in the MRO
@@ -144,19 +179,28 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         return self._from_original(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """An attribute or buffer of the wrapped model is set there, as eager sets it, and the next call
-        reads it (NOTE: [Attributes read as constants] in fbmt/compiler/module.py); anything else is this
-        module's own."""
-        orig = self.__dict__.get("_orig")
-        if (
-            orig is not None
-            and name not in self.__dict__
-            and (name in vars(orig) or name in orig._buffers)
-            and inspect.getattr_static(type(self), name, None) is None
-        ):
-            setattr(orig, name, value)
+        """An attribute is set on the wrapped model, as eager sets it, and the next call reads it (NOTE:
+        [Attributes read as constants] in fbmt/compiler/module.py); this module's own (set while it was
+        built) and its class's stay here."""
+        if self._for_original(name):
+            setattr(self._orig, name, value)
         else:
             super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._for_original(name):
+            delattr(self._orig, name)
+        else:
+            super().__delattr__(name)
+
+    def _for_original(self, name: str) -> bool:
+        own = self.__dict__
+        return (
+            own.get("_built", False)
+            and name not in own
+            and name not in own["_modules"]
+            and inspect.getattr_static(type(self), name, None) is None
+        )
 
     def _from_original(self, name: str) -> Any:
         """Attribute `name` of the wrapped model: its class's methods and properties bound to this one
