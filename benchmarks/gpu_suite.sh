@@ -13,8 +13,9 @@
 #   1.36b-block  1.36B with block recompute: fbmt as CUDA graphs against FSDP2 + compile, interleaved
 #   6.7b         6.7B with block recompute against FSDP2 + compile, interleaved
 #   13b          13B with block recompute against FSDP2 + compile, one after the other (two do not fit)
-#   hf-0.89b     transformers' LlamaForCausalLM of 0.89B, unmodified: fbmt (mincut, ZeRO-3 and ZeRO-2, each called
-#                as HF documents and with use_cache=False) against FSDP2 + compile (use_cache=False, its best), interleaved
+#   hf-0.89b     transformers' LlamaForCausalLM of 0.89B, unmodified: fbmt (mincut, each called as HF documents and
+#                with use_cache=False, with and without CUDA graphs) against FSDP2 + compile (use_cache=False, its
+#                best), interleaved
 #   first-step   start time: process start to the first finished step, cold and warm (the compile cache),
 #                the 1.36B (block recompute) and transformers' 0.89B, against FSDP2 + per-layer compile, one GPU
 #   lengths      tests/gpu/lengths_on_gpu.py (five lengths against eager, at most two programs, fbmt's warnings),
@@ -86,7 +87,7 @@ case $stage in
   hf-0.89b)
     run hf_0.89b 420 benchmarks/gpu_train.py --config 0.89b --hf --batch 4 --seq 2048 --remat mincut --warmup 3 \
       --steps 20 --interleave \
-      --methods fbmt-inductor-mincut,fbmt-inductor-mincut-nocache,fbmt-inductor-mincut-zero2,fbmt-inductor-mincut-zero2-nocache,fsdp2-compile \
+      --methods fbmt-inductor-mincut,fbmt-inductor-mincut-graph,fbmt-inductor-mincut-nocache,fbmt-inductor-mincut-nocache-graph,fsdp2-compile \
       --out "$out/hf_0.89b.json" ;;
   lora)
     run lora_0.89b 400 benchmarks/gpu_train.py --config 0.89b --hf --batch 4 --seq 2048 --remat mincut --warmup 3 \
