@@ -435,6 +435,17 @@ def test_a_deep_copy_of_a_compiled_model_computes_with_its_own_parameters():
     torch.testing.assert_close(model(x), before)
 
 
+def test_a_deep_copy_reads_the_attributes_set_on_its_own_modules():
+    """NOTE: [Attributes read as constants] on a copy: its watch reads the copy's modules, not the original's."""
+    ref, model = _pair(Settable)
+    x = torch.randn(3, 4)
+    model(x)
+    twin = copy.deepcopy(model)
+    twin.drop.p = ref.drop.p = 0.0
+    torch.testing.assert_close(twin(x), ref(x))
+    assert model.drop.p == 0.5
+
+
 def test_the_ddp_unwrap_idiom_keeps_the_compiled_model():
     """Scripts unwrap DDP before saving with `model.module if hasattr(model, "module") else model`; on a
     compiled model that must keep the model itself, whose state_dict gathers the shards, not reach the

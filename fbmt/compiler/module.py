@@ -127,6 +127,13 @@ class _Attributes:
                     self.objects.append((f"{path}.{name}" if path else name, vars(v), ()))
         self._scan()
 
+    def of(self, named: list[tuple[str, nn.Module]]) -> _Attributes:
+        """The same watch over a copy's modules (a deep copy of the `__dict__`s is not the copy's own)."""
+        twin = _Attributes(named)
+        twin.set_by_forward, twin.unwatched = set(self.set_by_forward), set(self.unwatched)
+        twin._scan()
+        return twin
+
     def _scan(self) -> None:
         """Watch each object's plain attributes (not what each process salts anew: the key is the compile
         cache's too); read in C where it can: a getter of the names, the types checked as one set."""
@@ -383,6 +390,7 @@ class CompiledModule(nn.Module):
         memo[id(self)] = twin
         for k, v in self.__dict__.items():
             twin.__dict__[k] = copy.deepcopy(v, memo)
+        twin._attributes = self._attributes.of(list(twin._orig.named_modules()))  # its modules' own __dict__s
         twin._adopt()
         return twin
 

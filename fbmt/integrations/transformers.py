@@ -73,8 +73,9 @@ def compiled_class(base: type, wrapped: type) -> type:
 # change the container (`append`, `model[0] = ...`) are refused: the program was traced without the change.
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _OWN = frozenset({"__init__", "forward", "__dir__", "__module__", "__doc__", "__constants__", "__annotations__"})
-_CHANGES = frozenset({"__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop"})
-_CHANGES |= {"clear", "update"}
+_CHANGES = frozenset(
+    {"__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "clear", "update"}
+)
 
 
 def _container_method(container: type, name: str) -> Callable:
