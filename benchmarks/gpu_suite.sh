@@ -8,6 +8,8 @@
 #                and without offload (CPUOffloadPolicy): memory per layer; SIZES="L1,L2" and BACKEND override
 #   kernels      one GPU: what merging products saves (gemm_merge.py), fbmt's kernels against torch's
 #   1.36b-none   1.36B without recompute: fbmt (mincut, ZeRO-2), unmerged, FSDP2 + compile, interleaved
+#   host-time    the HF 0.89B's step as the host sees it (benchmarks/host_time.py): launch time, regions still run
+#                as traced, cProfile of one step, with regions compiled in the background and in the process
 #   lora         transformers' LlamaForCausalLM of 0.89B fine-tuned through a peft LoRA adapter (rank 16, every
 #                projection) against the full fine-tune, fbmt (mincut), interleaved: tokens/s and peak memory
 #   1.36b-block  1.36B with block recompute: fbmt as CUDA graphs against FSDP2 + compile, interleaved
@@ -89,6 +91,8 @@ case $stage in
       --steps 20 --interleave \
       --methods fbmt-inductor-mincut,fbmt-inductor-mincut-graph,fbmt-inductor-mincut-nocache,fbmt-inductor-mincut-nocache-graph,fsdp2-compile \
       --out "$out/hf_0.89b.json" ;;
+  host-time)
+    run host_time 300 benchmarks/host_time.py ;;
   lora)
     run lora_0.89b 400 benchmarks/gpu_train.py --config 0.89b --hf --batch 4 --seq 2048 --remat mincut --warmup 3 \
       --steps 15 --interleave --methods fbmt-inductor-mincut,fbmt-inductor-mincut-lora --out "$out/lora_0.89b.json" ;;
