@@ -129,6 +129,26 @@ def test_load_broadcasts_from_rank0_when_other_ranks_cannot_see_the_file(tmp_pat
         run_ranks(2, _load_seen_by_rank0_only, path, True)
 
 
+def _load_compiled_seen_by_rank0_only(rank: int, world: int, path: str) -> dict:
+    import fbmt.files
+
+    if rank == 1:
+        fbmt.files.os.path.exists = lambda p: False
+    model = bmt.compile(PNet(0.0))
+    keys = bmt.load(model, path)
+    return dict(params=full_params(model), missing=list(keys.missing_keys))
+
+
+def test_a_compiled_model_loads_from_rank0_when_other_ranks_cannot_see_the_file(tmp_path):
+    """The keys a compiled model expects are those of the model it compiled, not its flat shards'."""
+    plain = plain_reference(seed=9)
+    path = str(tmp_path / "only_on_node0.pt")
+    torch.save(plain.state_dict(), path)
+    for out in run_ranks(2, _load_compiled_seen_by_rank0_only, path):
+        assert out["missing"] == []
+        assert_same(out["params"], full_params(plain))
+
+
 def test_load_reports_bad_files(tmp_path):
     model = BNet()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fbmt import job
+from fbmt.compiler import CompiledModule
 from fbmt.files import describe_unreadable, save_atomic
 from fbmt.integrations.bmt.module import DistributedModule, gathering, is_lowered, lower
 
@@ -130,4 +131,6 @@ def _load_broadcast(model: nn.Module, file_name: str, strict: bool, chunk_bytes:
 
 
 def _prefixed_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Where each key of `model`'s state dict lives; a compiled model's keys are the model's it compiled."""
+    model = model.compiled_from if isinstance(model, CompiledModule) else model
     return [(f"{name}." if name else "", m) for name, m in model.named_modules(remove_duplicate=False)]
