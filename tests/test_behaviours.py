@@ -436,14 +436,19 @@ def test_a_deep_copy_of_a_compiled_model_computes_with_its_own_parameters():
 
 
 def test_a_deep_copy_reads_the_attributes_set_on_its_own_modules():
-    """NOTE: [Attributes read as constants] on a copy: its watch reads the copy's modules, not the original's."""
+    """NOTE: [Attributes read as constants] on a copy: its watch reads the copy's modules, not the
+    original's, and a hook registered before the copy is still told from the first call's."""
     ref, model = _pair(Settable)
+    ref.drop.p = model.drop.p = 0.0
     x = torch.randn(3, 4)
     model(x)
+    for m in (ref, model):
+        m.fc.register_forward_hook(lambda mod, args, out: out * 10)
     twin = copy.deepcopy(model)
-    twin.drop.p = ref.drop.p = 0.0
+    torch.testing.assert_close(twin(x), ref(x))  # the hook's program
+    twin.k = ref.k = 3.0
     torch.testing.assert_close(twin(x), ref(x))
-    assert model.drop.p == 0.5
+    assert model.k == 1.0
 
 
 def test_the_ddp_unwrap_idiom_keeps_the_compiled_model():

@@ -131,6 +131,7 @@ class _Attributes:
         """The same watch over a copy's modules (a deep copy of the `__dict__`s is not the copy's own)."""
         twin = _Attributes(named)
         twin.set_by_forward, twin.unwatched = set(self.set_by_forward), set(self.unwatched)
+        twin.first_hooks = self.first_hooks  # a copy's hooks keep their handles' ids: the programs' keys hold
         twin._scan()
         return twin
 
