@@ -110,6 +110,7 @@ def build_fbmt(
     call: dict[str, Any] | None = None,
     lora: int = 0,
     fp8: str | None = None,
+    background_compile: bool | None = None,
 ) -> tuple[nn.Module, Any]:
     """`package`: "fbmt", or "fbmt_base", an earlier commit's fbmt renamed (`--base`), to time against.
     `call`: keyword arguments every --hf call adds (use_cache=False, as the peer is called). `lora`: with
@@ -146,6 +147,7 @@ def build_fbmt(
         disable=disable,
         init_fn=init,
         **({"fp8": fp8} if fp8 else {}),  # an earlier commit's fbmt (--base) has no such option
+        **({"background_compile": background_compile} if background_compile is not None else {}),
         device=device,
     )
     if call:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import io
 import pstats
 import statistics
@@ -27,22 +26,14 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-import fbmt
-
 
 def measure(name: str, args: argparse.Namespace, device: torch.device, **options) -> None:
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = gpu_train.CONFIGS[args.config]
-    compile_ = fbmt.compile
-    fbmt.compile = functools.partial(compile_, **options)  # build_fbmt's compile, with this setting's options
-    try:
-        call = {"use_cache": False} if args.call == "no-cache" else None
-        model, opt = gpu_train.build_fbmt(
-            cfg, args, device, backend="inductor" if cuda else "eager", remat="mincut", call=call
-        )
-    finally:
-        fbmt.compile = compile_
+    call = {"use_cache": False} if args.call == "no-cache" else None
+    backend = "inductor" if cuda else "eager"
+    model, opt = gpu_train.build_fbmt(cfg, args, device, backend=backend, remat="mincut", call=call, **options)
     x, _ = gpu_train.batch(0, args, cfg, device)
     extra = model.__dict__.get("peer_call", {})
 

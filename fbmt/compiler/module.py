@@ -108,10 +108,10 @@ class _Attributes:
     """The plain attributes of a model's modules and of their configs (NOTE: [Attributes read as
     constants]): `values()` at each call, and which changed between two."""
 
-    def __init__(self, named: list[tuple[str, nn.Module]]):
+    def __init__(self, named: list[tuple[str, nn.Module]], unwatched: set[tuple[str, str]] = frozenset()):
         self.objects: list[tuple[str, dict, tuple[str, ...]]] = []  # (where, its __dict__, names never watched)
         self.set_by_forward: set[tuple[str, str]] = set()
-        self.unwatched: set[tuple[str, str]] = set()  # set by the forward at every call (`written`)
+        self.unwatched = set(unwatched)  # set by the forward at every call (`written`)
         # the modules' forward and backward hooks: read again where one was registered or removed anywhere
         # since (a handle made, a count changed)
         self.hook_dicts = [getattr(m, k) for _, m in named for k in _HOOKS]
@@ -129,10 +129,9 @@ class _Attributes:
 
     def of(self, named: list[tuple[str, nn.Module]]) -> _Attributes:
         """The same watch over a copy's modules (a deep copy of the `__dict__`s is not the copy's own)."""
-        twin = _Attributes(named)
-        twin.set_by_forward, twin.unwatched = set(self.set_by_forward), set(self.unwatched)
+        twin = _Attributes(named, self.unwatched)
+        twin.set_by_forward = set(self.set_by_forward)
         twin.first_hooks = self.first_hooks  # a copy's hooks keep their handles' ids: the programs' keys hold
-        twin._scan()
         return twin
 
     def _scan(self) -> None:
@@ -181,7 +180,7 @@ class _Attributes:
     def changed(self, old: tuple, new: tuple) -> str:
         if old[0] != new[0]:
             return "a module hook registered or removed"
-        if len(old) != len(new) or any(len(a) != len(b) for a, b in zip(old, new)):
+        if not _same_names(old, new):
             return "an attribute added or deleted"
         for where, name, x, y in self._differences(old, new):
             return f"{where}.{name} = {y!r}, where it was {x!r}"
@@ -192,7 +191,7 @@ class _Attributes:
         (a counter, `self.calls += 1`), one is watched no more, or each call would build a program; the
         program reads the value it had when traced, which fbmt says (an attribute set to the same value
         each call costs one program more, once)."""
-        if len(before) != len(after) or any(len(a) != len(b) for a, b in zip(before, after)):
+        if not _same_names(before, after):
             return  # the forward added an attribute: the next call's program reads it (once)
         changed = [(where, name) for where, name, _, _ in self._differences(before, after)]
         again = [c for c in changed if c in self.set_by_forward]
@@ -206,6 +205,11 @@ class _Attributes:
         )
         self.unwatched.update(again)
         self._scan()
+
+
+def _same_names(old: tuple, new: tuple) -> bool:
+    """Two `_Attributes.values()` of the same watched names (none added or deleted between them)."""
+    return len(old) == len(new) and all(len(a) == len(b) for a, b in zip(old[1:], new[1:]))
 
 
 def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _Attributes | None = None) -> str:
