@@ -3,6 +3,7 @@ background])."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
@@ -23,7 +24,7 @@ from fbmt.compiler import pipeline
 from fbmt.compiler.runtime import background, regions
 from fbmt.compiler.runtime.regions import Region
 from tests.models.reference import gpt
-from tests.workers import lm_step_matches
+from tests.workers import gradients_match, lm_step_matches
 
 
 def _traced(description, specs, grad):
@@ -104,6 +105,50 @@ def test_steps_run_the_traced_ops_until_the_workers_compiles_are_taken_in(tmp_pa
         assert again.regions.misses == len(kinds) and counters["inductor"]["fxgraph_cache_hit"] - hits == len(kinds)
         lm_step_matches(again, twin, *_batch(1))
         assert not any(r.eager for r in _regions(again))
+    finally:
+        workers.close()
+
+
+class CachesItsKeys(torch.nn.Module):
+    """Attention that writes its keys and values to a cache as Hugging Face's DynamicCache does in a
+    training forward (`cat` onto an empty tensor) and returns the keys, as HF returns the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, 4, 8).unbind(2))
+        empty = k.new_empty(b, 4, 0, 8)
+        k, v = torch.cat([empty, k], -2), torch.cat([empty, v], -2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, 32)), k
+
+
+def test_compiled_regions_give_their_outputs_the_traced_layouts(monkeypatch, inductor_cache):
+    """NOTE: [Outputs in the traced layouts]: Inductor returns `cat([empty, k])` laid out as `k`, where
+    eager and the trace made it contiguous. The model's output keeps eager's layout, and the backward's
+    region, first met while the forward ran as traced, needs no second compile once the forward runs
+    compiled (before, it did, and the steps until it came in ran the backward as traced)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
+    workers = background.Workers(1, threads=1)
+    try:
+        torch.manual_seed(0)
+        ref = CachesItsKeys()
+        model = fbmt.compile(copy.deepcopy(ref), backend="inductor", background_compile=False, cache_dir=False)
+        model.regions.workers = lambda: workers
+        x = torch.randn(2, 6, 32)
+        for step in range(2):  # traced, then compiled
+            (y, k), (ref_y, ref_k) = model(x), ref(x)
+            assert k.stride() == ref_k.stride(), (step, k.stride(), ref_k.stride())
+            torch.testing.assert_close(k, ref_k)
+            (y.square().sum() + k.sum()).backward()
+            (ref_y.square().sum() + ref_k.sum()).backward()
+            gradients_match(model, ref, rtol=1e-4, atol=1e-5)
+            model.zero_grad(), ref.zero_grad()
+            model.wait_compiled()
+        assert model.regions.sent == len({r.structure for r in _regions(model)}), model.regions
     finally:
         workers.close()
 

@@ -502,7 +502,7 @@ class Region(nn.Module):
                 else:
                     fakes = [_static(mode, a) for a in args]
                     gm, _, _ = _for_inductor(self.gm, mode, fakes, lift=False)
-                    fn = compile_fx(gm, fakes)
+                    fn = _in_traced_layouts(gm, fakes)
         seconds = time.perf_counter() - started
         self.cache.seconds += seconds
         self.cache.misses += 1
@@ -674,7 +674,6 @@ def compile_static(description: list, specs: list, grad: bool) -> Any:
     """Inductor's compile of a region (`_describe`'s `description`) for inputs of `specs`' exact
     layouts: what `Region` runs, and what a compile worker makes for torch's caches (NOTE: [Compiles in
     the background]): both build the same graph and the same fakes, so the caches key them alike."""
-    from torch._inductor.compile_fx import compile_fx
 
     gm = _rebuild(description)
     cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
@@ -683,7 +682,68 @@ def compile_static(description: list, specs: list, grad: bool) -> Any:
     with COMPILING, device, torch.set_grad_enabled(grad), cat_guard(), _cacheable(static=True) as mode:
         fakes = [_fake(mode, s) for s in specs]
         gm, _, _ = _for_inductor(gm, mode, fakes, lift=False)
+        return _in_traced_layouts(gm, fakes)
+
+
+def _in_traced_layouts(gm: fx.GraphModule, fakes: list) -> Callable[..., Any]:
+    """Inductor's compile of `gm` for `fakes` of exact sizes, whose outputs have the strides the trace
+    gave them.
+
+    NOTE: [Outputs in the traced layouts]
+    Inductor may lay out a graph's output otherwise than eager PyTorch and the trace did: it drops a
+    `cat` one of whose operands is empty as a no-op, and returns the other operand as it is laid out
+    (Hugging Face's DynamicCache, written by a training forward, is `cat([empty, key.transpose(1, 2)])`:
+    contiguous in eager, transposed compiled). What reads the output then meets a layout its trace
+    never saw: the region reading it compiles a second time for it, and with compiles in the background
+    every step between the forward's compile and that second one ran the layer's backward as traced
+    (the default call of HF's Llama ran at 0.89x its step before background compiles); a model output
+    so laid out differs from eager's (`.view` fails where eager's works), and an `as_strided` of it
+    would read other elements. So the first call of a compile compares its outputs' strides with the
+    trace's (the graph's values, exact here) and, where one differs, every call copies that output into
+    the traced layout, which is the copy eager makes; the others cost nothing. Regions of symbolic
+    sizes compile from symbolic strides and are not checked."""
+    from torch._inductor.compile_fx import compile_fx
+
+    (results,) = (n.args[0] for n in gm.graph.nodes if n.op == "output")
+    if not isinstance(results, (tuple, list)):  # a graph of one output, not a region's (`_extract` makes tuples)
         return compile_fx(gm, fakes)
+    traced = [
+        r.meta["val"].stride() if isinstance(r, fx.Node) and isinstance(r.meta.get("val"), torch.Tensor) else None
+        for r in results
+    ]  # read before Inductor, whose passes rewrite the graph in place
+    return _TracedLayouts(compile_fx(gm, fakes), traced)
+
+
+class _TracedLayouts:
+    """A compiled region whose outputs are copied into the traced strides where its own differ (NOTE:
+    [Outputs in the traced layouts])."""
+
+    def __init__(self, fn: Callable[..., Any], traced: list[tuple[int, ...] | None]) -> None:
+        self.fn, self.traced = fn, traced
+        self.copied: list[int] | None = None  # the outputs laid out otherwise, found at the first call
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        if self.copied is None:
+            self.copied = [
+                k
+                for k, (o, s) in enumerate(zip(out, self.traced))
+                if s is not None and isinstance(o, torch.Tensor) and o.stride() != s
+            ]
+            if self.copied:
+                logs.log.info(
+                    "Inductor laid out %d outputs of a region otherwise than the trace (%s); each call copies them "
+                    "into the traced layout (NOTE: [Outputs in the traced layouts])",
+                    len(self.copied),
+                    ", ".join(f"strides {out[k].stride()} for {self.traced[k]}" for k in self.copied[:3]),
+                )
+        if not self.copied:
+            return out
+        out = list(out)
+        for k in self.copied:
+            o = out[k]
+            out[k] = torch.empty_strided(o.shape, self.traced[k], dtype=o.dtype, device=o.device).copy_(o)
+        return out
 
 
 def _for_inductor(
