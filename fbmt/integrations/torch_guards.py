@@ -9,11 +9,13 @@ caught here, on torch's documented hooks where torch has one:
   the parameter, and refuses a weight-decay split by name that cannot see inside flat shards;
 - `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` would clip each rank's shard by that
   shard's own norm (NOTE: [Global gradient norms]);
+- `torch.amp.GradScaler` would look for inf/nan in this rank's shards alone, so one rank skipped an
+  overflowed step while the others took it (NOTE: [Overflow found on any rank]);
 - DDP or FSDP around the compiled model would broadcast over the shards and reduce reduced
   gradients: `NoDataParallel`, a base of the class `fbmt.compile` returns, refuses DDP when it is
   constructed (the shards' check refuses FSDP's replaced parameters at the next call).
 
-`install(leaves)` puts the two process-wide hooks in place (once per process) and registers the
+`install(leaves)` puts the process-wide hooks in place (once per process) and registers the
 tensors whose gradients are sharded; the BMTrain layer installs them for its views too.
 """
 
@@ -41,6 +43,7 @@ def install(leaves: list[torch.Tensor]) -> None:
 
         _hook = register_optimizer_step_pre_hook(_check_optimizer)
     _global_gradient_norms(leaves)
+    _overflow_on_any_rank()
 
 
 class NoDataParallel:
@@ -164,3 +167,53 @@ def _total_norm(torch_norm: Callable) -> Callable:
         return total.to(local.device, local.dtype)
 
     return total_norm
+
+
+# NOTE: [Overflow found on any rank]
+# Mixed precision as torch documents it, `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`
+# with `torch.amp.GradScaler`, skips the step where any gradient is inf or nan and halves the scale. The
+# scaler looks at the gradients the optimizer holds: of a compiled model, this rank's shards. An
+# overflow in one rank's shard was seen by that rank alone, which skipped the step and halved its scale,
+# while the others stepped on the overflowed gradients and grew theirs; from then on every rank scaled
+# its loss by another factor, and the reduced gradients summed them, silently. So the scaler's search
+# (`GradScaler._unscale_grads_`, through which both its `unscale_` and a fused optimizer's step find
+# overflow) is followed, where the optimizer holds a compiled model's shards, by the largest finding
+# over every rank (an all-reduce; every rank calls `scaler.step`, as one does): each rank skips the same
+# steps and keeps the same scale, as one process would. torch offers no hook for this; like the norm
+# above, the replacement is installed by `fbmt.compile`, once, and elsewhere the scaler is torch's own.
+_installed_unscale: Callable | None = None
+
+
+def _overflow_on_any_rank() -> None:
+    global _installed_unscale
+    from torch.amp.grad_scaler import GradScaler
+
+    if GradScaler._unscale_grads_ is not _installed_unscale:
+        _installed_unscale = GradScaler._unscale_grads_ = _found_on_any_rank(GradScaler._unscale_grads_)
+
+
+def _found_on_any_rank(torch_unscale: Callable) -> Callable:
+    def unscale_grads_(
+        self: Any, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        found = torch_unscale(self, optimizer, inv_scale, found_inf, allow_fp16)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return found
+        shards = {id(p) for p in list(_SHARDS)}
+        if not any(id(p) in shards for group in optimizer.param_groups for p in group["params"]):
+            return found
+        anywhere = found_inf.new_zeros(())
+        for f in found.values():
+            anywhere = torch.maximum(anywhere, f.to(anywhere.device))
+        if dist.get_backend() == "nccl" and not anywhere.is_cuda:  # a scaler of the host (offload=True)
+            reduced = anywhere.cuda()
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+            anywhere = reduced.to(anywhere.device)
+        else:
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        for f in found.values():
+            f.copy_(anywhere)
+        found.setdefault(found_inf.device, found_inf.copy_(anywhere))  # a rank whose shards had no gradient
+        return found
+
+    return unscale_grads_
