@@ -3,6 +3,7 @@ a new program is built, and a warning when programs pile up for new input shapes
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import subprocess
@@ -92,6 +93,27 @@ def test_programs_for_new_shapes_warn_once_naming_the_keyword(records):
     assert len(warnings) == 1, warnings  # programs 4 and 5: once
     assert warnings[0].startswith("fbmt: program 4 for new input shapes (input_ids of shape (2, 20)")
     assert "pad_to_multiple_of" in warnings[0]
+
+
+def test_programs_for_new_values_of_a_number_argument_warn_once_naming_it(records):
+    """Hugging Face's loss takes `num_items_in_batch`; passed as an int that changes every step, each value
+    is a program: a warning names it and says to pass a tensor, which one program takes at every value."""
+    torch.manual_seed(0)
+    ref = hf.build("llama")
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1)
+    ids = torch.randint(0, hf.VOCAB, (2, 8))
+    for n in (5, 6, 7, 8, 9):
+        loss = model(input_ids=ids, labels=ids, num_items_in_batch=n).loss
+        torch.testing.assert_close(loss, ref(input_ids=ids, labels=ids, num_items_in_batch=n).loss)
+    warnings = _messages(records, logging.WARNING)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("fbmt: program 4 for num_items_in_batch 8, where it was 7: a number among")
+    assert "(num_items_in_batch)" in warnings[0] and "torch.tensor(n)" in warnings[0]
+    programs = len(model.programs)
+    for n in (5, 6, 7):  # as a tensor: one more program, for every value
+        loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(n)).loss
+        torch.testing.assert_close(loss, ref(input_ids=ids, labels=ids, num_items_in_batch=n).loss)
+    assert len(model.programs) == programs + 1
 
 
 def test_by_default_a_second_length_compiles_one_program_for_every_length(records):

@@ -54,18 +54,36 @@ log = logging.getLogger("fbmt")
 # each); with more missing, workers compile them side by side, and find the others in torch's caches,
 # but their first answers come only after they have started (NOTE: [Compiles in the background]).
 LOADED_AT_MOST_MISSING = 4
-_SHAPES_WARNING = 4  # programs that differ in input shapes alone before the warning to pad
+_SHAPES_WARNING = 4  # programs that differ in input shapes (or numbers) alone before the warning
 
 
-def _same_but_shapes(old: tuple, new: tuple) -> bool:
-    """Two calls' input signatures (`_key`'s) that differ at most in their tensors' shapes."""
+def _same_but_shapes(old: tuple, new: tuple, numbers: bool = False) -> bool:
+    """Two calls' input signatures (`_key`'s) that differ at most in their tensors' shapes (with
+    `numbers`, and in the values of their plain numbers)."""
     if len(old) != len(new):
         return False
     for a, b in zip(old, new):
         tensors = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
         if a != b and not (tensors and a[1:] == b[1:] and len(a[0]) == len(b[0])):
-            return False
+            if not (numbers and _number(a) and _number(b)):
+                return False
     return True
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _numbers_differing(old: tuple, new: tuple, args: tuple, kwargs: dict) -> list[str]:
+    """The arguments that are plain numbers in both calls' signatures (`_key`'s) and differ, by name."""
+    leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+    return [_argument_name(path) for (path, _), a, b in zip(leaves, old, new) if a != b and _number(a) and _number(b)]
+
+
+def _argument_name(path: tuple) -> str:
+    """An argument leaf's path in `(args, kwargs)`, as a user names it."""
+    kind, name, rest = path[0].idx, path[1], pytree.keystr(path[2:])  # (args, kwargs)[kind][name]...
+    return f"argument {name.idx}{rest}" if kind == 0 else f"{name.key}{rest}"
 
 
 # NOTE: [Attributes read as constants]
@@ -220,8 +238,7 @@ def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _
     elif old[1] != new[1]:
         leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
         path, a, b = next((path, a, b) for (path, _), a, b in zip(leaves, old[1], new[1]) if a != b)
-        kind, name, rest = path[0].idx, path[1], pytree.keystr(path[2:])  # (args, kwargs)[kind][name]...
-        where = f"argument {name.idx}{rest}" if kind == 0 else f"{name.key}{rest}"
+        where = _argument_name(path)
         tensors = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
         if tensors and a[1:] == b[1:]:
             said.append(f"{where} of shape {tuple(b[0])}, where it was {tuple(a[0])}")
@@ -351,6 +368,7 @@ class CompiledModule(nn.Module):
         self.program: Program | None = None
         self.compile_seconds = 0.0  # tracing, passes and partitioning, over every program built so far
         self._warned_shapes = False  # the warning that programs pile up for new input shapes, given once
+        self._warned_numbers = False  # ... and for new values of a number argument
         self._sync = Unsynced(self._group_leaves)  # DDP's no_sync (NOTE: [Accumulation without sync])
         self._warned_sync = False
         self._input_shapes: dict[Any, list[tuple[int, ...]]] = {}  # a program's key -> its inputs' shapes
@@ -825,7 +843,23 @@ class CompiledModule(nn.Module):
         last = next(reversed(self.programs))
         why = _difference(last, key, args, kwargs, self._attributes)
         log.info("a new program for %s (%d built so far)", why, len(self.programs))
-        by_shape = all(k[0] == key[0] and _same_but_shapes(k[1], key[1]) and k[2:] == key[2:] for k in self.programs)
+        alike = [k[0] == key[0] and k[2:] == key[2:] for k in self.programs]
+        numbers = _numbers_differing(last[1], key[1], args, kwargs) if key[0] == last[0] else []
+        by_number = numbers and all(
+            a and _same_but_shapes(k[1], key[1], numbers=True) for a, k in zip(alike, self.programs)
+        )
+        if by_number and len(self.programs) + 1 >= _SHAPES_WARNING and not self._warned_numbers:
+            self._warned_numbers = True
+            log.warning(
+                "fbmt: program %d for %s: a number among a call's arguments (%s) is traced as a constant, so "
+                "each new value traces and compiles a program (%.1fs so far). Pass it as a tensor (torch.tensor(n), "
+                "as Hugging Face's Trainer passes num_items_in_batch): one program then takes every value",
+                len(self.programs) + 1,
+                why,
+                ", ".join(numbers),
+                self.compile_seconds,
+            )
+        by_shape = all(a and _same_but_shapes(k[1], key[1]) for a, k in zip(alike, self.programs))
         if by_shape and len(self.programs) + 1 >= _SHAPES_WARNING and not self._warned_shapes:
             self._warned_shapes = True
             log.warning(
