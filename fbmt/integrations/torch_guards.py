@@ -21,6 +21,7 @@ tensors whose gradients are sharded; the BMTrain layer installs them for its vie
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -116,8 +117,12 @@ def _refuse_a_decay_split_that_cannot_see_into_shards(optimizer: torch.optim.Opt
 # true one. Its norm comes from `torch.nn.utils.clip_grad._get_total_norm`, looked up at every call,
 # so fbmt replaces that one function (which also serves scripts that imported clip_grad_norm_
 # before fbmt): where the gradients are those of compiled models' shards, it adds up every rank's
-# part (an all-reduce; call it on every rank, as one does), and elsewhere it is torch's own. torch
-# offers no hook for this; the replacement is installed by `fbmt.compile` (never at import), once.
+# part (an all-reduce; call it on every rank, as one does), and elsewhere it is torch's own. The same
+# function is public as `torch.nn.utils.get_total_norm` (a loop logs the gradient norm with it, and
+# torchtitan clips with it and `clip_grads_with_norm_`): that name is replaced too. A script that
+# bound it before `fbmt.compile` (`from torch.nn.utils import get_total_norm`) keeps torch's, which
+# fbmt cannot reach. torch offers no hook for this; the replacement is installed by `fbmt.compile`
+# (never at import), once.
 _SHARDS: weakref.WeakSet = weakref.WeakSet()
 _installed_norm: Callable | None = None
 
@@ -133,10 +138,14 @@ def _global_gradient_norms(leaves: list[torch.Tensor]) -> None:
             "makes clip_grad_norm_ use the norm over every rank's shards; use a torch fbmt supports (2.11+)"
         )
     if clip_grad._get_total_norm is not _installed_norm:
-        _installed_norm = clip_grad._get_total_norm = _total_norm(clip_grad._get_total_norm)
+        torch_norm = clip_grad._get_total_norm
+        _installed_norm = clip_grad._get_total_norm = _total_norm(torch_norm)
+        if getattr(torch.nn.utils, "get_total_norm", None) is torch_norm:
+            torch.nn.utils.get_total_norm = _installed_norm
 
 
 def _total_norm(torch_norm: Callable) -> Callable:
+    @functools.wraps(torch_norm)
     def total_norm(
         tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
     ) -> torch.Tensor:
