@@ -41,6 +41,20 @@ def test_dropout_masks_match_eager_and_survive_recompute(remat):
         assert any(meta.recompute(n) == "activation" for n in bwd)
 
 
+def test_a_gradient_penalty_through_the_compiled_backward_is_refused():
+    """`torch.autograd.grad(out, x, create_graph=True)` (a gradient penalty, WGAN-GP's) differentiates the
+    backward: the compiled backward is not differentiable, and it gave wrong parameter gradients, silently
+    (the first layer's bias got zeros). It is refused, saying what to do; without create_graph it matches."""
+    ref, model = _pair(lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    x = torch.randn(4, 8)
+    xi = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(model(xi).sum(), xi, create_graph=True)
+    (got,) = torch.autograd.grad(model(xi).sum(), xi)
+    (want,) = torch.autograd.grad(ref(xi).sum(), xi)
+    torch.testing.assert_close(got, want)
+
+
 def test_train_eval_and_no_grad_inference():
     ref, model = _pair(lambda: gpt(dropout=0.5))
     (idx,), _, _ = batch("gpt", 1)

@@ -50,6 +50,14 @@ class RunProgram(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         exe = ctx.exe
+        if torch.is_grad_enabled():  # autograd runs a backward with grad on for create_graph=True alone
+            raise RuntimeError(
+                "fbmt: a gradient of a compiled model's gradients was asked for (create_graph=True: a gradient "
+                "penalty, a double backward, a Hessian-vector product). The compiled backward is a program of "
+                "its own that autograd cannot differentiate, so the second-order terms through the model would "
+                "be missing. Compute such a term with an eager copy of the model (loaded from "
+                "model.state_dict()), or leave create_graph off"
+            )
         if ctx.saved is None:
             raise RuntimeError(
                 "fbmt: backward through the same compiled call twice is not supported "
