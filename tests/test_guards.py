@@ -4,6 +4,7 @@ PyTorch would do it, or refused with a message that says what to do; never silen
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -50,6 +51,46 @@ def test_optimizer_built_before_compile_is_refused_at_its_first_step():
         opt.step()
     good = torch.optim.SGD(model.parameters(), lr=0.1)
     good.step()  # the shards: fine, and checked once only
+
+
+def test_an_optimizer_that_reads_parameter_shapes_is_refused_and_an_unknown_one_warned_about(caplog):
+    """NOTE: [Optimizers of flat shards]: Adafactor (torch's, and Hugging Face's, T5's usual one) factors
+    each matrix's second moment and scales by its RMS; on flat shards it computed other parameters than on
+    the model, silently. It is refused at its first step; an optimizer fbmt does not know is warned about
+    once; torch's elementwise ones step as before."""
+    import transformers
+
+    model = fbmt.compile(MLP())
+    (x,), _, y = batch("mlp", 0)
+    F.mse_loss(model(x), y).backward()
+    for opt in (
+        torch.optim.Adafactor(model.parameters(), lr=0.01),
+        transformers.optimization.Adafactor(model.parameters(), lr=None, relative_step=True),
+    ):
+        with pytest.raises(RuntimeError, match=r"Adafactor reads each parameter's shape or norm.*AdamW"):
+            opt.step()
+
+    class Trusted(torch.optim.SGD):  # a subclass of an elementwise optimizer: as its base
+        pass
+
+    class Lamb(torch.optim.Adam):  # a trust ratio over each parameter, by name
+        pass
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            pass
+
+    Trusted(model.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match=r"Lamb reads each parameter's shape"):
+        Lamb(model.parameters()).step()
+    with caplog.at_level(logging.WARNING, logger="fbmt"):
+        Custom(model.parameters()).step()
+        Custom(model.parameters()).step()
+    said = [r.getMessage() for r in caplog.records if "flat shards" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("fbmt: Custom steps the compiled model's flat shards"), said
 
 
 def test_freezing_a_module_after_compile_freezes_its_shard():

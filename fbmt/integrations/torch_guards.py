@@ -22,6 +22,7 @@ tensors whose gradients are sharded; the BMTrain layer installs them for its vie
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from fbmt.compiler import group_of, moved_name, unreduced
 
+log = logging.getLogger("fbmt")
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters checked
 _hook: Any = None  # the optimizer step pre-hook's handle, once installed
 
@@ -86,7 +88,59 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "the compiled model: torch.optim.AdamW(model.parameters())"
                 )
     _refuse_a_decay_split_that_cannot_see_into_shards(optimizer)
+    _refuse_an_update_that_reads_shapes(optimizer)
     _checked[optimizer] = count
+
+
+# NOTE: [Optimizers of flat shards]
+# A compiled model's optimizer steps its flat shards: 1-D slices of many parameters laid end to end.
+# An optimizer that updates each element from its own gradient and state (SGD, Adam, AdamW, Lion, and
+# the rest of torch.optim but two) computes there what it computes on the model. One that reads a
+# parameter's shape or a norm over it does not: Adafactor factors a matrix's second moment into row and
+# column statistics and scales its step by the parameter's RMS, LAMB and LARS by its norm, Muon and
+# Shampoo precondition the matrix. On a shard each would compute another update, silently (Adafactor's
+# parameters were 0.02 off eager's after two steps of a toy GPT). So those, known by name anywhere in
+# the optimizer's class hierarchy (torch's, Hugging Face's, apex's, timm's), are refused at the first
+# step, and an optimizer fbmt does not know is warned about once, naming what it assumes.
+_ELEMENTWISE = frozenset(
+    ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop")
+)
+_READS_SHAPES = frozenset(
+    ("Adafactor", "LBFGS", "Lamb", "LAMB", "FusedLAMB", "Lars", "LARS", "LARC", "Muon", "Shampoo", "SOAP", "SM3")
+    + ("NovoGrad", "FusedNovoGrad", "GaLoreAdamW", "GaLoreAdamW8bit", "GaLoreAdafactor")
+)
+_warned_unknown: set[str] = set()
+
+
+def _refuse_an_update_that_reads_shapes(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer of a compiled model's shards whose update reads a parameter's shape or norm is refused;
+    one fbmt does not know is warned about once (NOTE: [Optimizers of flat shards])."""
+    shards = {id(p) for p in list(_SHARDS)}
+    if not any(id(p) in shards for g in optimizer.param_groups for p in g["params"]):
+        return
+    mro = type(optimizer).__mro__
+    name = type(optimizer).__name__
+    shaped = next((c.__name__ for c in mro if c.__name__ in _READS_SHAPES), None)
+    if shaped is not None:
+        kind = f" (an {shaped})" if shaped != name else ""
+        raise RuntimeError(
+            f"fbmt: {name}{kind} reads each parameter's shape or norm, but the optimizer of a compiled model "
+            "steps its flat shards (1-D slices of many parameters), where it would compute another update than "
+            "on the model. Use an optimizer that updates each element from its own gradient and state "
+            "(torch.optim.AdamW, SGD, Adam; Lion), or with HF Trainer optim='adamw_torch'"
+        )
+    fbmt_own = any(c.__module__.startswith("fbmt.") for c in mro)
+    known = any(c.__name__ in _ELEMENTWISE and c.__module__.startswith("torch.optim") for c in mro)
+    if fbmt_own or known or name == "Lion" or name in _warned_unknown:
+        return
+    _warned_unknown.add(name)
+    log.warning(
+        "fbmt: %s steps the compiled model's flat shards (1-D slices of many parameters): right if it updates "
+        "each element from its own gradient and state, as Adam and SGD do; if it reads a parameter's shape or a "
+        "norm over it (factored moments, trust ratios, matrix preconditioners) it computes another update than "
+        "on the model (NOTE: [Optimizers of flat shards])",
+        name,
+    )
 
 
 def _refuse_a_decay_split_that_cannot_see_into_shards(optimizer: torch.optim.Optimizer) -> None:
