@@ -55,6 +55,25 @@ def test_a_gradient_penalty_through_the_compiled_backward_is_refused():
     torch.testing.assert_close(got, want)
 
 
+def test_calls_under_inference_mode_trace_and_run_as_under_no_grad():
+    """An evaluation loop under `torch.inference_mode()` (PyTorch's recommended one) failed to trace
+    ("Inference tensors do not track version counter"). It traces outside it and runs inside it: outputs
+    and BatchNorm's running statistics (in train mode too) are eager's, and training goes on after."""
+    ref, model = _pair(lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)))
+    x = torch.randn(6, 8)
+    for train in (False, True):
+        ref.train(train), model.train(train)
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x), ref(x))
+    for name, b in ref.named_buffers():
+        torch.testing.assert_close(model.state_dict()[name], b, msg=name)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
+
+
 def test_train_eval_and_no_grad_inference():
     ref, model = _pair(lambda: gpt(dropout=0.5))
     (idx,), _, _ = batch("gpt", 1)

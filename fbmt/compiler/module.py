@@ -669,6 +669,7 @@ class CompiledModule(nn.Module):
         return None
 
     @pipeline.fewer_collections()  # NOTE: [Collections while compiling]
+    @torch.inference_mode(False)  # a call under inference_mode traces as one under no_grad: what it computes
     def _build(
         self,
         key: tuple,
