@@ -57,14 +57,17 @@ def test_a_gradient_penalty_through_the_compiled_backward_is_refused():
 
 def test_calls_under_inference_mode_trace_and_run_as_under_no_grad():
     """An evaluation loop under `torch.inference_mode()` (PyTorch's recommended one) failed to trace
-    ("Inference tensors do not track version counter"). It traces outside it and runs inside it: outputs
-    and BatchNorm's running statistics (in train mode too) are eager's, and training goes on after."""
+    ("Inference tensors do not track version counter"), for its inputs too. It traces outside it (an input
+    made inside from a copy) and runs inside it: outputs and BatchNorm's running statistics (in train mode
+    too) are eager's, and training goes on after."""
     ref, model = _pair(lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)))
     x = torch.randn(6, 8)
     for train in (False, True):
         ref.train(train), model.train(train)
         with torch.inference_mode():
             torch.testing.assert_close(model(x), ref(x))
+            inside = x * 1.0  # an input made there: an inference tensor, without a version counter
+            torch.testing.assert_close(model(inside[:4]), ref(inside[:4]))  # a new program, traced from it
     for name, b in ref.named_buffers():
         torch.testing.assert_close(model.state_dict()[name], b, msg=name)
     model(x).sum().backward()

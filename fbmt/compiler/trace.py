@@ -201,7 +201,8 @@ def trace(
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     in_objects = {i: objects.tensors_in(x) for i, x in enumerate(leaves) if objects.is_object(x)}
-    real_inputs = objects.input_tensors(leaves)
+    # an input made under inference_mode has no version counter, which the trace reads: traced from a copy
+    real_inputs = [x.clone() if x.is_inference() else x for x in objects.input_tensors(leaves)]
     symbolic = None
     if dynamic:
         fake_inputs = sizes.fake_inputs(fake_mode, real_inputs, dynamic)
