@@ -112,9 +112,9 @@ from fbmt.compiler.runtime import background
 # NOTE: [A backward across the switch]
 # A region finds its compile from its inputs' layouts on its first call after compiles were taken in, and
 # keeps it for the calls that follow: within a step every call of a region sees the layouts the step's
-# forward made. A compiled forward may lay its outputs out otherwise than the traced ops did (Inductor
-# chooses its outputs' strides; on the GPU one of HF's Llama's regions meets a second layout once the
-# regions before it run compiled). So where a backward runs whose forward ran before the last take-in
+# forward made. A compiled forward may lay its outputs out otherwise than the traced ops did: a compile of
+# exact sizes is held to the traced strides (NOTE: [Outputs in the traced layouts]), one of symbolic sizes
+# is not. So where a backward runs whose forward ran before the last take-in
 # (forwards of several micro-batches, then their backwards in order, as a pipeline schedule runs them),
 # its regions find the compile for each call's own layouts and keep none of it
 # (`RegionCache.backward_of`); otherwise the newer forward's backward would be handed the compile the
