@@ -58,6 +58,33 @@ def test_each_model_called_as_documented_trains_as_eager_on_two_ranks(name):
     run_ranks(2, _trains_as_eager, name, torch.float32)
 
 
+def _padded_labels_train_as_eager(rank: int, world: int) -> None:
+    """Labels padded with -100, more on rank 1's part: each rank's mean over its own tokens, averaged over
+    ranks as the gradients are, is not the mean over the whole batch's tokens; HF's loss summed over the
+    rank's tokens and divided by `num_items_in_batch` = the batch's count / world size is (README)."""
+    ref = hf.build("llama")
+    model = fbmt.compile(copy.deepcopy(ref))
+    kwargs = hf.inputs("llama", 0)
+    labels = kwargs["labels"].clone()
+    labels[2:, 3:] = -100  # the last two rows, rank 1's part
+    kwargs["labels"] = labels
+    count = (labels[:, 1:] != -100).sum()  # the tokens the shifted loss counts
+    ref(**kwargs).loss.backward()
+    local = _local(kwargs, rank, world)
+    model(**local).loss.backward()
+    mean_of_means = model.full_gradients()["model.embed_tokens.weight"]
+    assert not torch.allclose(mean_of_means, ref.model.embed_tokens.weight.grad, rtol=1e-3, atol=1e-5)
+    model.zero_grad()
+    model(**local, num_items_in_batch=count / world).loss.backward()
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[model.layout.aliases.get(n, n)], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_padded_labels_give_one_process_gradients_with_the_batch_count():
+    run_ranks(2, _padded_labels_train_as_eager)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "llama"])
 def test_bf16_models_train_as_eager(name):
     """Mixture of experts with transformers' default grouped_mm experts, in bf16 as in fp32."""
