@@ -93,6 +93,29 @@ def test_an_optimizer_that_reads_parameter_shapes_is_refused_and_an_unknown_one_
     assert len(said) == 1 and said[0].startswith("fbmt: Custom steps the compiled model's flat shards"), said
 
 
+def test_a_hook_on_a_parameters_gradient_is_refused_and_one_on_a_shard_runs():
+    """NOTE: [Hooks on a parameter's gradient]: `p.register_hook(lambda g: g * 0)` on a parameter, before
+    compile or on its placeholder after, never ran (the gradients came out unhooked, silently); both are
+    refused naming it. A hook on a shard (the compiled model's parameter) runs."""
+    net = MLP()
+    net.fc1.weight.register_hook(lambda g: g * 0)
+    with pytest.raises(ValueError, match=r"gradient of parameter 'fc1.weight' \(register_hook\) would never run"):
+        fbmt.compile(net)
+    net = MLP()
+    net.fc2.bias.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(ValueError, match=r"'fc2.bias' \(register_post_accumulate_grad_hook\)"):
+        fbmt.compile(net)
+    model = fbmt.compile(MLP())
+    with pytest.raises(RuntimeError, match=r"gradient of parameter 'fc1.weight' \(register_hook\) would never run"):
+        model.fc1.weight.register_hook(lambda g: g * 0)
+    stepped = []
+    for shard in model.parameters():
+        shard.register_post_accumulate_grad_hook(lambda p: stepped.append(p.grad.norm()))
+    (x,), _, y = batch("mlp", 0)
+    F.mse_loss(model(x), y).backward()
+    assert len(stepped) == len(list(model.parameters())) and all(n > 0 for n in stepped)
+
+
 def test_freezing_a_module_after_compile_freezes_its_shard():
     ref, model = _mlp()
     for m in (ref, model):

@@ -53,6 +53,7 @@ def compile_module(
             "and it holds only meta placeholders (compiling it again would train fresh random weights). "
             "Use that compiled module; for a second copy, copy.deepcopy the model before compiling it"
         )
+    owners.refuse_gradient_hooks(model)
     o = options
     launched = job.launched_world_size()
     if o.world_size is None and launched > 1 and not job.is_initialized():

@@ -4,6 +4,8 @@
   module says it was compiled (`taken`), a deep copy of it too (copies keep their class). It holds
   no values, so anything that would read or write them raises at once, naming the parameter (NOTE:
   [Placeholders refuse values]).
+- A hook on a parameter's gradient, there before compile or registered on a placeholder after, is
+  refused: nothing would run it (NOTE: [Hooks on a parameter's gradient]).
 - The parameter it replaced is remembered (`moved`), weakly: an optimizer built before compiling
   still holds it, and `moved_name` lets fbmt refuse that optimizer (integrations/torch_guards.py).
 - Each flat shard knows its group (`group_of`), for code that meets a shard alone (BMTrain's
@@ -41,9 +43,9 @@ _METADATA = frozenset(
         "is_floating_point", "is_complex", "is_contiguous", "is_signed", "requires_grad_", "get_device",
         "data_ptr", "untyped_storage", "__repr__", "__format__", "__hash__", "__reduce_ex__", "__setstate__",
         "__getstate__", "__deepcopy__", "_is_view", "has_names", "is_shared", "type", "__len__", "retain_grad",
-        "register_hook", "register_post_accumulate_grad_hook",
     }
 )  # fmt: skip
+_HOOKS = frozenset({"register_hook", "register_post_accumulate_grad_hook"})
 _VIEWS = frozenset(
     {
         "detach", "view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "expand", "expand_as",
@@ -81,6 +83,8 @@ class Placeholder(nn.Parameter):
                 out = func(*args, **kwargs)
                 return _placeholders(out, _named(args))
         named = _named([*args, *kwargs.values()])
+        if name in _HOOKS:
+            raise RuntimeError(_hook_refused(named, name, "the parameter belongs to a module fbmt.compile took over"))
         inplace = (name.endswith("_") and not name.startswith("__")) or name in _INPLACE or "out" in kwargs
         writes = inplace and bool(args) and isinstance(args[0], Placeholder)  # the placeholder is what it writes
         raise RuntimeError(
@@ -93,6 +97,37 @@ class Placeholder(nn.Parameter):
 
 
 _INPLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"})
+
+
+# NOTE: [Hooks on a parameter's gradient]
+# A hook on a parameter's gradient (`p.register_hook(lambda g: g * mask)`, to train some rows of an
+# embedding; `register_post_accumulate_grad_hook`, an optimizer step in the backward) runs where autograd
+# computes that parameter's gradient. A compiled model's parameters are placeholders whose gradients
+# are never computed: the program computes the flat shards' gradients, each rank its part of the
+# batch, and reduces them. A hook on the parameter was dropped at compile, and one registered on the
+# placeholder after never ran: the gradients came out unhooked, silently. Traced into the program it
+# would see a rank's local gradient before the reduction, which for anything but a linear map (a
+# clamp) is not what one process computes. So both are refused, naming the parameter, with the ways
+# that work: hooks on the compiled model's parameters (the shards) or a change to the gradients after
+# backward.
+def _hook_refused(name: str, how: str, why: str) -> str:
+    return (
+        f"fbmt: a hook on the gradient of parameter '{name}' ({how}) would never run: {why}, and the compiled "
+        "program computes the gradients of its flat shards, never this parameter's (NOTE: [Hooks on a "
+        "parameter's gradient]). Register such hooks on the compiled model's parameters (its flat shards, "
+        "model.parameters(), e.g. an optimizer step in the backward), or change the gradients after backward"
+    )
+
+
+def refuse_gradient_hooks(model: nn.Module) -> None:
+    """A parameter of `model` with a hook on its gradient is refused before compile takes it over."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        for attribute, how in (
+            ("_backward_hooks", "register_hook"),
+            ("_post_accumulate_grad_hooks", "register_post_accumulate_grad_hook"),
+        ):
+            if getattr(p, attribute, None):
+                raise ValueError(_hook_refused(name, how, "fbmt.compile replaces the parameter by flat shards"))
 
 
 def _op_name(func: object) -> str:
