@@ -116,6 +116,22 @@ def test_a_hook_on_a_parameters_gradient_is_refused_and_one_on_a_shard_runs():
     assert len(stepped) == len(list(model.parameters())) and all(n > 0 for n in stepped)
 
 
+def test_a_decay_split_by_dimension_is_refused():
+    """nanoGPT's configure_optimizers decays parameters of 2 or more dimensions; every flat shard is 1-D, so
+    nothing decayed, silently. Refused at the first step, naming a matrix of the undecayed shard."""
+    model = fbmt.compile(MLP())
+    shards = list(model.parameters())
+    decay = [p for p in shards if p.dim() >= 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": [p for p in shards if p.dim() < 2], "weight_decay": 0.0}]
+    )
+    (x,), _, y = batch("mlp", 0)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"does not decay flat shard .* holds matrices \['fc1.weight'"):
+        opt.step()
+    torch.optim.AdamW(model.parameters(), weight_decay=0.1).step()  # every shard decayed: as asked
+
+
 def test_freezing_a_module_after_compile_freezes_its_shard():
     ref, model = _mlp()
     for m in (ref, model):

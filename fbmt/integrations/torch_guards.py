@@ -95,7 +95,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 # NOTE: [Optimizers of flat shards]
 # A compiled model's optimizer steps its flat shards: 1-D slices of many parameters laid end to end.
 # An optimizer that updates each element from its own gradient and state (SGD, Adam, AdamW, Lion, and
-# the rest of torch.optim but two) computes there what it computes on the model. One that reads a
+# the rest of torch.optim but Adafactor and LBFGS) computes there what it computes on the model. One that reads a
 # parameter's shape or a norm over it does not: Adafactor factors a matrix's second moment into row and
 # column statistics and scales its step by the parameter's RMS, LAMB and LARS by its norm, Muon and
 # Shampoo precondition the matrix. On a shard each would compute another update, silently (Adafactor's
@@ -146,8 +146,22 @@ def _refuse_an_update_that_reads_shapes(optimizer: torch.optim.Optimizer) -> Non
 def _refuse_a_decay_split_that_cannot_see_into_shards(optimizer: torch.optim.Optimizer) -> None:
     """HF Trainer (and scripts written like it) split parameters by name into a decayed group and a
     weight_decay=0 group for biases and norm weights. On a compiled model the names are the flat
-    shards', so the second group comes out empty and biases and norms decay: unlike eager, silently."""
+    shards', so the second group comes out empty and biases and norms decay: unlike eager, silently.
+    nanoGPT's `configure_optimizers` (and scripts written like it) split by `p.dim() >= 2`, and every
+    flat shard is 1-D: the decayed group comes out empty and nothing decays, silently too."""
     groups = optimizer.param_groups
+    if any(g.get("weight_decay", 0) > 0 and not g["params"] for g in groups):
+        for g in groups:
+            for p in g["params"] if g.get("weight_decay", 0) == 0 else []:
+                group = group_of(p)
+                matrices = [s.name for s in group.slots if len(s.shape) >= 2] if group else []
+                if matrices:
+                    raise RuntimeError(
+                        f"fbmt: this {type(optimizer).__name__} does not decay flat shard '{group.name}', which "
+                        f"holds matrices {matrices[:2]}, while its decayed group is empty: a split by p.dim() "
+                        "(nanoGPT's configure_optimizers) sees every flat shard as 1-D. Decay every parameter on "
+                        "purpose, torch.optim.AdamW(model.parameters(), weight_decay=wd), or set weight_decay=0"
+                    )
     if not any(g.get("weight_decay", 0) == 0 and not g["params"] for g in groups):
         return
     for g in groups:
