@@ -132,6 +132,23 @@ def test_a_decay_split_by_dimension_is_refused():
     torch.optim.AdamW(model.parameters(), weight_decay=0.1).step()  # every shard decayed: as asked
 
 
+def test_a_forward_that_draws_from_a_generator_of_its_own_says_what_to_do():
+    """`torch.randn(shape, generator=g)` in the forward (a diffusion model's noise): the message named an
+    opaque attribute ('_opaque_obj0'); it says which op and how to draw instead."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, g):
+            return self.fc(x + torch.randn(x.shape, generator=g))
+
+    model = fbmt.compile(Noisy())
+    with pytest.raises(Exception, match=r"torch.Generator of its own .*aten.randn.generator.*default generator"):
+        model(torch.randn(2, 8), torch.Generator().manual_seed(0))
+
+
 def test_freezing_a_module_after_compile_freezes_its_shard():
     ref, model = _mlp()
     for m in (ref, model):
