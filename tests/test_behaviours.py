@@ -77,6 +77,27 @@ def test_calls_under_inference_mode_trace_and_run_as_under_no_grad():
         torch.testing.assert_close(grads[n], p.grad, msg=n)
 
 
+def test_torch_compile_around_a_compiled_model_runs_it_as_it_is():
+    """`torch.compile(fbmt.compile(model))` failed inside Dynamo at a placeholder (`is_conj`), then traced
+    fbmt's runtime; the call now runs the compiled model as it is: eager's output and gradients, and an
+    attribute set after is still read."""
+    ref, model = _pair(lambda: nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.0), nn.Tanh(), nn.Linear(16, 4)))
+    wrapped = torch.compile(model)
+    x = torch.randn(4, 8)
+    out, want = wrapped(x), ref(x)
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
+    model[1].p = ref[1].p = 0.5
+    torch.manual_seed(1)
+    out = wrapped(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(out, ref(x))
+
+
 def test_train_eval_and_no_grad_inference():
     ref, model = _pair(lambda: gpt(dropout=0.5))
     (idx,), _, _ = batch("gpt", 1)

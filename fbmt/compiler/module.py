@@ -425,6 +425,9 @@ class CompiledModule(nn.Module):
         return self._orig
 
     # ---- calling ----
+    # torch.compile around the compiled model would trace fbmt's runtime, and the trace a new program makes,
+    # with Dynamo: the call runs as it is instead (fbmt.compile(..., backend="inductor") is Inductor's way in)
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._call("", args, kwargs)
 
