@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -96,6 +97,26 @@ def test_torch_compile_around_a_compiled_model_runs_it_as_it_is():
     out = wrapped(x)
     torch.manual_seed(1)
     torch.testing.assert_close(out, ref(x))
+
+
+@pytest.mark.parametrize("mode", ["detect_anomaly", "checkpoint"])
+def test_a_call_under_an_autograd_mode_traces_apart_from_it(mode):
+    """A first call under `torch.autograd.detect_anomaly()` (its NaN checks read values) or inside
+    `torch.utils.checkpoint` (its saved tensors' hooks took the trace's fakes) failed to trace; it traces
+    apart from the mode, and the call and its backward are eager's."""
+    from torch.utils.checkpoint import checkpoint
+
+    ref, model = _pair(lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+    x = torch.randn(4, 8)
+    with torch.autograd.detect_anomaly() if mode == "detect_anomaly" else contextlib.nullcontext():
+        out = model(x) if mode == "detect_anomaly" else checkpoint(model, x, use_reentrant=False)
+        want = ref(x)
+        out.square().sum().backward()
+        want.square().sum().backward()
+    torch.testing.assert_close(out, want)
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
 
 
 def test_train_eval_and_no_grad_inference():

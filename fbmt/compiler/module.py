@@ -252,6 +252,25 @@ def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _
     return "; ".join(said) or "another call signature"
 
 
+@contextlib.contextmanager
+def _apart_from_the_callers_autograd_modes() -> Iterator[None]:
+    """Where a program is built: outside the autograd modes a caller may have on, which the trace (fake
+    tensors under make_fx) cannot run in, and which act on the compiled call as it runs instead:
+    inference_mode (a call under it traces as one under no_grad: what it computes), anomaly detection
+    (its NaN checks read values; it checks the compiled backward's gradients at run time), and saved
+    tensors' hooks (torch.utils.checkpoint's, save_on_cpu's: they would take the trace's fakes)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.autograd.set_detect_anomaly(False))
+        with contextlib.suppress(RuntimeError):  # hooks turned off where the caller is (torch.func's transforms)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+        yield
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
 def _dims_text(dims: dict[int, tuple[int, ...]]) -> str:
     return ", ".join(f"input {i} dimension{'s' * (len(ds) > 1)} {', '.join(map(str, ds))}" for i, ds in dims.items())
 
@@ -672,7 +691,7 @@ class CompiledModule(nn.Module):
         return None
 
     @pipeline.fewer_collections()  # NOTE: [Collections while compiling]
-    @torch.inference_mode(False)  # a call under inference_mode traces as one under no_grad: what it computes
+    @_apart_from_the_callers_autograd_modes()
     def _build(
         self,
         key: tuple,
