@@ -228,3 +228,17 @@ def test_attention_with_dropout_stays_between_regions():
         assert sum(isinstance(m, Region) for m in gm.modules()) == 1 + outside
         if not p:
             torch.testing.assert_close(gm(q, k, v)[0], f(q, k, v)[0])
+
+
+def test_a_compile_laid_out_otherwise_is_copied_into_the_traced_strides_only_where_they_place_elements():
+    """NOTE: [Outputs in the traced layouts], on a stand-in compile: an output whose elements lie otherwise
+    is copied into the traced strides at every call; one that differs only in the stride of a dimension of
+    size 1 (which places nothing) is handed over as it is."""
+    x = torch.randn(4, 3)
+    transposed, column = x.t(), torch.randn(1, 5)  # a (3, 4) of strides (1, 3); a (1, 5) of strides (5, 1)
+    compiled = regions._TracedLayouts(lambda: (transposed, column), [(4, 1), (1, 1)])
+    for _ in range(2):
+        out, same = compiled()
+        assert out.stride() == (4, 1) and torch.equal(out, transposed)
+        assert same is column
+    assert compiled.copied == [0]

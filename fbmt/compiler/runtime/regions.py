@@ -714,6 +714,14 @@ def _in_traced_layouts(gm: fx.GraphModule, fakes: list) -> Callable[..., Any]:
     return _TracedLayouts(compile_fx(gm, fakes), traced)
 
 
+def _laid_apart(t: torch.Tensor, traced: tuple[int, ...] | None) -> bool:
+    """Whether `t`'s elements lie otherwise in memory than strides `traced` put them (the stride of a
+    dimension of size 1 places nothing; an empty tensor has nothing to place)."""
+    if traced is None or t.numel() == 0 or len(traced) != t.dim():
+        return False
+    return any(n > 1 and a != b for n, a, b in zip(t.shape, t.stride(), traced))
+
+
 class _TracedLayouts:
     """A compiled region whose outputs are copied into the traced strides where its own differ (NOTE:
     [Outputs in the traced layouts])."""
@@ -726,9 +734,7 @@ class _TracedLayouts:
         out = self.fn(*args)
         if self.copied is None:
             self.copied = [
-                k
-                for k, (o, s) in enumerate(zip(out, self.traced))
-                if s is not None and isinstance(o, torch.Tensor) and o.stride() != s
+                k for k, (o, s) in enumerate(zip(out, self.traced)) if isinstance(o, torch.Tensor) and _laid_apart(o, s)
             ]
             if self.copied:
                 logs.log.info(
