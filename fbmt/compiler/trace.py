@@ -851,13 +851,12 @@ def _lift_constants(graph: fx.Graph, owner: Any, before: int) -> dict[str, torch
         value = getattr(owner, n.target)
         if isinstance(value, torch.Generator):
             use = next(iter(n.users), None)
-            where = (use.meta.get("stack_trace") or "").strip().splitlines()[-2:] if use is not None else []
             raise TraceError(
                 f"fbmt.compile: the forward draws random numbers from a torch.Generator of its own (`generator=` "
                 f"of {getattr(use, 'target', 'an op')}, an argument or an attribute), which a compiled program "
                 "cannot advance as eager does: its draws would repeat or differ, silently. Draw from the default "
                 "generator (the program draws from it as eager does, torch.manual_seed included), or make the "
-                "random tensors outside the model and pass them in" + ("\n  at " + " ".join(where) if where else "")
+                "random tensors outside the model and pass them in"
             )
         if not isinstance(value, torch.Tensor):
             raise TraceError(f"fbmt.compile: the traced forward reads a non-tensor attribute {n.target!r}")

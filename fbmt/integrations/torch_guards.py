@@ -1,14 +1,15 @@
 """Guards on torch's own entry points around a compiled model, installed by `fbmt.compile`.
 
 A compiled model's parameters are this rank's flat shards, and the module it took over holds `meta`
-placeholders. Three habits of training scripts would then go wrong without an error; each is
+placeholders. These habits of training scripts would then go wrong without an error; each is
 caught here, on torch's documented hooks where torch has one:
 
 - an optimizer built on the model *before* compiling holds parameters nothing reads any more: an
   optimizer step pre-hook (`register_optimizer_step_pre_hook`) refuses it at its first step, naming
-  the parameter, and refuses a weight-decay split by name that cannot see inside flat shards;
+  the parameter, refuses a weight-decay split (by name or by dimension) that cannot see inside flat
+  shards, and an optimizer whose update reads a parameter's shape (NOTE: [Optimizers of flat shards]);
 - `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` would clip each rank's shard by that
-  shard's own norm (NOTE: [Global gradient norms]);
+  shard's own norm, and `torch.nn.utils.get_total_norm` would give it (NOTE: [Global gradient norms]);
 - `torch.amp.GradScaler` would look for inf/nan in this rank's shards alone, so one rank skipped an
   overflowed step while the others took it (NOTE: [Overflow found on any rank]);
 - DDP or FSDP around the compiled model would broadcast over the shards and reduce reduced
@@ -95,13 +96,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 # NOTE: [Optimizers of flat shards]
 # A compiled model's optimizer steps its flat shards: 1-D slices of many parameters laid end to end.
 # An optimizer that updates each element from its own gradient and state (SGD, Adam, AdamW, Lion, and
-# the rest of torch.optim but Adafactor and LBFGS) computes there what it computes on the model. One that reads a
-# parameter's shape or a norm over it does not: Adafactor factors a matrix's second moment into row and
-# column statistics and scales its step by the parameter's RMS, LAMB and LARS by its norm, Muon and
-# Shampoo precondition the matrix. On a shard each would compute another update, silently (Adafactor's
-# parameters were 0.02 off eager's after two steps of a toy GPT). So those, known by name anywhere in
-# the optimizer's class hierarchy (torch's, Hugging Face's, apex's, timm's), are refused at the first
-# step, and an optimizer fbmt does not know is warned about once, naming what it assumes.
+# the rest of torch.optim but Adafactor and LBFGS) computes there what it computes on the model. One
+# that reads a parameter's shape or a norm over it does not: Adafactor factors a matrix's second moment
+# into row and column statistics and scales its step by the parameter's RMS, LAMB and LARS by its
+# norm, Muon and Shampoo precondition the matrix. On a shard each computes another update, silently.
+# So those, known by name anywhere in the optimizer's class hierarchy (torch's, Hugging Face's, apex's,
+# timm's), are refused at the first step, and an optimizer fbmt does not know is warned about once,
+# naming what it assumes.
 _ELEMENTWISE = frozenset(
     ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop")
 )
@@ -270,6 +271,7 @@ def _overflow_on_any_rank() -> None:
 
 
 def _found_on_any_rank(torch_unscale: Callable) -> Callable:
+    @functools.wraps(torch_unscale)
     def unscale_grads_(
         self: Any, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:

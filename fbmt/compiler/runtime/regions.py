@@ -674,7 +674,6 @@ def compile_static(description: list, specs: list, grad: bool) -> Any:
     """Inductor's compile of a region (`_describe`'s `description`) for inputs of `specs`' exact
     layouts: what `Region` runs, and what a compile worker makes for torch's caches (NOTE: [Compiles in
     the background]): both build the same graph and the same fakes, so the caches key them alike."""
-
     gm = _rebuild(description)
     cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
     # a new thread's current device is device 0, not the one the caller set (the loader is one)
@@ -696,7 +695,7 @@ def _in_traced_layouts(gm: fx.GraphModule, fakes: list) -> Callable[..., Any]:
     contiguous in eager, transposed compiled). What reads the output then meets a layout its trace
     never saw: the region reading it compiles a second time for it, and with compiles in the background
     every step between the forward's compile and that second one ran the layer's backward as traced
-    (the default call of HF's Llama ran at 0.89x its step before background compiles); a model output
+    (HF's Llama called as HF documents it, each layer's backward); a model output
     so laid out differs from eager's (`.view` fails where eager's works), and an `as_strided` of it
     would read other elements. So the first call of a compile compares its outputs' strides with the
     trace's (the graph's values, exact here) and, where one differs, every call copies that output into
