@@ -149,6 +149,21 @@ def test_a_forward_that_draws_from_a_generator_of_its_own_says_what_to_do():
         model(torch.randn(2, 8), torch.Generator().manual_seed(0))
 
 
+def test_reading_a_placeholders_grad_says_where_the_gradient_is():
+    """`model.fc1.weight.grad` after backward was None (eager's is the gradient): a loop that logs the
+    gradients of `model.modules()`' parameters skipped every one, silently. It raises, naming the parameter
+    and `full_gradients()`; the shards' gradients and `zero_grad()` are as before."""
+    model = fbmt.compile(MLP())
+    (x,), _, y = batch("mlp", 0)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"'fc1.weight' .* its \.grad is never set\. model.full_gradients\(\)"):
+        _ = model.fc1.weight.grad
+    assert all(p.grad is not None for p in model.parameters())
+    assert model.full_gradients()["fc1.weight"].abs().sum() > 0
+    model.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_freezing_a_module_after_compile_freezes_its_shard():
     ref, model = _mlp()
     for m in (ref, model):

@@ -76,6 +76,13 @@ class Placeholder(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         kwargs = kwargs or {}
         name = _op_name(func)
+        if name == "grad" and _is_getter(func) and not _quiet:
+            raise RuntimeError(
+                f"fbmt: parameter '{_named(args)}' belongs to a module fbmt.compile took over: it is a placeholder, "
+                "and its gradient lives in the compiled model's flat shards (model.parameters(), each rank's part of "
+                "every parameter), so its .grad is never set. model.full_gradients() gathers every parameter's "
+                "gradient by name (a collective: call it on every rank)"
+            )
         with torch._C.DisableTorchFunctionSubclass():
             if _quiet or name in _METADATA or (_is_getter(func) and name not in _VIEWS):
                 return func(*args, **kwargs)
