@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from fbmt import job
 from fbmt.compiler import CompiledModule, local_range
 from fbmt.files import fsync_dir, save_atomic, write_json_atomic
+from fbmt.integrations.torch_guards import unmarked
 
 __all__ = [
     "save",
@@ -671,7 +672,7 @@ def _per_element(v: Any, p: torch.Tensor) -> bool:
 def _optimizer_pieces(model: CompiledModule, optimizer: torch.optim.Optimizer, copy: bool = False) -> dict[str, Any]:
     """The optimizer's state as torch's `get_optimizer_state_dict` keys it: by parameter name."""
     owners, params = _owners(model, optimizer), _params(optimizer)
-    sd = optimizer.state_dict()
+    sd = unmarked(optimizer.state_dict())  # keyed by name, for any rank (NOTE: [Another rank's optimizer state])
     state: dict[str, dict[str, Any]] = {}
     for index, entry in sd["state"].items():
         for part in owners[int(index)]:
@@ -716,7 +717,7 @@ def _optimizer_destination(
                     per[k] = part.of(mine[k])
                 else:
                     per[k] = torch.empty(md.size, dtype=md.properties.dtype)
-    mine = optimizer.state_dict()
+    mine = unmarked(optimizer.state_dict())
     groups = [{**g, "params": []} for g in mine["param_groups"]]  # the structure to load into
     extra = {k: v for k, v in mine.items() if k not in ("state", "param_groups")}
     dest = {"state": state, "param_groups": groups, **({"extra": extra} if extra else {})}

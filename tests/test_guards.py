@@ -281,6 +281,41 @@ def test_gathered_optimizer_state_of_a_compiled_model_resumes_every_rank():
     run_ranks(2, _gathered_optimizer_state)
 
 
+def _rank0s_optimizer_state(rank: int, world: int, folder: str) -> str:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = fbmt.compile(MLP())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    torch.save(opt.state_dict(), f"{folder}/optim.{rank}.pt")  # every rank its own
+    dist.barrier()
+    said = ""
+    for source in (rank, 0):  # its own; then rank 0's, as a script written for DDP saves and loads it
+        torch.manual_seed(0)
+        fresh = fbmt.compile(MLP())
+        opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        opt2.load_state_dict(torch.load(f"{folder}/optim.{source}.pt"))
+        if source == rank:
+            got, mine = opt2.state[next(iter(fresh.parameters()))], opt.state[next(iter(model.parameters()))]
+            for k, v in mine.items():
+                torch.testing.assert_close(got[k], v, msg=f"rank {rank}: {k}")
+        try:
+            _train(fresh, opt2, 1)
+        except RuntimeError as e:
+            said = str(e)
+    return said
+
+
+def test_an_optimizer_state_saved_by_another_rank_is_refused(tmp_path):
+    """NOTE: [Another rank's optimizer state]: rank 0's `opt.state_dict()` loaded on every rank (the DDP
+    habit, HF Trainer's) stepped rank 1 with rank 0's moments, silently; rank 1 refuses it at its step, and
+    each rank's own state resumes."""
+    said = run_ranks(2, _rank0s_optimizer_state, str(tmp_path))
+    assert said[0] == "", said[0]
+    assert "state was saved by rank 0 of 2 and loaded on rank 1 of 2" in said[1], said[1]
+
+
 def _one_rank_without_grad(rank: int, world: int) -> str:
     torch.manual_seed(0)
     model = fbmt.compile(MLP())

@@ -7,7 +7,8 @@ caught here, on torch's documented hooks where torch has one:
 - an optimizer built on the model *before* compiling holds parameters nothing reads any more: an
   optimizer step pre-hook (`register_optimizer_step_pre_hook`) refuses it at its first step, naming
   the parameter, refuses a weight-decay split (by name or by dimension) that cannot see inside flat
-  shards, and an optimizer whose update reads a parameter's shape (NOTE: [Optimizers of flat shards]);
+  shards, an optimizer whose update reads a parameter's shape (NOTE: [Optimizers of flat shards]),
+  and a state loaded from another rank's optimizer (NOTE: [Another rank's optimizer state]);
 - `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` would clip each rank's shard by that
   shard's own norm, and `torch.nn.utils.get_total_norm` would give it (NOTE: [Global gradient norms]);
 - `torch.amp.GradScaler` would look for inf/nan in this rank's shards alone, so one rank skipped an
@@ -75,9 +76,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             f"fbmt: {type(optimizer).__name__}.step() would read gradients that were never reduced over ranks: {why}. "
             "Run the last micro-batch's backward with sync on (outside no_sync()), as DDP and FSDP require, then step"
         )
+    if any(SHARDS_KEY in g for g in optimizer.param_groups):  # a state dict was loaded since the last step
+        _refuse_another_ranks_state(optimizer)
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if _checked.get(optimizer) == count:  # checked, and no parameter added since
         return
+    _say_whose_from_now_on(optimizer)
     for g in optimizer.param_groups:
         for p in g["params"]:
             name = moved_name(p)
@@ -91,6 +95,69 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     _refuse_a_decay_split_that_cannot_see_into_shards(optimizer)
     _refuse_an_update_that_reads_shapes(optimizer)
     _checked[optimizer] = count
+
+
+# NOTE: [Another rank's optimizer state]
+# Each rank's optimizer holds the state of its own flat shards (Adam's moments of its part of every
+# parameter). A script written for DDP saves the optimizer on rank 0 alone (`if rank == 0:
+# torch.save(opt.state_dict(), path)`, as HF's Trainer does) and every rank loads that file: rank 1
+# then stepped with rank 0's moments, which have the same size, silently. So the state dict of an
+# optimizer of shards says whose it is: a key of each parameter group holding shards, `fbmt_shards`
+# = (rank, world size), added by a state-dict hook fbmt registers at the optimizer's first step; torch's
+# `load_state_dict` keeps a saved group's keys, and at the first step after a load the key is checked
+# (and dropped): another rank's or another world size's state is refused, saying how to save every
+# rank's. fbmt's own checkpoints (fbmt.checkpoint, OptimManager's gathered state) are keyed by
+# parameter, not by rank, and leave the key out.
+SHARDS_KEY = "fbmt_shards"
+_marked: weakref.WeakSet = weakref.WeakSet()  # optimizers whose state dicts say whose they are
+
+
+def _whose() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _holds_shards(group: dict[str, Any], shards: set[int]) -> bool:
+    return any(id(p) in shards for p in group["params"])
+
+
+def _refuse_another_ranks_state(optimizer: torch.optim.Optimizer) -> None:
+    """A state loaded from another rank's (or another world size's) optimizer is refused (NOTE:
+    [Another rank's optimizer state])."""
+    shards = {id(p) for p in list(_SHARDS)}
+    me = _whose()
+    for group in optimizer.param_groups:
+        saved = group.pop(SHARDS_KEY, None)
+        if saved is not None and tuple(saved) != me and _holds_shards(group, shards):
+            raise RuntimeError(
+                f"fbmt: this {type(optimizer).__name__}'s state was saved by rank {saved[0]} of {saved[1]} and "
+                f"loaded on rank {me[0]} of {me[1]}: each rank's optimizer holds the state of its own flat shards, "
+                "so it would step with another rank's moments. Save every rank's state and load each its own "
+                "(torch.save(opt.state_dict(), f'optim.{rank}.pt')), or use fbmt.checkpoint.save/load, which "
+                "resume on any number of ranks"
+            )
+
+
+def _say_whose_from_now_on(optimizer: torch.optim.Optimizer) -> None:
+    """This optimizer's state dicts say whose they are, where it holds shards."""
+    shards = {id(p) for p in list(_SHARDS)}
+    if optimizer not in _marked and any(_holds_shards(g, shards) for g in optimizer.param_groups):
+        _marked.add(optimizer)
+        optimizer.register_state_dict_post_hook(_say_whose)
+
+
+def unmarked(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's `state_dict` without the key that says whose it is: for a state that serves every
+    rank (gathered, or keyed by parameter name)."""
+    groups = [{k: v for k, v in g.items() if k != SHARDS_KEY} for g in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
+
+
+def _say_whose(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    shards = {id(p) for p in list(_SHARDS)}
+    for saved, group in zip(state_dict["param_groups"], optimizer.param_groups):
+        if _holds_shards(group, shards):
+            saved[SHARDS_KEY] = _whose()
+    return state_dict
 
 
 # NOTE: [Optimizers of flat shards]

@@ -20,6 +20,7 @@ from fbmt.compiler import group_of
 from fbmt.integrations.bmt import distributed
 from fbmt.integrations.bmt.parameter import gather_parts, is_distributed, view_of
 from fbmt.integrations.optim._adam_base import AdamBase
+from fbmt.integrations.torch_guards import unmarked
 
 
 class OptimManager:
@@ -161,8 +162,8 @@ class OptimManager:
         a sharded parameter is gathered whole onto the CPU, so `load_state_dict` can resume it on any
         number of ranks (save it from rank 0)."""
         optimizers = [o.state_dict() for o in self.optimizers]
-        if gather_opt:
-            optimizers = [_map_sharded_state(o, sd, _gather) for o, sd in zip(self.optimizers, optimizers)]
+        if gather_opt:  # every rank's: without the key that says whose (NOTE: [Another rank's optimizer state])
+            optimizers = [unmarked(_map_sharded_state(o, sd, _gather)) for o, sd in zip(self.optimizers, optimizers)]
         return {
             "optimizers": optimizers,
             "lr_schedulers": [s.state_dict() if s is not None else None for s in self.lr_schedulers],
