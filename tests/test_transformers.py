@@ -291,6 +291,46 @@ def test_forward_presents_the_models_signature():
     assert model.main_input_name == "input_ids" and model.can_generate()
 
 
+def _trainer_saves_and_resumes(rank: int, world: int, folder: str) -> tuple[list[float], float]:
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from hf_trainer import Counting
+
+    def run(resume: bool) -> tuple[transformers.Trainer, torch.nn.Module]:
+        torch.manual_seed(0)
+        model = fbmt.compile(hf.build("llama"))
+        args = transformers.TrainingArguments(
+            output_dir=folder, per_device_train_batch_size=2, max_steps=6, learning_rate=1e-3, save_steps=3,
+            logging_steps=1, report_to=[], seed=0, disable_tqdm=True, use_cpu=True, dataloader_drop_last=True,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Counting(2 * 6 * world, 8, hf.VOCAB))
+        trainer.train(resume_from_checkpoint=f"{folder}/checkpoint-3" if resume else None)
+        return trainer, model
+
+    _, whole = run(resume=False)  # saves at steps 3 and 6: before, rank 0 waited in the state dict's gather
+    want = whole.full_parameters()
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{folder}/checkpoint-6")
+    torch.distributed.barrier()
+    trainer, resumed = run(resume=True)  # each rank its own optimizer state
+    got = resumed.full_parameters()
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, msg=f"rank {rank}: {name}")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(f"{folder}/checkpoint-3")  # what Trainer wrote
+    assert set(saved.state_dict()) >= {k for k in want if "rotary" not in k}
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_checkpoints_save_and_resume_on_two_ranks(tmp_path):
+    """NOTE: [Trainer checkpoints]: Trainer saving every `save_steps` waited forever on rank 0 (the state
+    dict gathers from every rank, and only rank 0 asked), and a resume gave every rank rank 0's optimizer
+    state. A run saved at step 3 and resumed there ends with the parameters of the run that went through."""
+    losses = run_ranks(2, _trainer_saves_and_resumes, str(tmp_path))
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
 def test_the_trainer_example_matches_eager_ddp(offload):
     """examples/hf_trainer.py: transformers.Trainer on 2 ranks, 2 micro-batches per step; --check trains

@@ -7,7 +7,8 @@
   found on the compiled model and bound to it, and its class-level lookups reach the wrapped class
   (`generate` runs `getattr(type(self), "_sample")`);
 - accelerate (under Trainer) sees it as already prepared, so it neither wraps it in DDP nor runs its
-  forward under autocast (refused with what to do instead).
+  forward under autocast (refused with what to do instead); Trainer's checkpoints then save and resume
+  on several ranks (integrations/trainer.py).
 It also gives a model built on `meta` its own `_init_weights` as the initializer (`init_fn`), what
 `from_config` runs, and adds the mixture-of-experts hint to the compiler's trace errors.
 
@@ -220,6 +221,9 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         # under autocast for bf16=True/fp16=True: the first is refused (integrations/torch_guards.py),
         # the second would trace the autocast casts into the program. A compiled model needs neither:
         # it is prepared.
+        from fbmt.integrations import trainer
+
+        trainer.install()  # Trainer's checkpoints on several ranks (NOTE: [Trainer checkpoints])
         state = sys.modules.get("accelerate.state")
         precision = _mixed_precision(state) if state is not None else None
         if precision not in (None, "no"):
