@@ -149,6 +149,31 @@ def test_a_rank_kept_waiting_names_the_late_rank_within_seconds_and_waits_on():
     assert "has waited" not in said[1]
 
 
+def _saved_on_rank0_alone(rank: int, world: int, folder: str) -> str:
+    from tests.models import hf
+
+    model = fbmt.compile(hf.build("llama"))
+    ids = torch.randint(0, hf.VOCAB, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    try:
+        if rank == 0:
+            model.save_pretrained(folder)  # the DDP habit: rank 0 saves, the others train on
+        else:
+            model(input_ids=ids, labels=ids).loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_a_save_on_rank0_alone_says_it_is_a_collective(tmp_path):
+    """`if rank == 0: model.save_pretrained(folder)` waits in the state dict's gather for ranks that never
+    come: rank 0's error said it waited in "the compiled program"; it names the gather, outside the
+    program, and how to save on every rank."""
+    said = run_ranks(2, _saved_on_rank0_alone, str(tmp_path), env={"FBMT_TIMEOUT": "3"}, barrier=False)
+    assert "waited in the gather of flat group 'model.embed_tokens/float32' outside the program" in said[0], said[0]
+    assert "save_pretrained(folder, is_main_process=rank == 0)" in said[0] and "of the compiled program" not in said[0]
+
+
 def _damaged_on_two_ranks(rank: int, world: int, folder: str) -> dict:
     import os
 

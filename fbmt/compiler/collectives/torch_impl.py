@@ -276,9 +276,10 @@ def wait(pending: Pending) -> torch.Tensor:
         try:
             pending.work.wait()
         except RuntimeError as e:  # gloo: a peer that never joined within the group's timeout
+            where = pending.what if " outside " in pending.what else f"{pending.what} of the compiled program"
             raise RuntimeError(
-                f"fbmt: rank {dist.get_rank()} waited in {pending.what} of the compiled program, and a peer "
-                "never joined it: another rank stalled, died, or left the program (its log says which). "
+                f"fbmt: rank {dist.get_rank()} waited in {where}, and a peer never joined it: another rank stalled, "
+                "died, or left the program (its log says which). "
                 f"Raise FBMT_TIMEOUT if its steps take longer ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             ) from e
     tensor = pending.then() if pending.then is not None else pending.tensor

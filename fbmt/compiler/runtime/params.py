@@ -142,7 +142,13 @@ def gather_group(shard: torch.Tensor, group: FlatGroup, device: torch.device | N
     """The whole flat buffer of a group (a blocking all-gather), on `device` (default: the shard's; a
     shard in host memory is gathered on the compute device, NOTE: [Offload] in passes/shard.py)."""
     shard = shard.detach() if device is None else shard.detach().to(device)
-    return torch_impl.wait(torch_impl.all_gather(shard, group.world_size))
+    pending = torch_impl.all_gather(shard, group.world_size)
+    pending.what = (
+        f"the gather of flat group '{group.name}' outside the program (state_dict(), save_pretrained(), "
+        "full_parameters() and full_gradients() are collectives: call them on every rank, e.g. "
+        "model.save_pretrained(folder, is_main_process=rank == 0), not on rank 0 alone)"
+    )
+    return torch_impl.wait(pending)
 
 
 def _param_refs(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
