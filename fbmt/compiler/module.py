@@ -1057,6 +1057,18 @@ class CompiledModule(nn.Module):
     # their parameters, `meta` placeholders, raises and names the parameter. The parameters stay the
     # shards (`named_parameters`, what an optimizer steps), and `children()` stays this module's own:
     # `to()`, `train()` and `state_dict()` walk it, and on the placeholders they would move or save nothing.
+    @contextlib.contextmanager
+    def by_names(self) -> Iterator[None]:
+        """Within: `named_parameters()` names the compiled model's parameters (placeholders), for library
+        code that reads the names to key a state dict it then loads (NOTE: [Adapters loaded by name] in
+        fbmt/integrations/transformers.py)."""
+        before = self.__dict__.get("_by_names", False)
+        self.__dict__["_by_names"] = True
+        try:
+            yield
+        finally:
+            self.__dict__["_by_names"] = before
+
     def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True) -> Any:
         """This module, the compiled model's modules under their paths, then the flat shards' list
         (NOTE: [The compiled model's modules])."""
@@ -1070,7 +1082,11 @@ class CompiledModule(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
         """This rank's flat shards (`flat_params.N`), which an optimizer steps; the compiled model's own
-        parameters are `meta` placeholders (NOTE: [The compiled model's modules])."""
+        parameters are `meta` placeholders (NOTE: [The compiled model's modules]). Within `by_names()`, the
+        compiled model's parameters by their names, as placeholders."""
+        if self.__dict__.get("_by_names"):
+            yield from self._orig.named_parameters(prefix, recurse, remove_duplicate)
+            return
         modules = nn.Module.named_modules(self, prefix=prefix, remove_duplicate=remove_duplicate)
         seen: set[nn.Parameter] = set()
         for path, m in modules if recurse else [(prefix, self)]:

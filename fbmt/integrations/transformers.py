@@ -22,6 +22,7 @@ are the original's.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import types
@@ -212,6 +213,8 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
             return _refused(type(orig).__name__, name)
         found = inspect.getattr_static(type(orig), name, None)
         if isinstance(found, (types.FunctionType, property)) and name not in vars(orig):
+            if name in BY_NAMES:
+                return types.MethodType(_by_names(found), self)
             return found.fget(self) if isinstance(found, property) else types.MethodType(found, self)
         return getattr(orig, name)
 
@@ -237,6 +240,27 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
     @_is_accelerate_prepared.setter
     def _is_accelerate_prepared(self, value: bool) -> None:
         pass  # accelerate marks what it prepared; a compiled model stays prepared
+
+
+# NOTE: [Adapters loaded by name]
+# peft's `load_adapter` (what HF's Trainer calls to resume a LoRA run from its checkpoint) keys the
+# adapter's weights by the model's parameter names: where no name of `model.named_parameters()` starts
+# with "base_model.model.", it strips that prefix. A compiled model's named parameters are its flat
+# shards (`flat_params.N`), so the prefix was stripped, no key matched, and `load_state_dict(...,
+# strict=False)` loaded nothing: the resumed run trained the adapters from their initial values,
+# silently. Such methods (`BY_NAMES`) run with `named_parameters()` naming the compiled model's
+# parameters (`CompiledModule.by_names`); what they load goes through the compiled model's
+# `load_state_dict` into the shards.
+BY_NAMES = frozenset({"load_adapter"})
+
+
+def _by_names(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.by_names():
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 def _refused(model: str, method: str) -> Callable:
