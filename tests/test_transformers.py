@@ -282,6 +282,15 @@ def test_tensors_made_inside_forward_are_inputs_of_the_program():
     assert 1 <= len(constants) == text.count("= input constant["), model.program.summary("trace")
 
 
+def test_num_parameters_counts_the_models_parameters():
+    """`num_parameters()` counted the flat shards: this rank's part, embeddings not told apart (NOTE:
+    [Adapters loaded by name])."""
+    ref = hf.build("llama")
+    model = fbmt.compile(copy.deepcopy(ref))
+    for kwargs in ({}, {"exclude_embeddings": True}, {"only_trainable": True}):
+        assert model.num_parameters(**kwargs) == ref.num_parameters(**kwargs), kwargs
+
+
 def test_forward_presents_the_models_signature():
     ref = hf.build("llama")
     model = fbmt.compile(copy.deepcopy(ref))
