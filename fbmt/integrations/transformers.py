@@ -250,9 +250,10 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
 # strict=False)` loaded nothing: the resumed run trained the adapters from their initial values,
 # silently. Such methods (`BY_NAMES`) run with `named_parameters()` naming the compiled model's
 # parameters (`CompiledModule.by_names`); what they load goes through the compiled model's
-# `load_state_dict` into the shards. So does `num_parameters` (Trainer's log, a model card): on the
-# shards it counted this rank's part, and could not tell the embeddings apart.
-BY_NAMES = frozenset({"load_adapter", "num_parameters"})
+# `load_state_dict` into the shards. So do the counts (`num_parameters`, peft's
+# `print_trainable_parameters`): on the shards they counted this rank's part, and `num_parameters` could
+# not tell the embeddings apart.
+BY_NAMES = frozenset({"load_adapter", "num_parameters", "get_nb_trainable_parameters", "print_trainable_parameters"})
 
 
 def _by_names(method: Callable) -> Callable:
