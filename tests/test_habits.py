@@ -112,6 +112,19 @@ def test_hugging_faces_checkpointing_and_resizing_say_what_to_do_instead():
         compiled.resize_token_embeddings(128)
 
 
+def test_a_new_adapter_after_compile_says_to_add_it_before():
+    """peft's add_adapter() on a compiled LoRA model failed at a placeholder's `__set__`; it says to add the
+    adapter before compiling."""
+    import peft
+
+    from tests.models.hf import build
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    compiled = fbmt.compile(peft.get_peft_model(build("llama"), config))
+    with pytest.raises(RuntimeError, match=r"PeftModel.add_adapter\(\) on a compiled model: .* before fbmt.compile"):
+        compiled.add_adapter("second", peft.LoraConfig(r=2, target_modules=["k_proj"]))
+
+
 def test_casting_a_compiled_model_says_how_to_compute_in_that_dtype():
     """model.to(torch.bfloat16) after compile failed later with "expected m1 and m2 to have the same dtype"."""
     model = fbmt.compile(MLP())

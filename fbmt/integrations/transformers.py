@@ -149,6 +149,7 @@ BEFORE_COMPILE = {
     "set_input_embeddings": _RESTRUCTURE,
     "set_output_embeddings": _RESTRUCTURE,
     "prune_heads": _RESTRUCTURE,
+    "add_adapter": _RESTRUCTURE,  # peft's and transformers': a new adapter's weights
 }
 
 
