@@ -100,6 +100,24 @@ def _generates(rank: int, world: int, name: str) -> None:
     assert torch.equal(got, want), (got, want)
 
 
+def _generates_prompts_of_its_own(rank: int, world: int) -> None:
+    ref = hf.build("llama").eval()
+    model = fbmt.compile(copy.deepcopy(ref)).eval()
+    prompt = hf.inputs("llama", rank, batch=1, seq=5 + 2 * rank)["input_ids"]  # each rank its own
+    tokens = ref.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=None)[0, prompt.shape[1] :]
+    # rank 1's sequence ends at its first token, rank 0's never: rank 1 is done three calls before rank 0
+    eos = int(tokens[0]) if rank == 1 else next(t for t in range(hf.VOCAB) if t not in tokens.tolist())
+    want = ref.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    got = model.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, want), (rank, got, want)
+
+
+def test_generate_on_ranks_whose_sequences_end_apart_gives_the_eager_tokens():
+    """NOTE: [Generation on every rank]: a rank whose sequences ended first stopped calling the model, and
+    the others waited in their next call until the timeout; generate keeps it calling, as for ZeRO-3."""
+    run_ranks(2, _generates_prompts_of_its_own)
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_generate_runs_the_compiled_program_and_gives_the_eager_tokens(name):
     run_ranks(2, _generates, name)
