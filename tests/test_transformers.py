@@ -110,11 +110,13 @@ def _generates_prompts_of_its_own(rank: int, world: int) -> None:
     want = ref.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=0)
     got = model.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, want), (rank, got, want)
+    # what Seq2SeqTrainer's predict_with_generate reads to keep a finished rank generating too
+    assert transformers.integrations.fsdp.is_fsdp_managed_module(model)
 
 
 def test_generate_on_ranks_whose_sequences_end_apart_gives_the_eager_tokens():
     """NOTE: [Generation on every rank]: a rank whose sequences ended first stopped calling the model, and
-    the others waited in their next call until the timeout; generate keeps it calling, as for ZeRO-3."""
+    the others waited in their next call until the timeout; transformers keeps it calling, as for ZeRO-3."""
     run_ranks(2, _generates_prompts_of_its_own)
 
 

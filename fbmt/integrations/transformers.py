@@ -29,7 +29,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 import torch.nn as nn
 
 from fbmt.compiler import CompiledModule, register_trace_hint
@@ -217,8 +216,6 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         if isinstance(found, (types.FunctionType, property)) and name not in vars(orig):
             if name in BY_NAMES:
                 return types.MethodType(_by_names(found), self)
-            if name == "generate":
-                return types.MethodType(_synced(found), self)
             return found.fget(self) if isinstance(found, property) else types.MethodType(found, self)
         return getattr(orig, name)
 
@@ -245,6 +242,18 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
     def _is_accelerate_prepared(self, value: bool) -> None:
         pass  # accelerate marks what it prepared; a compiled model stays prepared
 
+    # NOTE: [Generation on every rank]
+    # A compiled model's every call gathers parameters from every rank, so every rank must make the same
+    # calls. `generate()` stops where its sequences end: with prompts of its own, a rank whose sequences
+    # ended first stopped calling while the others waited in their next call, until the timeout. ZeRO-3
+    # and FSDP need the same, and transformers keeps a finished rank calling (`synced_gpus`: generate,
+    # Seq2SeqTrainer's predict_with_generate) where `is_fsdp_managed_module(model)` says the model's
+    # parameters are sharded, which it reads from this attribute. A `synced_gpus=False` passed on purpose
+    # is kept.
+    @property
+    def _is_fsdp_managed_module(self) -> bool:
+        return self.layout.world_size > 1
+
 
 # NOTE: [Adapters loaded by name]
 # peft's `load_adapter` (what HF's Trainer calls to resume a LoRA run from its checkpoint) keys the
@@ -265,30 +274,6 @@ def _by_names(method: Callable) -> Callable:
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         with self.by_names():
             return method(self, *args, **kwargs)
-
-    return run
-
-
-# NOTE: [Generation on every rank]
-# A compiled model's every call gathers parameters from every rank, so every rank must make the same
-# calls. `generate()` stops where its sequences end: with prompts of its own, a rank that met the end
-# of its sequences first stopped calling while the others waited in their next call, until the timeout.
-# DeepSpeed's ZeRO-3 and FSDP models need the same, and generate keeps calling on a finished rank for
-# them (`synced_gpus`, on by default where it recognizes one of those); it is on by default for a
-# compiled model on several ranks too. `synced_gpus=False` passed on purpose is kept.
-def _synced(generate: Callable) -> Callable:
-    names = list(inspect.signature(generate).parameters)
-    at = names.index("synced_gpus") - 1 if "synced_gpus" in names else None  # its place after self
-
-    @functools.wraps(generate)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        given = kwargs.get("synced_gpus") if at is None or len(args) <= at else args[at]
-        if at is not None and given is None and dist.is_initialized() and dist.get_world_size() > 1:
-            if len(args) > at:
-                args = (*args[:at], True, *args[at + 1 :])
-            else:
-                kwargs["synced_gpus"] = True
-        return generate(self, *args, **kwargs)
 
     return run
 
