@@ -254,6 +254,10 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
     def _is_fsdp_managed_module(self) -> bool:
         return self.layout.world_size > 1
 
+    @_is_fsdp_managed_module.setter
+    def _is_fsdp_managed_module(self, value: bool) -> None:
+        pass  # FSDP's fully_shard marks what it takes; around a compiled model it is refused at the next call
+
 
 # NOTE: [Adapters loaded by name]
 # peft's `load_adapter` (what HF's Trainer calls to resume a LoRA run from its checkpoint) keys the
