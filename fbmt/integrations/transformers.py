@@ -256,7 +256,8 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
 
     @_is_fsdp_managed_module.setter
     def _is_fsdp_managed_module(self, value: bool) -> None:
-        pass  # FSDP's fully_shard marks what it takes; around a compiled model it is refused at the next call
+        """FSDP's fully_shard marks what it takes: the mark is taken without a word, and fully_shard
+        around a compiled model is refused at its next call (the shards' check)."""
 
 
 # NOTE: [Adapters loaded by name]
