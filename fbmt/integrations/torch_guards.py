@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fbmt.compiler import group_of, moved_name, unreduced
+from fbmt.integrations import decay
 
 log = logging.getLogger("fbmt")
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters checked
@@ -46,7 +47,7 @@ def install(leaves: list[torch.Tensor]) -> None:
     if _hook is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _hook = register_optimizer_step_pre_hook(_check_optimizer)
+        _hook = register_optimizer_step_pre_hook(_before_step)
     _global_gradient_norms(leaves)
     _overflow_on_any_rank()
 
@@ -67,7 +68,12 @@ class NoDataParallel:
         )
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _check_optimizer(optimizer)
+    decay.before_step(optimizer, kwargs)  # NOTE: [Decay split inside flat shards]
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer that holds a parameter compile took over fails at its first step (it would update
     a tensor nothing reads any more, and the model would silently not train)."""
     why = unreduced([p for g in optimizer.param_groups for p in g["params"]])
@@ -216,7 +222,10 @@ def _refuse_a_decay_split_that_cannot_see_into_shards(optimizer: torch.optim.Opt
     weight_decay=0 group for biases and norm weights. On a compiled model the names are the flat
     shards', so the second group comes out empty and biases and norms decay: unlike eager, silently.
     nanoGPT's `configure_optimizers` (and scripts written like it) split by `p.dim() >= 2`, and every
-    flat shard is 1-D: the decayed group comes out empty and nothing decays, silently too."""
+    flat shard is 1-D: the decayed group comes out empty and nothing decays, silently too. Trainer's own
+    split is kept inside the shards (NOTE: [Decay split inside flat shards]): not refused."""
+    if decay.holds_split(optimizer):
+        return
     groups = optimizer.param_groups
     if any(g.get("weight_decay", 0) > 0 and not g["params"] for g in groups):
         for g in groups:

@@ -14,13 +14,17 @@ a compiled one on several ranks (elsewhere they are Trainer's own):
   (`optimizer.fbmt-rank{r}-of-{w}.pt`);
 - `_load_optimizer_and_scheduler` then loads each rank its own, where the checkpoint has it (resumed on
   another number of ranks, rank 0's file loads and the first step refuses it, saying why).
-They are installed where accelerate, under Trainer, first reads the compiled model (its
-`_is_accelerate_prepared`), on the Trainer class already imported; never at import.
+`create_optimizer` is wrapped too, for a compiled model on any number of ranks: Trainer's split of weight
+decay by name is kept inside the flat shards (NOTE: [Decay split inside flat shards] in decay.py).
+They are installed on the Trainer class when `fbmt.compile` runs after transformers' trainer was
+imported, or else when it is imported (`install_when_imported`); never by importing it.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -29,8 +33,45 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_WRAPPED = ("_save", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+from fbmt.integrations import decay
+
+_WRAPPED = (
+    "_save",
+    "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",
+    "create_optimizer",
+    "get_decay_parameter_names",
+)
 _installed: set[type] = set()
+_TRAINER = "transformers.trainer"
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Installs the wrappers once transformers' trainer module has been executed."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _TRAINER:
+            return None
+        sys.meta_path.remove(self)  # once: the real finders find it
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            install()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install_when_imported() -> None:
+    """Install now where Trainer is imported, else when it is."""
+    if _TRAINER in sys.modules:
+        install()
+    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport())
 
 
 def install() -> None:
@@ -43,11 +84,13 @@ def install() -> None:
     if missing:  # another transformers: say so rather than save a checkpoint that cannot resume
         raise RuntimeError(
             f"fbmt: transformers' Trainer has no {missing}, through which fbmt saves and resumes a compiled model's "
-            "checkpoints on several ranks; use a transformers release fbmt supports (5.x), or save_strategy='no'"
+            "checkpoints on several ranks and keeps its weight-decay split inside flat shards; use a transformers "
+            "release fbmt supports (5.x)"
         )
     trainer._save = _every_rank_reads_the_state(trainer._save)
     trainer._save_optimizer_and_scheduler = _each_rank_saves_its_optimizer(trainer._save_optimizer_and_scheduler)
     trainer._load_optimizer_and_scheduler = _each_rank_loads_its_optimizer(trainer._load_optimizer_and_scheduler)
+    trainer.create_optimizer = _decay_split_inside_shards(trainer.create_optimizer)
     _installed.add(trainer)
 
 
@@ -97,3 +140,34 @@ def _each_rank_loads_its_optimizer(load: Callable) -> Callable:
         return out
 
     return _load_optimizer_and_scheduler
+
+
+def _decay_split_inside_shards(create: Callable) -> Callable:
+    """NOTE: [Decay split inside flat shards] in decay.py."""
+    from fbmt.compiler import CompiledModule
+
+    @functools.wraps(create)
+    def create_optimizer(self: Any, model: Any = None) -> Any:
+        opt_model = self.model if model is None else model
+        if self.optimizer is not None or not isinstance(opt_model, CompiledModule):
+            return create(self, model)
+        whole, partly = decay.by_shards(opt_model, self.get_decay_parameter_names(opt_model._orig))
+        self.get_decay_parameter_names = lambda _: whole  # this call's groups, of shards
+        try:
+            out = create(self, model)
+        finally:
+            del self.get_decay_parameter_names
+        like = next(
+            (i for i, g in enumerate(self.optimizer.param_groups) if g.get("weight_decay") == self.args.weight_decay),
+            None,
+        )
+        if partly and self.args.weight_decay and like is None:
+            raise RuntimeError(
+                f"fbmt: Trainer's optimizer has no group of weight_decay={self.args.weight_decay}, which fbmt "
+                "applies to the decayed parameters inside flat shards; build the optimizer yourself "
+                "(Trainer(optimizers=(opt, None))) on model.parameters()"
+            )
+        decay.decay_within(self.optimizer, opt_model, partly if self.args.weight_decay else {}, like or 0)
+        return out
+
+    return create_optimizer
