@@ -16,7 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from fbmt.compiler import CompiledModule, CompileOptions, compile_module
-from fbmt.integrations import torch_guards, trainer, transformers
+from fbmt.integrations import accelerate_state, torch_guards, trainer, transformers
 from fbmt.tools import auto_remat
 
 __all__ = ["compile", "CompileOptions", "CompiledModule"]
@@ -29,6 +29,7 @@ class _Compiled(torch_guards.NoDataParallel, transformers.Forwarding):
         super()._adopt()
         torch_guards.install(self.gradient_leaves())  # its shards' gradients sum over ranks in clip_grad_norm_
         trainer.install_when_imported()  # HF Trainer's checkpoints and decay split (NOTE: [Trainer checkpoints])
+        accelerate_state.install_when_imported()  # NOTE: [accelerate's checkpoints]
 
 
 def compile(model: nn.Module, **options: Any) -> CompiledModule:

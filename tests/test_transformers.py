@@ -477,3 +477,37 @@ def test_a_decay_split_by_name_in_a_script_is_refused():
     with pytest.raises(RuntimeError, match="weight_decay=0 group .* is empty"):
         opt.step()
     torch.optim.AdamW(model.parameters(), weight_decay=0.01).step()  # every parameter decayed on purpose
+
+
+def _accelerate_saves_and_resumes(rank: int, world: int, folder: str) -> None:
+    """accelerate's own recipe: prepare, train, `save_state`; a new run `load_state`s and trains on."""
+    import accelerate
+
+    def run(steps: range, resume: bool) -> torch.nn.Module:
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = fbmt.compile(hf.build("llama"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = accelerator.prepare(model, opt)
+        if resume:
+            accelerator.load_state(folder)
+        for step in steps:
+            model(**hf.inputs("llama", 10 * step + rank)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 2 and not resume:
+                accelerator.save_state(folder)
+        return model
+
+    want = run(range(6), resume=False).full_parameters()
+    got = run(range(3, 6), resume=True).full_parameters()
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, msg=f"rank {rank}: {name}")
+
+
+def test_accelerate_save_state_resumes_each_ranks_optimizer_on_two_ranks(tmp_path):
+    """accelerate's `save_state` wrote rank 0's optimizer state alone, and `load_state` gave it to every
+    rank: each rank's optimizer holds its own shards' moments (NOTE: [Trainer checkpoints])."""
+    pytest.importorskip("accelerate")
+    run_ranks(2, _accelerate_saves_and_resumes, str(tmp_path))

@@ -23,8 +23,6 @@ imported, or else when it is imported (`install_when_imported`); never by import
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -33,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fbmt.integrations import decay
+from fbmt.integrations import decay, imports
 
 _WRAPPED = (
     "_save",
@@ -43,35 +41,11 @@ _WRAPPED = (
     "get_decay_parameter_names",
 )
 _installed: set[type] = set()
-_TRAINER = "transformers.trainer"
-
-
-class _OnImport(importlib.abc.MetaPathFinder):
-    """Installs the wrappers once transformers' trainer module has been executed."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _TRAINER:
-            return None
-        sys.meta_path.remove(self)  # once: the real finders find it
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            install()
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 def install_when_imported() -> None:
     """Install now where Trainer is imported, else when it is."""
-    if _TRAINER in sys.modules:
-        install()
-    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _OnImport())
+    imports.after_import("transformers.trainer", install)
 
 
 def install() -> None:
@@ -101,8 +75,9 @@ def _sharded(model: Any) -> bool:
     return isinstance(model, CompiledModule) and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _rank_file() -> str:
-    return f"optimizer.fbmt-rank{dist.get_rank()}-of-{dist.get_world_size()}.pt"
+def rank_file(stem: str = "optimizer", suffix: str = ".pt") -> str:
+    """This rank's optimizer file beside a library's own, which rank 0 writes for every rank."""
+    return f"{stem}.fbmt-rank{dist.get_rank()}-of-{dist.get_world_size()}{suffix}"
 
 
 def _every_rank_reads_the_state(save: Callable) -> Callable:
@@ -123,7 +98,7 @@ def _each_rank_saves_its_optimizer(save: Callable) -> Callable:
         out = save(self, output_dir)
         if _sharded(self.model) and self.optimizer is not None:
             os.makedirs(output_dir, exist_ok=True)
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, _rank_file()))
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, rank_file()))
         return out
 
     return _save_optimizer_and_scheduler
@@ -133,7 +108,7 @@ def _each_rank_loads_its_optimizer(load: Callable) -> Callable:
     @functools.wraps(load)
     def _load_optimizer_and_scheduler(self: Any, checkpoint: str | None) -> Any:
         out = load(self, checkpoint)
-        mine = os.path.join(checkpoint, _rank_file()) if checkpoint is not None and _sharded(self.model) else None
+        mine = os.path.join(checkpoint, rank_file()) if checkpoint is not None and _sharded(self.model) else None
         if mine is not None and os.path.isfile(mine) and self.optimizer is not None:
             device = next((p.device for g in self.optimizer.param_groups for p in g["params"]), "cpu")
             self.optimizer.load_state_dict(torch.load(mine, map_location=device, weights_only=True))
