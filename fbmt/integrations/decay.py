@@ -58,10 +58,9 @@ def by_shards(model: CompiledModule, decayed: Iterable[str]) -> tuple[list[str],
         if len(hit) == len(group.slots):
             whole.append(name)
         elif hit:
-            base = model.rank * group.shard_numel
-            partly[name] = [
-                (s.name, lo - base, hi - base) for s in hit for lo, hi in [local_range(group, s, model.rank)]
-            ]
+            base = model.rank * group.shard_numel  # where this rank's shard starts in the flat buffer
+            spans = [(s.name, *local_range(group, s, model.rank)) for s in hit]
+            partly[name] = [(n, lo - base, hi - base) for n, lo, hi in spans]
     return whole, partly
 
 
