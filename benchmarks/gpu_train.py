@@ -595,8 +595,8 @@ def balanced_orders(methods: list[str]) -> list[list[str]]:
     rounds (the next cycle's first step included) every method is timed right after every other
     exactly once: each step's predecessor, whose heat and power state it inherits, is balanced.
     Reversing a fixed order every round (A B C, C B A) kept B in the middle, always after A or C
-    while they ran after themselves at the round boundaries: session 9 found B's ratio to the peer
-    0.6% higher than A's when A and B ran the same code (BENCHMARKS.md)."""
+    while they ran after themselves at the round boundaries, so B's ratio to the peer came out above
+    A's when A and B ran the same code."""
     n = len(methods)
     if n < 3:
         return [list(methods)]  # A B A B ...: each runs right after the other
@@ -627,10 +627,10 @@ def interleaved(
 ) -> list[dict[str, Any]]:
     """`--interleave`: build every method side by side, warm each up, then time their steps in turn,
     in the orders of `balanced_orders` (two methods: A B A B ...). The GPUs' clocks follow their
-    power draw and temperature (BENCHMARKS.md: the 700 W cap), so methods timed one after the other
-    see different clocks; taken in turn, each round's steps see the same, and the ratio of a round's
-    two steps is a paired measurement. A method's peak is what it allocated beyond the others'
-    resident state."""
+    power draw and temperature (an H200 runs at its power cap under these products), so methods
+    timed one after the other see different clocks; taken in turn, each round's steps see the same,
+    and the ratio of a round's two steps is a paired measurement. A method's peak is what it
+    allocated beyond the others' resident state."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     built: dict[str, dict[str, Any]] = {}
