@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from fbmt.compiler import CompiledModule, group_of
-from fbmt.compiler.layout import local_range
+from fbmt.compiler import CompiledModule, group_of, local_range
 
 
 @dataclass
