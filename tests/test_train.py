@@ -119,7 +119,7 @@ def test_main_job_with_offload_trains_and_resumes_its_host_optimizer(tmp_path):
 
 def test_main_job_trains_in_fp8(tmp_path):
     """`--fp8 tensorwise`: the blocks' products in FP8 (fbmt.compile(fp8=...)), on the CPU ranks' _scaled_mm
-    (torch's reference kernel, seconds a product at the main job's sizes: hence 4 sequences a step)."""
+    (a reference kernel, slow at the main job's sizes: hence 4 sequences a step)."""
     cmd = [sys.executable, "-m", "fbmt.train", "--ranks", "2", "--layers", "2", "--d-model", "64", "--heads", "2"]
     cmd += [
         "--batch-size",
