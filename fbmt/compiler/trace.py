@@ -16,6 +16,7 @@ tags through the second.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import traceback
 import types
@@ -161,6 +162,16 @@ def _tracing() -> Iterator[None]:
         _depth -= 1
 
 
+def _watching_hooks(fn: Callable[..., Program]) -> Callable[..., Program]:
+    @functools.wraps(fn)
+    def traced(module: nn.Module, *args: Any, **kwargs: Any) -> Program:
+        with _hooks_that_return_nothing(module):  # NOTE: [Hooks that return nothing]
+            return fn(module, *args, **kwargs)
+
+    return traced
+
+
+@_watching_hooks
 @_tracing()  # a fresh context for every call: tracing() is True while it runs
 @torch.backends.cudnn.flags(enabled=False)  # NOTE: [Ops whose schema hides a mutation]
 def trace(
@@ -1053,6 +1064,61 @@ class _ModuleTagger:
                     "with a cast of the input"
                 )
         return module
+
+
+# NOTE: [Hooks that return nothing]
+# A forward hook on one of the model's modules runs where the module's forward runs: in the trace, once,
+# on fake tensors, and never again. What it returns, or changes in place, joins the program, and trains
+# as in eager. A hook that returns nothing may instead act by what it keeps: activations it stores, a
+# statistic it logs, calls it counts. The program repeats none of that, so the list it fills holds the
+# trace's fake tensors and the statistic is never logged again, without an error. Which of the two a
+# hook is cannot be told from outside, so a user's forward or full backward hook (one that neither
+# torch nor a library fbmt runs with defined) that returned nothing in the trace is named in a warning,
+# once, with what to do instead. Only the hooks registered before the call are watched: those a forward
+# registers for itself (transformers' output recorders) act within the trace, into its outputs.
+_LIBRARIES = frozenset(("torch", "transformers", "peft", "accelerate", "fbmt"))
+_warned_hooks: set[int] = set()
+
+
+@contextmanager
+def _hooks_that_return_nothing(module: nn.Module) -> Iterator[None]:
+    """Warn of the user's hooks on `module`'s modules that returned nothing while traced."""
+    watched: list[tuple[dict, Any, Callable]] = []
+    silent: list[tuple[str, str, Callable]] = []
+    for path, m in module.named_modules():
+        for kind, hooks in (("forward hook", m._forward_hooks), ("full backward hook", m._backward_hooks)):
+            for key, hook in list(hooks.items()):
+                owner = (getattr(hook, "__module__", None) or "").partition(".")[0]
+                if owner in _LIBRARIES or id(hook) in _warned_hooks:
+                    continue
+
+                def watch(*args: Any, _hook: Callable = hook, _where: tuple = (path, kind), **kwargs: Any) -> Any:
+                    out = _hook(*args, **kwargs)
+                    if out is None:
+                        silent.append((*_where, _hook))
+                    return out
+
+                hooks[key] = watch
+                watched.append((hooks, key, hook))
+    try:
+        yield
+    finally:
+        for hooks, key, hook in watched:
+            if key in hooks:
+                hooks[key] = hook
+    for path, kind, hook in silent:
+        if id(hook) not in _warned_hooks:
+            _warned_hooks.add(id(hook))
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            logs.log.warning(
+                "fbmt: module '%s' has a %s, %s, that returned nothing: it ran once, while tracing, on fake "
+                "tensors, and the compiled program does not call it. If it changes its tensors in place, that "
+                "is in the program; if it keeps values (activations, statistics, counts), they are the trace's. "
+                "Return what you need from the forward, or print() it there (NOTE: [Hooks that return nothing])",
+                path or "<root>",
+                kind,
+                name,
+            )
 
 
 def _prints(tagger: _ModuleTagger) -> Any:
