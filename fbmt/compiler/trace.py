@@ -1072,11 +1072,20 @@ class _ModuleTagger:
 # as in eager. A hook that returns nothing may instead act by what it keeps: activations it stores, a
 # statistic it logs, calls it counts. The program repeats none of that, so the list it fills holds the
 # trace's fake tensors and the statistic is never logged again, without an error. Which of the two a
-# hook is cannot be told from outside, so a user's forward or full backward hook (one that neither
-# torch nor a library fbmt runs with defined) that returned nothing in the trace is named in a warning,
-# once, with what to do instead. Only the hooks registered before the call are watched: those a forward
-# registers for itself (transformers' output recorders) act within the trace, into its outputs.
-_LIBRARIES = frozenset(("torch", "transformers", "peft", "accelerate", "fbmt"))
+# hook is cannot be told from outside, so a forward or full backward hook that returned nothing in the
+# trace is named in a warning, once, with what to do instead (transformers' DebugUnderflowOverflow too,
+# which would watch nothing). Not the hooks of torch, peft and accelerate, nor transformers' own that
+# act within the trace: its output recorders (filled into the forward's outputs) and the hook that makes
+# the embeddings' output require gradients (changed in place). Only the hooks registered before the
+# call are watched: those a forward registers for itself act within the trace too.
+_WITHIN_THE_TRACE = (
+    "torch.",
+    "fbmt.",
+    "peft.",
+    "accelerate.",
+    "transformers.utils.output_capturing",
+    "transformers.modeling_utils",
+)
 _warned_hooks: set[int] = set()
 
 
@@ -1088,8 +1097,8 @@ def _hooks_that_return_nothing(module: nn.Module) -> Iterator[None]:
     for path, m in module.named_modules():
         for kind, hooks in (("forward hook", m._forward_hooks), ("full backward hook", m._backward_hooks)):
             for key, hook in list(hooks.items()):
-                owner = (getattr(hook, "__module__", None) or "").partition(".")[0]
-                if owner in _LIBRARIES or id(hook) in _warned_hooks:
+                owner = f"{getattr(hook, '__module__', None) or ''}."
+                if owner.startswith(_WITHIN_THE_TRACE) or id(hook) in _warned_hooks:
                     continue
 
                 def watch(*args: Any, _hook: Callable = hook, _where: tuple = (path, kind), **kwargs: Any) -> Any:
