@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -41,16 +42,128 @@ def test_compile_in_a_launched_job_before_init_distributed_is_refused(monkeypatc
     fbmt.compile(MLP(), world_size=1)  # on purpose: allowed
 
 
-def test_optimizer_built_before_compile_is_refused_at_its_first_step():
-    net = MLP()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    model = fbmt.compile(net)
-    (x,), _, y = batch("mlp", 0)
-    F.mse_loss(model(x), y).backward()
-    with pytest.raises(RuntimeError, match=r"holds parameter 'fc1.weight'.*AdamW\(model.parameters\(\)\)"):
+def _groups(model: nn.Module, how: str) -> list[dict]:
+    """An optimizer's groups as training scripts build them, on the model's own parameters."""
+    named = list(model.named_parameters())
+    if how == "dim":  # nanoGPT's configure_optimizers
+        return [
+            {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.5},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+        ]
+    if how == "name":  # accelerate's examples, HF Trainer
+        exempt = ("bias", "norm.weight")
+        return [
+            {"params": [p for n, p in named if not any(k in n for k in exempt)], "weight_decay": 0.5},
+            {"params": [p for n, p in named if any(k in n for k in exempt)], "weight_decay": 0.0},
+        ]
+    return [{"params": [p for _, p in named]}]
+
+
+_BEFORE = {  # split -> the optimizer a script builds on it
+    "dim": lambda groups: torch.optim.AdamW(groups, lr=0.05),
+    "name": lambda groups: torch.optim.AdamW(groups, lr=0.05, foreach=False),
+    "one": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9),
+}
+
+
+def _optimizers_built_before_compile(rank: int, world: int) -> None:
+    """Each split, and a run resumed from eager's optimizer state loaded before compiling: eager's
+    parameters after the steps (both ranks see the same batches, so the mean gradient is eager's)."""
+    from tests.models import hf
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+        opt.zero_grad()
+        model(**hf.inputs("llama", i)).loss.backward()
         opt.step()
-    good = torch.optim.SGD(model.parameters(), lr=0.1)
-    good.step()  # the shards: fine, and checked once only
+
+    for how, build in _BEFORE.items():
+        for resume in (False, True):
+            torch.manual_seed(0)
+            ref = hf.build("llama").double()
+            ref_opt = build(_groups(ref, how))
+            for i in range(2 if resume else 0):
+                step(ref, ref_opt, i)
+            net = copy.deepcopy(ref)
+            opt = build(_groups(net, how))
+            opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # as from a file
+            model = fbmt.compile(net)
+            for i in range(2, 5):
+                step(ref, ref_opt, i)
+                step(model, opt, i)
+            assert all(fbmt.compiler.group_of(p) for g in opt.param_groups for p in g["params"]), "it steps shards"
+            full = model.full_parameters()
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-9, msg=f"{how} {resume} {n}")
+
+
+def test_an_optimizer_built_before_compile_steps_the_shards_as_eager_on_two_ranks():
+    """NOTE: [Optimizers built before compiling]: nanoGPT builds its optimizer, then compiles, and a resumed
+    run loads the optimizer's state before that. The optimizer held the replaced parameters (refused); now
+    it steps the shards, its decay split by dimension or by name kept inside them (HF Llama, float64, a
+    shard's parameters split between the ranks), and a state loaded before compiling moves with it."""
+    run_ranks(2, _optimizers_built_before_compile)
+
+
+def test_an_optimizer_built_before_compile_keeps_its_groups_or_refuses_what_a_shard_cannot_do():
+    """A learning rate per block (each layer's shard in its layer's group) trains as eager; a backward
+    zeroed before the first step is not added to it; a parameter left out of the optimizer, two rates in
+    one shard, an L2 decay split inside a shard and an optimizer class fbmt does not rewrite are refused
+    at the first step, each naming the parameter."""
+
+    def run(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for i in range(3):
+            (x,), _, y = batch("mlp", i)
+            x, y = x.double(), y.double()
+            F.mse_loss(model(x), y).backward()
+            opt.zero_grad()  # the first backward is a warm-up: zeroed, never stepped
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    ref = MLP().double()
+    net = copy.deepcopy(ref)
+    ref_opt, opt = (
+        torch.optim.Adam([{"params": getattr(m, f).parameters(), "lr": lr} for f, lr in (("fc1", 0.1), ("fc2", 0.01))])
+        for m in (ref, net)
+    )
+    for o, m in ((ref_opt, ref), (opt, net)):
+        o.add_param_group({"params": m.fc3.parameters(), "lr": 0.001})
+    model = fbmt.compile(net, blocks=["fc1", "fc2", "fc3"])
+    run(ref, ref_opt)
+    run(model, opt)
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-12, msg=n)
+
+    def refused(build: Callable[[nn.Module], torch.optim.Optimizer], match: str) -> None:
+        net = MLP()
+        opt = build(net)
+        model = fbmt.compile(net, blocks=["fc1", "fc2", "fc3"])
+        (x,), _, y = batch("mlp", 0)
+        F.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match=match):
+            opt.step()
+
+    refused(
+        lambda m: torch.optim.AdamW([p for n, p in m.named_parameters() if n != "fc2.bias"]),
+        r"holds parameter 'fc2.weight' but not 'fc2.bias'.* freeze 'fc2.bias' before compiling",
+    )
+    refused(
+        lambda m: torch.optim.AdamW(
+            [
+                {"params": [m.fc1.weight], "lr": 0.1},
+                {"params": [p for n, p in m.named_parameters() if n != "fc1.weight"]},
+            ]
+        ),
+        r"steps parameters 'fc1.weight' and 'fc1.bias' with different lr .* blocks of their own",
+    )
+    refused(lambda m: torch.optim.Adam(_groups(m, "dim")), r"Adam adds weight decay to the gradient .* torch's AdamW")
+
+    class Custom(torch.optim.SGD.__base__):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    refused(lambda m: Custom(m.parameters()), r"holds parameter 'fc1.weight'.*Build the optimizer after compiling")
 
 
 def test_an_optimizer_that_reads_parameter_shapes_is_refused_and_an_unknown_one_warned_about(caplog):

@@ -32,7 +32,7 @@ from fbmt.compiler.layout import FlatGroup, Layout, ParamSlot, copy_into_shard, 
 from fbmt.compiler.meta import BWD, FWD
 from fbmt.compiler.module import CompiledModule
 from fbmt.compiler.options import CompileOptions
-from fbmt.compiler.owners import Placeholder, group_of, moved_name
+from fbmt.compiler.owners import Moved, Placeholder, group_of, moved_into, moved_name
 from fbmt.compiler.pipeline import PASS_NAMES, PIPELINE, Search
 from fbmt.compiler.pipeline import passes as pipeline_passes
 from fbmt.compiler.plan import Plan
@@ -52,6 +52,7 @@ __all__ = [
     "Executable",
     "FlatGroup",
     "Layout",
+    "Moved",
     "Note",
     "ParamSlot",
     "PassRecord",
@@ -70,6 +71,7 @@ __all__ = [
     "group_of",
     "local_range",
     "meta",
+    "moved_into",
     "moved_name",
     "ops",
     "passes",

@@ -6,8 +6,9 @@
   [Placeholders refuse values]).
 - A hook on a parameter's gradient, there before compile or registered on a placeholder after, is
   refused: nothing would run it (NOTE: [Hooks on a parameter's gradient]).
-- The parameter it replaced is remembered (`moved`), weakly: an optimizer built before compiling
-  still holds it, and `moved_name` lets fbmt refuse that optimizer (integrations/torch_guards.py).
+- The parameter it replaced is remembered (`moved`), weakly, with the shard its values went to: an
+  optimizer built before compiling still holds it, and `moved_into` lets fbmt step the shards in its
+  place (integrations/adopt.py), `moved_name` name it where it cannot.
 - Each flat shard knows its group (`group_of`), for code that meets a shard alone (BMTrain's
   OptimManager, the weight-decay guard).
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fbmt.compiler.layout import FlatGroup
+from fbmt.compiler.layout import FlatGroup, ParamSlot, local_range
 
 # NOTE: [Placeholders refuse values]
 # After fbmt.compile the module it took over holds placeholders where its parameters were; their values
@@ -188,19 +190,60 @@ def quiet() -> Iterator[None]:
         _quiet = before
 
 
-_MOVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the user's parameter -> its canonical name
+_MOVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the user's parameter -> _Where
 _GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a flat shard -> its FlatGroup
 _TAKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a module compile took over -> True
 
 
-def moved(p: torch.Tensor, name: str) -> None:
-    """`p` (named `name` in its model) was replaced by a placeholder."""
-    _MOVED[p] = name
+@dataclass(frozen=True)
+class Moved:
+    """Where the values of a parameter compile replaced went: `slot` of this rank's flat `shard`."""
+
+    name: str
+    shard: torch.Tensor
+    group: FlatGroup
+    slot: ParamSlot
+    rank: int
+
+    def local(self) -> tuple[int, int, int]:
+        """This rank's elements of the parameter: shard[lo:hi] holds its flat elements from `start` on
+        (lo >= hi: none)."""
+        base = self.rank * self.group.shard_numel
+        lo, hi = local_range(self.group, self.slot, self.rank)
+        return lo - base, hi - base, lo - self.slot.offset
+
+
+@dataclass(frozen=True)
+class _Where:
+    """A `Moved`, its shard held weakly: an optimizer the user keeps must not keep a dropped model's shards."""
+
+    name: str
+    shard: weakref.ref | None = None
+    group: FlatGroup | None = None
+    slot: ParamSlot | None = None
+    rank: int = 0
+
+
+def moved(p: torch.Tensor, name: str, into: Moved | None = None) -> None:
+    """`p` (named `name` in its model) was replaced by a placeholder, its values copied `into` a flat shard
+    where they went to one."""
+    _MOVED[p] = (
+        _Where(name) if into is None else _Where(name, weakref.ref(into.shard), into.group, into.slot, into.rank)
+    )
 
 
 def moved_name(p: torch.Tensor) -> str | None:
     """The name of a parameter compile replaced with a placeholder; None for any other tensor."""
-    return _MOVED.get(p)
+    where = _MOVED.get(p)
+    return where.name if where is not None else None
+
+
+def moved_into(p: torch.Tensor) -> Moved | None:
+    """Where the values of a parameter compile replaced went, while its shard lives; None for any other
+    tensor."""
+    where = _MOVED.get(p)
+    shard = where.shard() if where is not None and where.shard is not None else None
+    return None if shard is None else Moved(where.name, shard, where.group, where.slot, where.rank)
 
 
 def own_shards(shards: list[nn.Parameter], groups: tuple[FlatGroup, ...]) -> None:

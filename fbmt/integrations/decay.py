@@ -13,8 +13,9 @@ they are decayed as the decayed group decays (its lr and weight_decay at that st
 multiplies the parameter before the update, which reads only the gradient and the moments, so decaying
 first is the same step. An L2 penalty (SGD, torch's Adam) joins the gradient inside the step instead:
 it is refused, saying what to use. A step a fused optimizer is told to skip (GradScaler's `found_inf`)
-decays nothing. A split a script writes over `model.named_parameters()` sees only shards and stays
-refused (torch_guards).
+decays nothing. An optimizer built before compiling keeps its split the same way (NOTE: [Optimizers built
+before compiling] in adopt.py); a split a script writes over the compiled model's `named_parameters()`
+sees only shards and stays refused (torch_guards).
 """
 
 from __future__ import annotations
@@ -30,16 +31,16 @@ from fbmt.compiler import CompiledModule, group_of, local_range
 
 
 @dataclass
-class _Within:
-    """The elements of `shard` (this rank's) that `like`, the decayed group, would decay."""
+class Decayed:
+    """Elements of `shard` (this rank's) that `like`, the decayed group, would decay."""
 
     shard: torch.Tensor
-    ranges: list[tuple[int, int]]
+    ranges: list[tuple[int, int]]  # [lo, hi) within the shard
     names: list[str]  # the decayed parameters among the shard's, for errors
     like: int  # the index of the decayed group (a loaded state dict replaces the groups' dicts)
 
 
-_within: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> [_Within]
+_within: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> [Decayed]
 
 
 def by_shards(model: CompiledModule, decayed: Iterable[str]) -> tuple[list[str], dict[str, list[tuple[str, int, int]]]]:
@@ -68,19 +69,27 @@ def decay_within(
 ) -> None:
     """`optimizer`'s groups follow a decay split by name: before each of its steps, decay the elements
     `by_shards` named as its group of index `like` decays."""
-    if partly and not _decoupled(optimizer):
-        shard, spans = next(iter(partly.items()))
+    shards = dict(model.named_parameters())
+    keep_decayed(
+        optimizer,
+        [
+            Decayed(shards[n], [(a, b) for _, a, b in spans if a < b], [s for s, _, _ in spans], like)
+            for n, spans in partly.items()
+        ],
+    )
+
+
+def keep_decayed(optimizer: torch.optim.Optimizer, decayed: list[Decayed]) -> None:
+    """Before each of `optimizer`'s steps, decay `decayed` as their groups decay (an L2 penalty refused)."""
+    if decayed and not _decoupled(optimizer):
+        d = decayed[0]
         raise RuntimeError(
             f"fbmt: {type(optimizer).__name__} adds weight decay to the gradient (an L2 penalty), and flat shard "
-            f"'{shard}' of the compiled model holds parameters the decay split decays ({[s for s, _, _ in spans][:2]}) "
-            "beside ones it leaves out: fbmt keeps them apart inside a shard for decoupled decay only. Use torch's "
-            "AdamW (Trainer's optim='adamw_torch_fused' or 'adamw_torch'), or weight_decay=0"
+            f"'{group_of(d.shard).name}' of the compiled model holds parameters the decay split decays "
+            f"({d.names[:2]}) beside ones it leaves out: fbmt keeps them apart inside a shard for decoupled decay "
+            "only. Use torch's AdamW (Trainer's optim='adamw_torch_fused' or 'adamw_torch'), or weight_decay=0"
         )
-    shards = dict(model.named_parameters())
-    _within[optimizer] = [
-        _Within(shards[n], [(a, b) for _, a, b in spans if a < b], [s for s, _, _ in spans], like)
-        for n, spans in partly.items()
-    ]
+    _within[optimizer] = [*_within.get(optimizer, []), *decayed]
 
 
 def before_step(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:

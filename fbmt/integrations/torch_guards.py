@@ -4,11 +4,13 @@ A compiled model's parameters are this rank's flat shards, and the module it too
 placeholders. These habits of training scripts would then go wrong without an error; each is
 caught here, on torch's documented hooks where torch has one:
 
-- an optimizer built on the model *before* compiling holds parameters nothing reads any more: an
-  optimizer step pre-hook (`register_optimizer_step_pre_hook`) refuses it at its first step, naming
-  the parameter, refuses a weight-decay split (by name or by dimension) that cannot see inside flat
-  shards, an optimizer whose update reads a parameter's shape (NOTE: [Optimizers of flat shards]),
-  and a state loaded from another rank's optimizer (NOTE: [Another rank's optimizer state]);
+- an optimizer built on the model *before* compiling holds parameters nothing reads any more: one of
+  torch's steps the shards instead from its first step, `zero_grad` or `unscale_` on (NOTE: [Optimizers
+  built before compiling] in adopt.py); an optimizer step pre-hook (`register_optimizer_step_pre_hook`)
+  refuses another such optimizer at its first step, naming the parameter, refuses a weight-decay split
+  (by name or by dimension) that cannot see inside flat shards, an optimizer whose update reads a
+  parameter's shape (NOTE: [Optimizers of flat shards]), and a state loaded from another rank's
+  optimizer (NOTE: [Another rank's optimizer state]);
 - `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` would clip each rank's shard by that
   shard's own norm, and `torch.nn.utils.get_total_norm` would give it (NOTE: [Global gradient norms]);
 - `torch.amp.GradScaler` would look for inf/nan in this rank's shards alone, so one rank skipped an
@@ -34,6 +36,7 @@ import torch.distributed as dist
 
 from fbmt.compiler import group_of, moved_name, unreduced
 from fbmt.integrations import decay
+from fbmt.integrations.adopt import ELEMENTWISE, shards_for_parameters
 
 log = logging.getLogger("fbmt")
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters checked
@@ -50,6 +53,7 @@ def install(leaves: list[torch.Tensor]) -> None:
         _hook = register_optimizer_step_pre_hook(_before_step)
     _global_gradient_norms(leaves)
     _overflow_on_any_rank()
+    _shards_before_zero_grad()
 
 
 class NoDataParallel:
@@ -68,7 +72,27 @@ class NoDataParallel:
         )
 
 
+_installed_zero_grad: Any = None
+
+
+def _shards_before_zero_grad() -> None:
+    """An optimizer built before compiling zeroes the shards' gradients from its first `zero_grad` on, as
+    it steps them (NOTE: [Optimizers built before compiling]): a backward run before its first step and
+    zeroed would otherwise be added to the first step's gradients. torch has no hook on zero_grad."""
+    global _installed_zero_grad
+    if torch.optim.Optimizer.zero_grad is not _installed_zero_grad:
+        torch_zero_grad = torch.optim.Optimizer.zero_grad
+
+        @functools.wraps(torch_zero_grad)
+        def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+            shards_for_parameters(self)
+            return torch_zero_grad(self, set_to_none)
+
+        _installed_zero_grad = torch.optim.Optimizer.zero_grad = zero_grad
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    shards_for_parameters(optimizer)  # NOTE: [Optimizers built before compiling]
     _check_optimizer(optimizer)
     decay.before_step(optimizer, kwargs)  # NOTE: [Decay split inside flat shards]
 
@@ -176,9 +200,6 @@ def _say_whose(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> 
 # So those, known by name anywhere in the optimizer's class hierarchy (torch's, Hugging Face's, apex's,
 # timm's), are refused at the first step, and an optimizer fbmt does not know is warned about once,
 # naming what it assumes.
-_ELEMENTWISE = frozenset(
-    ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop")
-)
 _READS_SHAPES = frozenset(
     ("Adafactor", "LBFGS", "Lamb", "LAMB", "FusedLAMB", "Lars", "LARS", "LARC", "Muon", "Shampoo", "SOAP", "SM3")
     + ("NovoGrad", "FusedNovoGrad", "GaLoreAdamW", "GaLoreAdamW8bit", "GaLoreAdafactor")
@@ -204,7 +225,7 @@ def _refuse_an_update_that_reads_shapes(optimizer: torch.optim.Optimizer) -> Non
             "(torch.optim.AdamW, SGD, Adam; Lion), or with HF Trainer optim='adamw_torch'"
         )
     fbmt_own = any(c.__module__.startswith("fbmt.") for c in mro)
-    known = any(c.__name__ in _ELEMENTWISE and c.__module__.startswith("torch.optim") for c in mro)
+    known = any(c.__name__ in ELEMENTWISE and c.__module__.startswith("torch.optim") for c in mro)
     if fbmt_own or known or name == "Lion" or name in _warned_unknown:
         return
     _warned_unknown.add(name)
@@ -351,6 +372,7 @@ def _found_on_any_rank(torch_unscale: Callable) -> Callable:
     def unscale_grads_(
         self: Any, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
+        shards_for_parameters(optimizer)  # NOTE: [Optimizers built before compiling]
         found = torch_unscale(self, optimizer, inv_scale, found_inf, allow_fp16)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return found

@@ -63,8 +63,8 @@ def build_shards(
                 shard = torch.zeros(g.shard_numel, dtype=g.dtype, device=home, pin_memory=pin)
                 copy_into_shard(shard, g, rank, params)
                 shards.append(nn.Parameter(shard, requires_grad=g.requires_grad))
-            for n in names:
-                _to_meta(params[n], refs, n)
+                for slot in g.slots:
+                    _to_meta(params[slot.name], refs, slot.name, owners_.Moved(slot.name, shards[-1], g, slot, rank))
             del params  # the block's full tensors die here, before the next block is materialized
     for m in module.modules():  # buffers are replicated: every rank keeps them whole, on the device
         for k, b in m._buffers.items():
@@ -160,19 +160,19 @@ def _param_refs(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return refs
 
 
-def _swap(p: torch.Tensor, new: nn.Parameter, refs: dict, name: str) -> None:
+def _swap(p: torch.Tensor, new: nn.Parameter, refs: dict, name: str, into: owners_.Moved | None = None) -> None:
     # An optimizer built on the module before compiling still holds `p`, which nothing updates any
-    # more: the registry lets fbmt refuse such an optimizer at its first step (integrations/torch_guards.py).
-    owners_.moved(p, name)
+    # more: the registry lets fbmt step the shard `into` names in its place (integrations/adopt.py).
+    owners_.moved(p, name, into)
     owners = refs.pop(id(p))
     for m, k in owners:
         m._parameters[k] = new  # tied parameters stay tied: every owner gets the same object
     refs[id(new)] = owners
 
 
-def _to_meta(p: torch.Tensor, refs: dict, name: str) -> None:
+def _to_meta(p: torch.Tensor, refs: dict, name: str, into: owners_.Moved) -> None:
     if not p.is_meta:
-        _swap(p, Placeholder(torch.empty_like(p, device="meta"), p.requires_grad, name), refs, name)
+        _swap(p, Placeholder(torch.empty_like(p, device="meta"), p.requires_grad, name), refs, name, into)
 
 
 def _shared_seed() -> int:
