@@ -105,13 +105,13 @@ def test_an_optimizer_built_before_compile_steps_the_shards_as_eager_on_two_rank
 
 
 def test_an_optimizer_built_before_compile_keeps_its_groups_or_refuses_what_a_shard_cannot_do():
-    """A learning rate per block (each layer's shard in its layer's group) trains as eager; a backward
-    zeroed before the first step is not added to it; a parameter left out of the optimizer, two rates in
-    one shard, an L2 decay split inside a shard and an optimizer class fbmt does not rewrite are refused
-    at the first step, each naming the parameter."""
+    """A learning rate per block (each layer's shard in its layer's group) trains as eager, after a step in
+    eager too; a backward zeroed before the first step is not added to it; a parameter left out of the
+    optimizer, two rates in one shard, an L2 decay split inside a shard, a state shaped like a shard and an
+    optimizer class fbmt does not rewrite are refused at the first step, each naming the parameter."""
 
-    def run(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        for i in range(3):
+    def run(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for i in steps:
             (x,), _, y = batch("mlp", i)
             x, y = x.double(), y.double()
             F.mse_loss(model(x), y).backward()
@@ -128,9 +128,11 @@ def test_an_optimizer_built_before_compile_keeps_its_groups_or_refuses_what_a_sh
     )
     for o, m in ((ref_opt, ref), (opt, net)):
         o.add_param_group({"params": m.fc3.parameters(), "lr": 0.001})
+    run(ref, ref_opt, range(1))
+    run(net, opt, range(1))  # a step in eager first: its state moves to the shards
     model = fbmt.compile(net, blocks=["fc1", "fc2", "fc3"])
-    run(ref, ref_opt)
-    run(model, opt)
+    run(ref, ref_opt, range(1, 4))
+    run(model, opt, range(1, 4))
     full = model.full_parameters()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-12, msg=n)
@@ -158,6 +160,17 @@ def test_an_optimizer_built_before_compile_keeps_its_groups_or_refuses_what_a_sh
         r"steps parameters 'fc1.weight' and 'fc1.bias' with different lr .* blocks of their own",
     )
     refused(lambda m: torch.optim.Adam(_groups(m, "dim")), r"Adam adds weight decay to the gradient .* torch's AdamW")
+
+    def saved_from_shards(m: nn.Module) -> torch.optim.Optimizer:
+        opt = torch.optim.AdamW(m.parameters())
+        m(batch("mlp", 0)[0][0]).sum().backward()
+        opt.step()  # eager: state for each parameter
+        opt.state[m.fc2.weight]["exp_avg"] = torch.zeros(m.fc2.weight.numel())  # as a compiled model's shard's
+        return opt
+
+    refused(
+        saved_from_shards, r"holds state 'exp_avg' of shape \(1152,\) for parameter 'fc2.weight' of shape \(24, 48\)"
+    )
 
     class Custom(torch.optim.SGD.__base__):
         def __init__(self, params):

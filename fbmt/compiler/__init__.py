@@ -32,7 +32,7 @@ from fbmt.compiler.layout import FlatGroup, Layout, ParamSlot, copy_into_shard, 
 from fbmt.compiler.meta import BWD, FWD
 from fbmt.compiler.module import CompiledModule
 from fbmt.compiler.options import CompileOptions
-from fbmt.compiler.owners import Moved, Placeholder, group_of, moved_into, moved_name
+from fbmt.compiler.owners import Moved, Placeholder, group_of, moved_into, moved_name, replaced
 from fbmt.compiler.pipeline import PASS_NAMES, PIPELINE, Search
 from fbmt.compiler.pipeline import passes as pipeline_passes
 from fbmt.compiler.plan import Plan
@@ -78,6 +78,7 @@ __all__ = [
     "pipeline_passes",
     "plan_layout",
     "register_trace_hint",
+    "replaced",
     "take",
     "tracing",
     "unreduced",

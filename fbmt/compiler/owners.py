@@ -224,12 +224,23 @@ class _Where:
     rank: int = 0
 
 
+_replaced = 0  # parameters compile replaced in this process, ever
+
+
 def moved(p: torch.Tensor, name: str, into: Moved | None = None) -> None:
     """`p` (named `name` in its model) was replaced by a placeholder, its values copied `into` a flat shard
     where they went to one."""
+    global _replaced
+    _replaced += 1
     _MOVED[p] = (
         _Where(name) if into is None else _Where(name, weakref.ref(into.shard), into.group, into.slot, into.rank)
     )
+
+
+def replaced() -> int:
+    """How many parameters compile has replaced in this process: what was learnt of an optimizer's
+    parameters (whether one was replaced) holds until this changes."""
+    return _replaced
 
 
 def moved_name(p: torch.Tensor) -> str | None:

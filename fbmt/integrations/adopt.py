@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fbmt.compiler import Moved, moved_into
+from fbmt.compiler import Moved, moved_into, replaced
 from fbmt.integrations import decay
 
 # torch's optimizers that update each element from its own gradient and state (NOTE: [Optimizers of
@@ -44,15 +44,15 @@ ELEMENTWISE = frozenset(
     ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop")
 )
 _DECAY_ONLY = frozenset(("params", "param_names", "weight_decay"))  # what groups sharing a shard may differ in
-_looked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters when last looked at
+_looked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (parameters, replaced()) looked at
 
 
 def shards_for_parameters(optimizer: torch.optim.Optimizer) -> None:
     """Rewrite `optimizer`'s groups to hold flat shards where they hold parameters `fbmt.compile`
     replaced (NOTE: [Optimizers built before compiling]); nothing where they hold none or where the
     optimizer is not one of torch's elementwise ones. What it refuses, it refuses before changing anything."""
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _looked.get(optimizer) == count:
+    count = (sum(len(g["params"]) for g in optimizer.param_groups), replaced())
+    if _looked.get(optimizer) == count:  # looked at, and no parameter added or replaced since
         return
     found: dict[int, list[tuple[int, torch.Tensor, Moved]]] = defaultdict(list)  # shard id -> (group, p, where)
     for gi, group in enumerate(optimizer.param_groups):
@@ -87,7 +87,7 @@ def shards_for_parameters(optimizer: torch.optim.Optimizer) -> None:
         if listed is not None:
             group["param_names"] = names
     decay.keep_decayed(optimizer, decayed)
-    _looked[optimizer] = sum(len(g["params"]) for g in optimizer.param_groups)
+    _looked[optimizer] = (sum(len(g["params"]) for g in optimizer.param_groups), replaced())
 
 
 def _adoptable(optimizer: torch.optim.Optimizer) -> bool:
@@ -154,21 +154,35 @@ def _state(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tens
     if not all(states):
         some, none = (names[next(i for i, s in enumerate(states) if bool(s) == b)] for b in (True, False))
         why = f"holds state for parameter '{some}' but none for '{none}'"
+    elif any(set(st) != set(states[0]) for st in states):
+        other = next(i for i, st in enumerate(states) if set(st) != set(states[0]))
+        why = f"holds state of other kinds for parameter '{names[other]}' than for '{names[0]}'"
     moved: dict[str, Any] = {}
     for key in states[0] if not why else ():
-        values = [s.get(key) for s in states]
-        if all(isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() for v, (_, p, _) in zip(values, members)):
+        values = [st[key] for st in states]
+        shaped = [isinstance(v, torch.Tensor) and v.dim() > 0 for v in values]
+        wrong = next(
+            (i for i, (v, (_, p, _)) in enumerate(zip(values, members)) if shaped[i] and v.shape != p.shape), None
+        )
+        if wrong is not None:  # a compiled model's optimizer saved its shards' state
+            why = (
+                f"holds state '{key}' of shape {tuple(values[wrong].shape)} for parameter '{names[wrong]}' of shape "
+                f"{tuple(members[wrong][1].shape)} (a state saved from a compiled model's optimizer is its shards': "
+                "load it into an optimizer built after compiling, on model.parameters(), on the rank that saved it)"
+            )
+        elif all(shaped):
             flat = torch.zeros(shard.numel(), dtype=values[0].dtype, device=shard.device)
             for v, (_, _, m) in zip(values, members):
                 lo, hi, start = m.local()
                 if lo < hi:
                     flat[lo:hi] = v.detach().reshape(-1)[start : start + hi - lo].to(shard.device)
             moved[key] = flat
-        elif all(_same(v, values[0]) for v in values):
-            moved[key] = values[0]
+        elif not any(shaped) and all(_same(v, values[0]) for v in values):
+            moved[key] = values[0]  # a count every parameter of the shard shares (`step`)
         else:
             other = next(i for i, v in enumerate(values) if not _same(v, values[0]))
             why = f"holds state '{key}' that differs between parameters '{names[0]}' and '{names[other]}'"
+        if why:
             break
     if why:
         raise RuntimeError(

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fbmt.compiler import group_of, moved_name, unreduced
+from fbmt.compiler import group_of, moved_name, replaced, unreduced
 from fbmt.integrations import decay
 from fbmt.integrations.adopt import ELEMENTWISE, shards_for_parameters
 
 log = logging.getLogger("fbmt")
-_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters checked
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (parameters, replaced()) checked
 _hook: Any = None  # the optimizer step pre-hook's handle, once installed
 
 
@@ -109,7 +109,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if any(SHARDS_KEY in g for g in optimizer.param_groups):  # a state dict was loaded since the last step
         _refuse_another_ranks_state(optimizer)
     count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _checked.get(optimizer) == count:  # checked, and no parameter added since
+    if _checked.get(optimizer) == (count, replaced()):  # checked, and no parameter added or replaced since
         return
     _say_whose_from_now_on(optimizer)
     for g in optimizer.param_groups:
@@ -124,7 +124,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 )
     _refuse_a_decay_split_that_cannot_see_into_shards(optimizer)
     _refuse_an_update_that_reads_shapes(optimizer)
-    _checked[optimizer] = count
+    _checked[optimizer] = (count, replaced())
 
 
 # NOTE: [Another rank's optimizer state]
