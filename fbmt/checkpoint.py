@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from fbmt import job
 from fbmt.compiler import CompiledModule, local_range
 from fbmt.files import fsync_dir, save_atomic, write_json_atomic
+from fbmt.integrations.adopt import shards_for_parameters
 from fbmt.integrations.torch_guards import unmarked
 
 __all__ = [
@@ -653,6 +654,7 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _owners(model: CompiledModule, optimizer: torch.optim.Optimizer) -> list[list[_Part]]:
+    shards_for_parameters(optimizer)  # built before compiling (NOTE: [Optimizers built before compiling])
     parts = _parts(model)
     owners = []
     for i, p in enumerate(_params(optimizer)):

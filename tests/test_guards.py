@@ -104,6 +104,34 @@ def test_an_optimizer_built_before_compile_steps_the_shards_as_eager_on_two_rank
     run_ranks(2, _optimizers_built_before_compile)
 
 
+def test_an_optimizer_built_before_compile_is_saved_and_resumed_by_fbmt_checkpoint_before_its_first_step(tmp_path):
+    """Each run builds its optimizer, then compiles, then loads or saves before any step: fbmt.checkpoint
+    reads the shards' state, as after a step."""
+
+    def run(steps: range, resume: bool) -> nn.Module:
+        torch.manual_seed(0)
+        net = MLP()
+        opt = torch.optim.AdamW(_groups(net, "dim"), lr=0.05)
+        model = fbmt.compile(net)
+        if resume:
+            fbmt.checkpoint.load(str(tmp_path), model=model, optimizer=opt)
+        elif steps.start == 0:
+            fbmt.checkpoint.save(str(tmp_path), 0, model=model, optimizer=opt)  # before any step
+        for i in steps:
+            (x,), _, y = batch("mlp", i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1 and not resume:
+                fbmt.checkpoint.save(str(tmp_path), 2, model=model, optimizer=opt)
+        return model
+
+    want = run(range(4), resume=False).full_parameters()
+    got = run(range(2, 4), resume=True).full_parameters()
+    for n, p in want.items():
+        torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
+
+
 def test_an_optimizer_built_before_compile_keeps_its_groups_or_refuses_what_a_shard_cannot_do():
     """A learning rate per block (each layer's shard in its layer's group) trains as eager, after a step in
     eager too; a backward zeroed before the first step is not added to it; a parameter left out of the
