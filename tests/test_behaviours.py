@@ -545,21 +545,29 @@ def test_the_ddp_unwrap_idiom_keeps_the_compiled_model():
 
 def test_a_hook_that_returns_nothing_is_named_and_one_that_returns_its_output_is_not(caplog):
     """NOTE: [Hooks that return nothing]: a forward hook that keeps activations ran only in the trace, on
-    fake tensors, and the list it filled held those from then on, without a word. Such a hook (forward, or
-    full backward) is named in a warning, once; one that returns the output it changes is in the program."""
+    fake tensors, and the list it filled held those from then on, without a word. Such a hook (forward, full
+    backward, or their pre-hooks) is named in a warning, once; one that returns what it changes is in the
+    program."""
     torch.manual_seed(0)
     model = fbmt.compile(MLP())
     kept: list = []
     model.fc1.register_forward_hook(lambda mod, args, out: kept.append(out.detach()))
     model.fc2.register_full_backward_hook(lambda mod, grad_in, grad_out: None)
     model.fc2.register_forward_hook(lambda mod, args, out: out * 2)
+    inputs: list = []
+    model.fc3.register_forward_pre_hook(lambda mod, args: inputs.append(args[0]))
+    model.fc3.register_forward_pre_hook(lambda mod, args: (args[0] * 3,))
     x = torch.randn(3, 12)
     with caplog.at_level(logging.WARNING, logger="fbmt"):
         model(x).sum().backward()
         traced = len(kept)
         model(x).sum().backward()
     said = [r.getMessage() for r in caplog.records if "returned nothing" in r.getMessage()]
-    assert len(said) == 2, said
-    assert "module 'fc1' has a forward hook" in said[0] and "module 'fc2' has a full backward hook" in said[1], said
+    named = (
+        "module 'fc1' has a forward hook",
+        "module 'fc3' has a forward pre-hook",
+        "module 'fc2' has a full backward hook",
+    )
+    assert len(said) == 3 and all(n in m for n, m in zip(named, said)), said  # in the order they ran
     # what it warns of: the trace's fake tensors, and nothing from the steps
     assert len(kept) == traced and all(torch._subclasses.fake_tensor.is_fake(t) for t in kept)

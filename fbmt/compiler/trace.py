@@ -1072,11 +1072,13 @@ class _ModuleTagger:
 # as in eager. A hook that returns nothing may instead act by what it keeps: activations it stores, a
 # statistic it logs, calls it counts. The program repeats none of that, so the list it fills holds the
 # trace's fake tensors and the statistic is never logged again, without an error. Which of the two a
-# hook is cannot be told from outside, so a forward or full backward hook that returned nothing in the
+# hook is cannot be told from outside, so a forward or full backward hook (or pre-hook: one that keeps a
+# module's inputs, or sets an attribute the forward reads, acts once too) that returned nothing in the
 # trace is named in a warning, once, with what to do instead (transformers' DebugUnderflowOverflow too,
 # which would watch nothing). Not the hooks of torch, peft and accelerate, nor transformers' own that
 # act within the trace: its output recorders (filled into the forward's outputs) and the hook that makes
-# the embeddings' output require gradients (changed in place). Only the hooks registered before the
+# the embeddings' output require gradients (changed in place); torch's weight_norm and pruning, which
+# recompute a weight in a pre-hook, act within the trace too. Only the hooks registered before the
 # call are watched: those a forward registers for itself act within the trace too.
 _WITHIN_THE_TRACE = (
     "torch.",
@@ -1095,7 +1097,12 @@ def _hooks_that_return_nothing(module: nn.Module) -> Iterator[None]:
     watched: list[tuple[dict, Any, Callable]] = []
     silent: list[tuple[str, str, Callable]] = []
     for path, m in module.named_modules():
-        for kind, hooks in (("forward hook", m._forward_hooks), ("full backward hook", m._backward_hooks)):
+        for kind, hooks in (
+            ("forward pre-hook", m._forward_pre_hooks),
+            ("forward hook", m._forward_hooks),
+            ("full backward pre-hook", m._backward_pre_hooks),
+            ("full backward hook", m._backward_hooks),
+        ):
             for key, hook in list(hooks.items()):
                 owner = f"{getattr(hook, '__module__', None) or ''}."
                 if owner.startswith(_WITHIN_THE_TRACE) or id(hook) in _warned_hooks:
