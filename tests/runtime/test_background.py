@@ -153,6 +153,26 @@ def test_compiled_regions_give_their_outputs_the_traced_layouts(monkeypatch, ind
         workers.close()
 
 
+def test_symbolic_regions_give_their_outputs_the_traced_layouts_at_every_length(inductor_cache, monkeypatch):
+    """NOTE: [Outputs in the traced layouts] in a program of symbolic sizes: the model's cached keys came
+    out transposed at every length after the second (strides (224, 8, 32, 1) where eager's are (224, 56, 8,
+    1)), so a `.view` of them failed where eager's worked; they have eager's strides at each length now."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
+    torch.manual_seed(0)
+    ref = CachesItsKeys()
+    model = fbmt.compile(copy.deepcopy(ref), backend="inductor", background_compile=False, cache_dir=False)
+    for length in (6, 7, 9):  # the second length makes the program symbolic, the third reuses it
+        x = torch.randn(2, length, 32)
+        (y, k), (ref_y, ref_k) = model(x), ref(x)
+        assert k.stride() == ref_k.stride(), (length, k.stride(), ref_k.stride())
+        torch.testing.assert_close(k.view(2, -1), ref_k.view(2, -1))
+        (y.square().sum() + k.sum()).backward()
+        (ref_y.square().sum() + ref_k.sum()).backward()
+        gradients_match(model, ref, rtol=1e-4, atol=1e-5)
+        model.zero_grad(), ref.zero_grad()
+    assert len(model.programs) == 2, list(model.programs)  # length 6, then one of symbolic sizes
+
+
 def test_micro_batches_accumulated_across_the_switch_to_compiled_regions(monkeypatch, inductor_cache):
     """Regions switch from traced to compiled where a call begins, so under gradient accumulation one
     backward may read what a traced forward saved and another what a compiled forward saved (NOTE:

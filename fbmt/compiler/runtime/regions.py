@@ -112,9 +112,10 @@ from fbmt.compiler.runtime import background
 # NOTE: [A backward across the switch]
 # A region finds its compile from its inputs' layouts on its first call after compiles were taken in, and
 # keeps it for the calls that follow: within a step every call of a region sees the layouts the step's
-# forward made. A compiled forward may lay its outputs out otherwise than the traced ops did: a compile of
-# exact sizes is held to the traced strides (NOTE: [Outputs in the traced layouts]), one of symbolic sizes
-# is not. So where a backward runs whose forward ran before the last take-in
+# forward made. A compiled forward is held to the strides the traced ops gave its outputs (NOTE: [Outputs
+# in the traced layouts]) where they are known, which a symbolic stride left unknown at a call's sizes is
+# not, so a forward may still lay an output out otherwise. So where a backward runs whose forward ran
+# before the last take-in
 # (forwards of several micro-batches, then their backwards in order, as a pipeline schedule runs them),
 # its regions find the compile for each call's own layouts and keep none of it
 # (`RegionCache.backward_of`); otherwise the newer forward's backward would be handed the compile the
@@ -498,7 +499,8 @@ class Region(nn.Module):
                 if symbolic:
                     fakes = _symbolic_fakes(mode, args, self.dims)
                     gm, reads, sizes = _for_inductor(self.gm, mode, fakes, lift=True)
-                    fn = _reading_sizes(compile_fx(gm, fakes + sizes), reads)
+                    hold = _held_to_traced_strides(gm, fakes, sizes, reads)  # reads gm, before Inductor rewrites it
+                    fn = hold(_reading_sizes(compile_fx(gm, fakes + sizes), reads))
                 else:
                     fakes = [_static(mode, a) for a in args]
                     gm, _, _ = _for_inductor(self.gm, mode, fakes, lift=False)
@@ -699,18 +701,44 @@ def _in_traced_layouts(gm: fx.GraphModule, fakes: list) -> Callable[..., Any]:
     so laid out differs from eager's (`.view` fails where eager's works), and an `as_strided` of it
     would read other elements. So the first call of a compile compares its outputs' strides with the
     trace's (the graph's values, exact here) and, where one differs, every call copies that output into
-    the traced layout, which is the copy eager makes; the others cost nothing. Regions of symbolic
-    sizes compile from symbolic strides and are not checked."""
+    the traced layout, which is the copy eager makes; the others cost nothing. A compile of symbolic sizes
+    does the same at each new set of sizes it is called at: the traced strides are expressions in the
+    sizes (`_symbolic_strides`), evaluated there."""
     from torch._inductor.compile_fx import compile_fx
 
     (results,) = (n.args[0] for n in gm.graph.nodes if n.op == "output")
     if not isinstance(results, (tuple, list)):  # a graph of one output, not a region's (`_extract` makes tuples)
         return compile_fx(gm, fakes)
-    traced = [
+    traced = _output_strides(results)  # read before Inductor, whose passes rewrite the graph in place
+    return _TracedLayouts(compile_fx(gm, fakes), traced)
+
+
+def _output_strides(results: Any) -> list[tuple | None] | None:
+    """The strides of a region graph's outputs as the trace laid them out (None: not a tensor); None for a
+    graph of one output, not a region's (`_extract` makes tuples)."""
+    if not isinstance(results, (tuple, list)):
+        return None
+    return [
         r.meta["val"].stride() if isinstance(r, fx.Node) and isinstance(r.meta.get("val"), torch.Tensor) else None
         for r in results
-    ]  # read before Inductor, whose passes rewrite the graph in place
-    return _TracedLayouts(compile_fx(gm, fakes), traced)
+    ]
+
+
+def _held_to_traced_strides(
+    gm: fx.GraphModule, fakes: list, sizes: list, reads: list[tuple[int, str, int]]
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """What holds Inductor's compile of `gm` (the copy `_for_inductor` made, its values in the compile's
+    shape environment) from symbolic `fakes` to the traced strides at each call's sizes (NOTE: [Outputs in
+    the traced layouts]): each stride is an expression in the symbols that the int inputs and the lifted
+    `sizes` (read as `reads` says) give."""
+    (results,) = (n.args[0] for n in gm.graph.nodes if n.op == "output")
+    traced = _output_strides(results)
+    if traced is None:
+        return lambda fn: fn
+    symbols = [(f.node.expr, k, "int", 0) for k, f in enumerate(fakes) if isinstance(f, torch.SymInt)]
+    symbols += [(v.node.expr, *read) for v, read in zip(sizes, reads)]
+    exprs = [None if t is None else tuple(d.node.expr if isinstance(d, torch.SymInt) else d for d in t) for t in traced]
+    return lambda fn: _TracedLayouts(fn, exprs, symbols)
 
 
 def _laid_apart(t: torch.Tensor, traced: tuple[int, ...] | None) -> bool:
@@ -723,32 +751,66 @@ def _laid_apart(t: torch.Tensor, traced: tuple[int, ...] | None) -> bool:
 
 class _TracedLayouts:
     """A compiled region whose outputs are copied into the traced strides where its own differ (NOTE:
-    [Outputs in the traced layouts])."""
+    [Outputs in the traced layouts]). Of a compile of symbolic sizes the traced strides are expressions
+    in `symbols` (each: the symbol, and the input, "int"/"size"/"stride"/"offset" and dimension it is
+    read from), evaluated at each new set of sizes."""
 
-    def __init__(self, fn: Callable[..., Any], traced: list[tuple[int, ...] | None]) -> None:
-        self.fn, self.traced = fn, traced
-        self.copied: list[int] | None = None  # the outputs laid out otherwise, found at the first call
+    def __init__(self, fn: Callable[..., Any], traced: list[tuple | None], symbols: list[tuple] = ()) -> None:
+        self.fn, self.traced, self.symbols = fn, traced, list(symbols)
+        self.laid_apart: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}  # sizes -> copies to make
+
+    @property
+    def copied(self) -> list[int] | None:
+        """The outputs laid out otherwise at the sizes met first (None: not yet called)."""
+        first = next(iter(self.laid_apart.values()), None)
+        return None if first is None else [k for k, _ in first]
 
     def __call__(self, *args: Any) -> Any:
         out = self.fn(*args)
-        if self.copied is None:
-            self.copied = [
-                k for k, (o, s) in enumerate(zip(out, self.traced)) if isinstance(o, torch.Tensor) and _laid_apart(o, s)
-            ]
-            if self.copied:
-                logs.log.info(
-                    "Inductor laid out %d outputs of a region otherwise than the trace (%s); each call copies them "
-                    "into the traced layout (NOTE: [Outputs in the traced layouts])",
-                    len(self.copied),
-                    ", ".join(f"strides {out[k].stride()} for {self.traced[k]}" for k in self.copied[:3]),
-                )
-        if not self.copied:
+        at = tuple(args[k] if kind == "int" else _read(args[k], kind, d) for _, k, kind, d in self.symbols)
+        copies = self.laid_apart.get(at)
+        if copies is None:
+            copies = self.laid_apart[at] = self._laid_apart(out, at)
+        if not copies:
             return out
         out = list(out)
-        for k in self.copied:
+        for k, strides in copies:
             o = out[k]
-            out[k] = torch.empty_strided(o.shape, self.traced[k], dtype=o.dtype, device=o.device).copy_(o)
+            out[k] = torch.empty_strided(o.shape, strides, dtype=o.dtype, device=o.device).copy_(o)
         return out
+
+    def _laid_apart(self, out: Any, at: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+        values = {symbol: v for (symbol, *_), v in zip(self.symbols, at)}
+        copies = []
+        for k, (o, traced) in enumerate(zip(out, self.traced)):
+            strides = _evaluated(traced, values)
+            if isinstance(o, torch.Tensor) and _laid_apart(o, strides):
+                copies.append((k, strides))
+        if copies:
+            logs.log.info(
+                "Inductor laid out %d outputs of a region otherwise than the trace (%s); each call copies them "
+                "into the traced layout (NOTE: [Outputs in the traced layouts])",
+                len(copies),
+                ", ".join(f"strides {out[k].stride()} for {s}" for k, s in copies[:3]),
+            )
+        return copies
+
+
+def _read(a: torch.Tensor, kind: str, d: int) -> int:
+    return a.shape[d] if kind == "size" else a.stride(d) if kind == "stride" else a.storage_offset()
+
+
+def _evaluated(strides: tuple | None, values: dict) -> tuple[int, ...] | None:
+    """`strides` at the sizes `values` gives the symbols; None where one stays unknown."""
+    if strides is None:
+        return None
+    out = []
+    for d in strides:
+        v = d.xreplace(values) if hasattr(d, "xreplace") else d
+        if not (isinstance(v, int) or getattr(v, "is_Integer", False)):
+            return None
+        out.append(int(v))
+    return tuple(out)
 
 
 def _for_inductor(
@@ -799,11 +861,8 @@ def _reading_sizes(fn: Any, reads: list[tuple[int, str, int]]) -> Callable[..., 
     if not reads:
         return fn
 
-    def read(a: torch.Tensor, kind: str, d: int) -> int:
-        return a.shape[d] if kind == "size" else a.stride(d) if kind == "stride" else a.storage_offset()
-
     def call(*args: Any) -> Any:
-        return fn(*args, *(read(args[k], kind, d) for k, kind, d in reads))
+        return fn(*args, *(_read(args[k], kind, d) for k, kind, d in reads))
 
     return call
 
