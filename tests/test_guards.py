@@ -104,31 +104,44 @@ def test_an_optimizer_built_before_compile_steps_the_shards_as_eager_on_two_rank
     run_ranks(2, _optimizers_built_before_compile)
 
 
-def test_an_optimizer_built_before_compile_is_saved_and_resumed_by_fbmt_checkpoint_before_its_first_step(tmp_path):
-    """Each run builds its optimizer, then compiles, then loads or saves before any step: fbmt.checkpoint
-    reads the shards' state, as after a step."""
+@pytest.mark.parametrize("saver", ["fbmt.checkpoint", "torch.save"])
+def test_an_optimizer_built_before_compile_is_saved_and_resumed_before_its_first_step(tmp_path, saver):
+    """Each run builds its optimizer, then compiles, then loads or saves before any step (fbmt.checkpoint;
+    torch.save of its state_dict, as Trainer and accelerate resume): it holds the shards by then, and the
+    resumed run ends where the whole one does."""
+    path = tmp_path / "optimizer.pt"
 
-    def run(steps: range, resume: bool) -> nn.Module:
+    def save(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        if saver == "torch.save":
+            torch.save(opt.state_dict(), path)
+        else:
+            fbmt.checkpoint.save(str(tmp_path), step, model=model, optimizer=opt)
+
+    def run(steps: range, resume: nn.Module | None) -> tuple[nn.Module, nn.Module | None]:
         torch.manual_seed(0)
         net = MLP()
         opt = torch.optim.AdamW(_groups(net, "dim"), lr=0.05)
         model = fbmt.compile(net)
-        if resume:
+        if resume is None and steps.start == 0:
+            save(model, opt, 0)  # before any step
+        elif saver == "torch.save":
+            model.load_state_dict(resume.state_dict())
+            opt.load_state_dict(torch.load(path))
+        else:
             fbmt.checkpoint.load(str(tmp_path), model=model, optimizer=opt)
-        elif steps.start == 0:
-            fbmt.checkpoint.save(str(tmp_path), 0, model=model, optimizer=opt)  # before any step
         for i in steps:
             (x,), _, y = batch("mlp", i)
             F.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-            if i == 1 and not resume:
-                fbmt.checkpoint.save(str(tmp_path), 2, model=model, optimizer=opt)
-        return model
+            if i == 1 and resume is None:
+                save(model, opt, 2)
+                halfway = copy.deepcopy(model)
+        return model, halfway if resume is None else None
 
-    want = run(range(4), resume=False).full_parameters()
-    got = run(range(2, 4), resume=True).full_parameters()
-    for n, p in want.items():
+    whole, halfway = run(range(4), resume=None)
+    got = run(range(2, 4), resume=halfway)[0].full_parameters()
+    for n, p in whole.full_parameters().items():
         torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
 
 

@@ -6,7 +6,8 @@ compiling as often as after (nanoGPT: `configure_optimizers`, then `torch.compil
 the optimizer's state before it too). `fbmt.compile` replaces each parameter by a placeholder and keeps
 its values in this rank's flat shards, so such an optimizer holds parameters nothing reads any more.
 Where it is one of torch's elementwise optimizers, its groups are rewritten to hold the shards instead,
-before the first of its step, its `zero_grad` or GradScaler's `unscale_` that comes after compile:
+before the first of its step, `zero_grad`, `load_state_dict` of a state saved from shards, GradScaler's
+`unscale_` or `fbmt.checkpoint` save or load that comes after compile:
 
 - a shard steps as one, so every parameter it holds that trains must be in the optimizer: one left out
   is refused, naming it (freeze it before compiling instead);

@@ -5,12 +5,12 @@ placeholders. These habits of training scripts would then go wrong without an er
 caught here, on torch's documented hooks where torch has one:
 
 - an optimizer built on the model *before* compiling holds parameters nothing reads any more: one of
-  torch's steps the shards instead from its first step, `zero_grad` or `unscale_` on (NOTE: [Optimizers
-  built before compiling] in adopt.py); an optimizer step pre-hook (`register_optimizer_step_pre_hook`)
-  refuses another such optimizer at its first step, naming the parameter, refuses a weight-decay split
-  (by name or by dimension) that cannot see inside flat shards, an optimizer whose update reads a
-  parameter's shape (NOTE: [Optimizers of flat shards]), and a state loaded from another rank's
-  optimizer (NOTE: [Another rank's optimizer state]);
+  torch's steps the shards instead from its first step, `zero_grad`, `load_state_dict` or `unscale_` on
+  (NOTE: [Optimizers built before compiling] in adopt.py); an optimizer step pre-hook
+  (`register_optimizer_step_pre_hook`) refuses another such optimizer at its first step, naming the
+  parameter, refuses a weight-decay split (by name or by dimension) that cannot see inside flat shards,
+  an optimizer whose update reads a parameter's shape (NOTE: [Optimizers of flat shards]), and a state
+  loaded from another rank's optimizer (NOTE: [Another rank's optimizer state]);
 - `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` would clip each rank's shard by that
   shard's own norm, and `torch.nn.utils.get_total_norm` would give it (NOTE: [Global gradient norms]);
 - `torch.amp.GradScaler` would look for inf/nan in this rank's shards alone, so one rank skipped an
@@ -53,7 +53,7 @@ def install(leaves: list[torch.Tensor]) -> None:
         _hook = register_optimizer_step_pre_hook(_before_step)
     _global_gradient_norms(leaves)
     _overflow_on_any_rank()
-    _shards_before_zero_grad()
+    _shards_before_zero_grad_and_load()
 
 
 class NoDataParallel:
@@ -72,23 +72,37 @@ class NoDataParallel:
         )
 
 
-_installed_zero_grad: Any = None
+_installed: dict[str, Any] = {}  # Optimizer's methods fbmt wrapped, by name
 
 
-def _shards_before_zero_grad() -> None:
-    """An optimizer built before compiling zeroes the shards' gradients from its first `zero_grad` on, as
-    it steps them (NOTE: [Optimizers built before compiling]): a backward run before its first step and
-    zeroed would otherwise be added to the first step's gradients. torch has no hook on zero_grad."""
-    global _installed_zero_grad
-    if torch.optim.Optimizer.zero_grad is not _installed_zero_grad:
-        torch_zero_grad = torch.optim.Optimizer.zero_grad
+def _shards_before_zero_grad_and_load() -> None:
+    """An optimizer built before compiling holds the shards from its first `zero_grad` or `load_state_dict`
+    on, as from its first step (NOTE: [Optimizers built before compiling]): a backward run before its
+    first step and zeroed would otherwise be added to the first step's gradients, and a state saved from
+    the shards (Trainer's or accelerate's resume, before any step) would not fit its groups. A state that
+    fits the groups as they are (the model's own parameters') loads first and moves with them. torch has
+    no hook on zero_grad, nor one that could change the groups before a load."""
+    optimizer = torch.optim.Optimizer
+    if optimizer.zero_grad is not _installed.get("zero_grad"):
+        torch_zero_grad = optimizer.zero_grad
 
         @functools.wraps(torch_zero_grad)
         def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
             shards_for_parameters(self)
             return torch_zero_grad(self, set_to_none)
 
-        _installed_zero_grad = torch.optim.Optimizer.zero_grad = zero_grad
+        _installed["zero_grad"] = optimizer.zero_grad = zero_grad
+    if optimizer.load_state_dict is not _installed.get("load_state_dict"):
+        torch_load = optimizer.load_state_dict
+
+        @functools.wraps(torch_load)
+        def load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+            sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+            if sizes != [len(g["params"]) for g in self.param_groups]:
+                shards_for_parameters(self)
+            return torch_load(self, state_dict)
+
+        _installed["load_state_dict"] = optimizer.load_state_dict = load_state_dict
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
