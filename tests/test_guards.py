@@ -186,6 +186,7 @@ def test_an_optimizer_built_before_compile_keeps_its_groups_or_refuses_what_a_sh
         F.mse_loss(model(x), y).backward()
         with pytest.raises(RuntimeError, match=match):
             opt.step()
+        assert not any(fbmt.compiler.group_of(p) for g in opt.param_groups for p in g["params"]), "left as it was"
 
     refused(
         lambda m: torch.optim.AdamW([p for n, p in m.named_parameters() if n != "fc2.bias"]),

@@ -67,6 +67,7 @@ def shards_for_parameters(optimizer: torch.optim.Optimizer) -> None:
     decayed: list[decay.Decayed] = []
     hosts = {shard: _host(optimizer, members, decayed) for shard, members in found.items()}
     states = {shard: _state(optimizer, members) for shard, members in found.items()}
+    decay.keep_decayed(optimizer, decayed)  # refuses an L2 penalty: before the groups change
     for shard, members in found.items():
         for _, p, _ in members:
             optimizer.state.pop(p, None)
@@ -87,7 +88,6 @@ def shards_for_parameters(optimizer: torch.optim.Optimizer) -> None:
         group["params"] = params
         if listed is not None:
             group["param_names"] = names
-    decay.keep_decayed(optimizer, decayed)
     _looked[optimizer] = (sum(len(g["params"]) for g in optimizer.param_groups), replaced())
 
 
@@ -139,7 +139,7 @@ def _host(
         )
     for gi, _, m in members:
         lo, hi, _ = m.local()
-        if gi != plain[0] and lo < hi:
+        if gi != plain[0] and optimizer.param_groups[gi].get("weight_decay") and lo < hi:
             decayed.append(decay.Decayed(m.shard, [(lo, hi)], [m.name], gi))
     return plain[0]
 
