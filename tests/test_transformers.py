@@ -456,6 +456,36 @@ def test_trainers_decay_split_is_kept_inside_flat_shards(tmp_path, name, optim):
         torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-9, msg=n)
 
 
+def test_trainer_given_an_optimizer_built_before_compile_trains_as_eager(tmp_path):
+    """NOTE: [Optimizers built before compiling]: a script builds AdamW with its own decay split by name on
+    the model's parameters, then compiles, and hands the optimizer to Trainer; the run equals eager's."""
+
+    def run(compile_it: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = hf.build("llama").double()
+        named = list(model.named_parameters())
+        exempt = ("bias", "norm")
+        opt = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in named if not any(k in n for k in exempt)], "weight_decay": 0.5},
+                {"params": [p for n, p in named if any(k in n for k in exempt)], "weight_decay": 0.0},
+            ],
+            lr=0.05,
+        )
+        model = fbmt.compile(model) if compile_it else model
+        data = [{k: v[0] for k, v in hf.inputs("llama", i, batch=1).items()} for i in range(3)]
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+            max_steps=3, per_device_train_batch_size=1, lr_scheduler_type="constant",
+        )  # fmt: skip
+        transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None)).train()
+        return model
+
+    ref, full = run(False), run(True).full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-9, msg=n)
+
+
 def test_an_l2_decay_split_inside_flat_shards_is_refused(tmp_path):
     """SGD adds the decay to the gradient inside its step, where fbmt cannot keep a shard's norms out."""
     with pytest.raises(RuntimeError, match=r"SGD adds weight decay to the gradient .* Use torch's AdamW"):
