@@ -133,8 +133,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 raise RuntimeError(
                     f"fbmt: this {type(optimizer).__name__} holds parameter '{name}' of a module that "
                     "fbmt.compile took over; its values now live in the compiled model's flat shards, so "
-                    "this optimizer would never change the model. Build the optimizer after compiling, on "
-                    "the compiled model: torch.optim.AdamW(model.parameters())"
+                    "this optimizer would never change the model (fbmt moves torch's own optimizers, built "
+                    "before compiling, onto the shards, but not this class). Build the optimizer after "
+                    "compiling, on the compiled model: torch.optim.AdamW(model.parameters())"
                 )
     _refuse_a_decay_split_that_cannot_see_into_shards(optimizer)
     _refuse_an_update_that_reads_shapes(optimizer)
