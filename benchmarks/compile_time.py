@@ -7,6 +7,7 @@
     FBMT_STAMP=0 python benchmarks/compile_time.py --hf --d-model 256   # HF's Llama, no stamping
     python benchmarks/compile_time.py --hf --hf-call default --d-model 256   # called as HF documents it
     python benchmarks/compile_time.py --hf --family t5 --d-model 256 --layers 8,24   # GPT-2, BERT, T5, BART: dropout on
+    python benchmarks/compile_time.py --floor     # one layer's forward on plain meta tensors: no trace at all
 
 Nothing runs: the model is built on meta, compiled for `--world` ranks and traced on CPU fakes, as
 `fbmt.simulate` does, so the numbers are the compiler's own time, without Inductor or a device.
@@ -102,6 +103,23 @@ def _family(transformers, family: str, layers: int, d_model: int):
     return getattr(transformers, auto).from_config(config, attn_implementation="sdpa")
 
 
+def meta_forward_ms(d_model: int, repeats: int = 50) -> float:
+    """What running one GPT layer costs with no trace at all: its forward on plain `meta` tensors (the
+    floor under any proof that runs each layer to show the layers alike)."""
+    from fbmt.models import gpt
+
+    with torch.device("meta"):
+        model = gpt.GPT(gpt.GPTConfig(vocab_size=32000, seq_len=1024, n_layer=1, n_head=16, d_model=d_model))
+        x = torch.empty(2, 1024, d_model)
+    layer = next(m for m in model.modules() if type(m).__name__ == "Block")
+    for _ in range(3):
+        layer(x)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        layer(x)
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="4,16,64")
@@ -121,7 +139,13 @@ def main() -> None:
     ap.add_argument(
         "--family", choices=("llama", "gpt2", "bert", "t5", "bart"), default="llama", help="with --hf: which model"
     )
+    ap.add_argument(
+        "--floor", action="store_true", help="time one GPT layer's forward on plain meta tensors (no trace) instead"
+    )
     args = ap.parse_args()
+    if args.floor:
+        print(f"one layer's forward on meta: {meta_forward_ms(args.d_model):.2f} ms")
+        return
 
     def once(layers: int) -> tuple[float, dict[str, float], int]:
         return compile_once(
