@@ -139,8 +139,9 @@ def _host(
         )
     for gi, _, m in members:
         lo, hi, _ = m.local()
-        if gi != plain[0] and optimizer.param_groups[gi].get("weight_decay") and lo < hi:
-            decayed.append(decay.Decayed(m.shard, [(lo, hi)], [m.name], gi))
+        if gi != plain[0] and optimizer.param_groups[gi].get("weight_decay"):
+            # kept where this rank holds none of it too: every rank refuses an L2 split alike
+            decayed.append(decay.Decayed(m.shard, [(lo, hi)] if lo < hi else [], [m.name], gi))
     return plain[0]
 
 
