@@ -145,6 +145,23 @@ def test_an_optimizer_built_before_compile_is_saved_and_resumed_before_its_first
         torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
 
 
+def _an_l2_split_refused(rank: int, world: int) -> None:
+    net = MLP()  # fc1's shard: rank 0 holds part of its weight, rank 1 the rest and all of its bias
+    opt = torch.optim.SGD([{"params": [net.fc1.bias], "weight_decay": 0.1}, {"params": [net.fc1.weight]}], lr=0.1)
+    opt.add_param_group({"params": [p for n, p in net.named_parameters() if not n.startswith("fc1.")]})
+    model = fbmt.compile(net, blocks=["fc1", "fc2", "fc3"])
+    (x,), _, y = batch("mlp", rank)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"SGD adds weight decay to the gradient"):
+        opt.step()
+
+
+def test_an_l2_split_is_refused_on_every_rank_also_one_that_holds_none_of_the_decayed_parameter():
+    """Rank 0 holds none of fc1.bias, the decayed parameter of a mixed shard: it refused nothing and went on
+    to step while rank 1 refused."""
+    run_ranks(2, _an_l2_split_refused)
+
+
 def test_an_optimizer_built_before_compile_keeps_its_groups_or_refuses_what_a_shard_cannot_do():
     """A learning rate per block (each layer's shard in its layer's group) trains as eager, after a step in
     eager too; a backward zeroed before the first step is not added to it; a parameter left out of the
