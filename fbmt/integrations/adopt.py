@@ -18,9 +18,13 @@ before the first of its step, `zero_grad`, `load_state_dict` of a state saved fr
   inside it as their groups decay (NOTE: [Decay split inside flat shards]); groups that differ in
   anything else (a learning rate per layer where two layers share a shard) are refused, naming the
   parameters and the setting;
-- state the optimizer already holds (loaded before compiling) moves with it: each state tensor shaped
-  like its parameter becomes this rank's elements of the shard, and a per-parameter count (`step`)
-  must agree across the shard's parameters.
+- state the optimizer already holds (loaded before compiling, or from steps in eager) moves with it: each
+  state tensor shaped like its parameter becomes this rank's elements of the shard, and a per-parameter
+  count (`step`) must agree across the shard's parameters; a state of another shape (one a compiled
+  model's optimizer saved, of its shards) is refused, saying to load it after compiling.
+
+Every refusal is made before anything changes, and alike on every rank (a rank that holds none of a
+parameter refuses what the others refuse), so ranks never part over it.
 
 torch's optimizers keep nothing of a parameter beyond `param_groups` and `state` until they step, which
 is what makes the rewrite complete; another optimizer class (fbmt's own, which copy parameters when
