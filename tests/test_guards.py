@@ -145,6 +145,32 @@ def test_an_optimizer_built_before_compile_is_saved_and_resumed_before_its_first
         torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
 
 
+def test_an_eager_runs_optimizer_state_loaded_after_compile_moves_onto_the_shards():
+    """A state that fits the optimizer's groups as they are (saved by an eager run, keyed by the model's
+    parameters) loads into them after compile, and moves onto the shards at the first step."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+        (x,), _, y = batch("mlp", i)
+        F.mse_loss(model(x.double()), y.double()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch.manual_seed(0)
+    ref = MLP().double()
+    ref_opt = torch.optim.AdamW(_groups(ref, "dim"), lr=0.05)
+    step(ref, ref_opt, 0)
+    net = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(_groups(net, "dim"), lr=0.05)
+    model = fbmt.compile(net)
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # eager's layout, loaded after compile
+    for i in range(1, 4):
+        step(ref, ref_opt, i)
+        step(model, opt, i)
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-12, msg=n)
+
+
 def _an_l2_split_refused(rank: int, world: int) -> None:
     net = MLP()  # fc1's shard: rank 0 holds part of its weight, rank 1 the rest and all of its bias
     opt = torch.optim.SGD([{"params": [net.fc1.bias], "weight_decay": 0.1}, {"params": [net.fc1.weight]}], lr=0.1)
