@@ -703,14 +703,12 @@ def _in_traced_layouts(gm: fx.GraphModule, fakes: list) -> Callable[..., Any]:
     trace's (the graph's values, exact here) and, where one differs, every call copies that output into
     the traced layout, which is the copy eager makes; the others cost nothing. A compile of symbolic sizes
     does the same at each new set of sizes it is called at: the traced strides are expressions in the
-    sizes (`_symbolic_strides`), evaluated there."""
+    sizes (`_held_to_traced_strides`), evaluated there."""
     from torch._inductor.compile_fx import compile_fx
 
     (results,) = (n.args[0] for n in gm.graph.nodes if n.op == "output")
-    if not isinstance(results, (tuple, list)):  # a graph of one output, not a region's (`_extract` makes tuples)
-        return compile_fx(gm, fakes)
     traced = _output_strides(results)  # read before Inductor, whose passes rewrite the graph in place
-    return _TracedLayouts(compile_fx(gm, fakes), traced)
+    return compile_fx(gm, fakes) if traced is None else _TracedLayouts(compile_fx(gm, fakes), traced)
 
 
 def _output_strides(results: Any) -> list[tuple | None] | None:
