@@ -1078,8 +1078,8 @@ class _ModuleTagger:
 # which would watch nothing). Not the hooks of torch, peft and accelerate, nor transformers' own that
 # act within the trace: its output recorders (filled into the forward's outputs) and the hook that makes
 # the embeddings' output require gradients (changed in place); torch's weight_norm and pruning, which
-# recompute a weight in a pre-hook, act within the trace too. Only the hooks registered before the
-# call are watched: those a forward registers for itself act within the trace too.
+# recompute a weight in a pre-hook, are left alone as well. Only the hooks registered before the call are
+# watched: those a forward registers for itself act within the trace.
 _WITHIN_THE_TRACE = (
     "torch.",
     "fbmt.",

@@ -45,7 +45,7 @@ from fbmt.integrations import decay
 
 # torch's optimizers that update each element from its own gradient and state (NOTE: [Optimizers of
 # flat shards] in torch_guards.py)
-ELEMENTWISE = frozenset(
+_ELEMENTWISE = frozenset(
     ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop")
 )
 _DECAY_ONLY = frozenset(("params", "param_names", "weight_decay"))  # what groups sharing a shard may differ in
@@ -95,11 +95,14 @@ def shards_for_parameters(optimizer: torch.optim.Optimizer) -> None:
     _looked[optimizer] = (sum(len(g["params"]) for g in optimizer.param_groups), replaced())
 
 
+def torch_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is (or derives from) one of torch's elementwise optimizers."""
+    return any(c.__name__ in _ELEMENTWISE and c.__module__.startswith("torch.optim") for c in type(optimizer).__mro__)
+
+
 def _adoptable(optimizer: torch.optim.Optimizer) -> bool:
-    mro = type(optimizer).__mro__
-    if any(c.__module__.startswith("fbmt.") for c in mro):
-        return False
-    return any(c.__name__ in ELEMENTWISE and c.__module__.startswith("torch.optim") for c in mro)
+    fbmt_own = any(c.__module__.startswith("fbmt.") for c in type(optimizer).__mro__)
+    return torch_elementwise(optimizer) and not fbmt_own
 
 
 def _host(

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from fbmt.compiler import group_of, moved_name, replaced, unreduced
 from fbmt.integrations import decay
-from fbmt.integrations.adopt import ELEMENTWISE, shards_for_parameters
+from fbmt.integrations.adopt import shards_for_parameters, torch_elementwise
 
 log = logging.getLogger("fbmt")
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (parameters, replaced()) checked
@@ -240,8 +240,7 @@ def _refuse_an_update_that_reads_shapes(optimizer: torch.optim.Optimizer) -> Non
             "(torch.optim.AdamW, SGD, Adam; Lion), or with HF Trainer optim='adamw_torch'"
         )
     fbmt_own = any(c.__module__.startswith("fbmt.") for c in mro)
-    known = any(c.__name__ in ELEMENTWISE and c.__module__.startswith("torch.optim") for c in mro)
-    if fbmt_own or known or name == "Lion" or name in _warned_unknown:
+    if fbmt_own or torch_elementwise(optimizer) or name == "Lion" or name in _warned_unknown:
         return
     _warned_unknown.add(name)
     log.warning(
