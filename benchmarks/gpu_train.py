@@ -756,6 +756,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.base:
         sys.path.insert(0, os.path.abspath(args.base))
+        # Inductor's caches key a region by its graph, not by the lowering fbmt patches in while it compiles
+        # (NOTE: [Cats of shared reads]): the second version to compile a region would load the first one's
+        # kernels, and the two would time the same code
+        import torch._functorch.config
+        import torch._inductor.config
+
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -41,8 +41,9 @@ def test_unknown_backend_is_rejected():
 
 
 def test_the_cat_guard_takes_materialized_cats_of_shared_reads_only(monkeypatch):
-    """NOTE: [Cats of shared reads]: a cat that products read, of two expressions that read one
-    buffer, is a ConcatKernel; a cat a pointwise op reads is left to Inductor's own lowering."""
+    """NOTE: [Cats of shared reads]: a cat that products read, or two pointwise ops (an FP8 cast's amax
+    and its cast), of two expressions that read one buffer, is a ConcatKernel; a cat that one pointwise
+    op reads is left to Inductor's own lowering."""
     from torch._inductor import lowering
 
     real = lowering.lowerings[torch.ops.aten.cat.default]
@@ -57,20 +58,25 @@ def test_the_cat_guard_takes_materialized_cats_of_shared_reads_only(monkeypatch)
     def merged_gradient(g, u, w):  # SwiGLU's gate and up gradients, both from g and u, read by a product
         return torch.cat([g * u.sigmoid(), g * u], 1) @ w
 
-    def rotary(a, b):  # read by a pointwise op
+    def cast_for_fp8(g, u):  # the merged gradient of FP8 products: its amax and its cast read it
+        c = torch.cat([g * u.sigmoid(), g * u], 1)
+        return c.abs().amax(), (c.t() * 2.0).to(torch.float64)
+
+    def rotary(a, b):  # read by one pointwise op
         return torch.cat([a * b, a - b], 1).to(torch.float64)
 
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
     g, u, w = torch.randn(4, 3), torch.randn(4, 3), torch.randn(6, 5)
-    for fn, args, guarded in ((merged_gradient, (g, u, w), True), (rotary, (g, u), False)):
+    cases = ((merged_gradient, (g, u, w), True), (cast_for_fp8, (g, u), True), (rotary, (g, u), False))
+    for fn, args, guarded in cases:
         left_to_inductor.clear()
         gm = make_fx(fn)(*args)
         with regions.cat_guard():
             compiled = compile_fx(gm, list(args))
-        out = compiled(*args)
-        torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, fn(*args))
+        out, want = compiled(*args), fn(*args)
+        torch.testing.assert_close(tuple(out) if isinstance(out, (list, tuple)) else out, want)
         assert left_to_inductor == ([] if guarded else [2]), (fn.__name__, left_to_inductor)
 
 

@@ -957,9 +957,13 @@ def cat_guard() -> Iterator[None]:
     reads the two expressions share are made twice, under masks: that kernel took twice as long as
     the two-output kernel before the merge (BENCHMARKS.md). As a ConcatKernel, each input is
     computed straight into its slice of the output and the scheduler fuses the two into one kernel
-    with two stores. A cat that a pointwise op reads (a rotary embedding's) keeps Inductor's
-    choice: inlined into its reader, it is never written at all. Inductor's own lowering is called
-    for every other cat, and whenever this check cannot tell (with a warning, once)."""
+    with two stores. A cat that one pointwise op reads (a rotary embedding's) keeps Inductor's
+    choice: inlined into its reader, it is never written at all. But a cat that two or more ops
+    read (through views) is a ConcatKernel even where they are pointwise: with FP8 products
+    (NOTE: [FP8 products]) the merged gradient is read by its amax and by a cast per layout, and
+    inlined into each of those kernels its expressions, and the reads they share, were computed
+    once per reader. Inductor's own lowering is called for every other cat, and whenever this
+    check cannot tell (with a warning, once)."""
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     first, last = CAT_GUARD_TORCH
     if not first <= version <= last:
@@ -989,10 +993,19 @@ def cat_guard() -> Iterator[None]:
                 break
         return set(x.get_read_names()) if isinstance(x, ir.Pointwise) else None
 
+    def readers(node: fx.Node) -> int:
+        """The ops that read a value, through its views."""
+        return sum(
+            readers(u) if isinstance(u.target, torch._ops.OpOverload) and lowering.is_view(u.target) else 1
+            for u in node.users
+        )
+
     def cat(inputs: Any, dim: int = 0) -> Any:
         try:
             node = V.current_node
-            materialized = node is not None and not any(lowering.is_pointwise_use(u) for u in node.users)
+            materialized = node is not None and (
+                not any(lowering.is_pointwise_use(u) for u in node.users) or readers(node) > 1
+            )
             if (
                 materialized
                 and isinstance(inputs, (list, tuple))
