@@ -756,9 +756,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.base:
         sys.path.insert(0, os.path.abspath(args.base))
-        # Inductor's caches key a region by its graph, not by the lowering fbmt patches in while it compiles
-        # (NOTE: [Cats of shared reads]): the second version to compile a region would load the first one's
-        # kernels, and the two would time the same code
+        # Inductor's caches key a region by its graph and options; of the lowering fbmt patches in while it
+        # compiles (NOTE: [Cats of shared reads]) only by a tag a change may forget to bump: a second version
+        # that loaded the first one's kernels would time the same code
         import torch._functorch.config
         import torch._inductor.config
 

@@ -80,6 +80,14 @@ def test_the_cat_guard_takes_materialized_cats_of_shared_reads_only(monkeypatch)
         assert left_to_inductor == ([] if guarded else [2]), (fn.__name__, left_to_inductor)
 
 
+def test_the_cat_guard_keys_torchs_compile_caches_with_its_tag():
+    """Kernels another version of the guard lowered are not loaded from torch's caches as its own."""
+    before = torch.compiler.config.cache_key_tag
+    with regions.cat_guard():
+        assert regions.CAT_GUARD_TAG in torch.compiler.config.cache_key_tag
+    assert torch.compiler.config.cache_key_tag == before
+
+
 def test_the_cat_guard_declines_with_one_warning_outside_the_torch_releases_it_knows(monkeypatch):
     monkeypatch.setattr(regions, "CAT_GUARD_TORCH", ((1, 0), (1, 1)))
     regions._decline.cache_clear()

@@ -931,6 +931,10 @@ def _cacheable(static: bool = True) -> Iterator[FakeTensorMode]:
 # and tested against: it replaces an entry of Inductor's private lowering table and reads its IR
 # classes, which change between releases. Outside the range it does nothing, and says so once.
 CAT_GUARD_TORCH = ((2, 11), (2, 15))
+# Added to the key of torch's FX graph and AOTAutograd caches while the guard lowers: they key a region by
+# its graph and Inductor's options, not by a lowering patched in, so kernels compiled by another version of
+# the guard (or without it) would be loaded as if they were its own. Change it whenever the guard changes.
+CAT_GUARD_TAG = "fbmt-cat-guard-2"
 
 
 @functools.cache
@@ -1022,9 +1026,18 @@ def cat_guard() -> Iterator[None]:
 
     lowering.lowerings[torch.ops.aten.cat.default] = cat
     try:
-        yield
+        with _tagged(CAT_GUARD_TAG):
+            yield
     finally:
         lowering.lowerings[torch.ops.aten.cat.default] = original
+
+
+def _tagged(tag: str) -> contextlib.AbstractContextManager:
+    """torch's compile caches keyed with `tag` too, after the user's own tag (where this torch has one)."""
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return contextlib.nullcontext()
+    return config.patch(cache_key_tag=f"{config.cache_key_tag}|{tag}" if config.cache_key_tag else tag)
 
 
 def _pure(n: fx.Node, current: set[fx.Node]) -> bool:
