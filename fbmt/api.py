@@ -21,6 +21,8 @@ from fbmt.tools import auto_remat
 
 __all__ = ["compile", "CompileOptions", "CompiledModule"]
 
+torch_guards.install_at_import()  # an optimizer's state may be loaded before any model is compiled
+
 
 class _Compiled(torch_guards.NoDataParallel, transformers.Forwarding):
     """The compiled module's class: the compiler's module with the integrations' behaviour."""

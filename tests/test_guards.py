@@ -171,6 +171,61 @@ def test_an_eager_runs_optimizer_state_loaded_after_compile_moves_onto_the_shard
         torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-12, msg=n)
 
 
+def _resumed_as_nanogpt_resumes(rank: int, world: int, folder: str) -> None:
+    """A whole run saves its model and each rank's optimizer halfway; the resumed run loads both into the
+    plain model and its optimizer, then compiles (nanoGPT's order), and ends where the whole run does."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+        (x,), _, y = batch("mlp", i)
+        F.mse_loss(model(x.double()), y.double()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch.manual_seed(0)
+    net = MLP().double()
+    opt = torch.optim.AdamW(_groups(net, "dim"), lr=0.05)
+    model = fbmt.compile(net)
+    for i in range(4):
+        step(model, opt, i)
+        if i == 1:
+            torch.save(model.state_dict(), f"{folder}/model.pt")  # every rank: it gathers
+            torch.save(opt.state_dict(), f"{folder}/optim.{rank}.pt")
+    torch.manual_seed(1)
+    net = MLP().double()
+    net.load_state_dict(torch.load(f"{folder}/model.pt"))
+    resumed = torch.optim.AdamW(_groups(net, "dim"), lr=0.05)
+    resumed.load_state_dict(torch.load(f"{folder}/optim.{rank}.pt"))  # before compile: kept for its shards
+    assert torch.load(f"{folder}/optim.{rank}.pt")["state"].keys() == resumed.state_dict()["state"].keys()
+    again = fbmt.compile(net)
+    for i in range(2, 4):
+        step(again, resumed, i)
+    got, want = again.full_parameters(), model.full_parameters()
+    for n, p in want.items():
+        torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
+
+
+def test_an_optimizer_state_saved_from_shards_loads_before_compile_as_nanogpt_resumes(tmp_path):
+    """NOTE: [Optimizers built before compiling]: a state saved from the shards, loaded into the optimizer of
+    the plain model before `fbmt.compile` (torch refused it: its groups held parameters, not shards), is
+    kept and loaded once the optimizer holds the shards; the resumed run equals the whole one on 2 ranks."""
+    run_ranks(2, _resumed_as_nanogpt_resumes, str(tmp_path))
+
+
+def test_an_optimizer_state_saved_from_shards_on_a_model_never_compiled_is_refused_at_its_first_step():
+    torch.manual_seed(0)
+    net = MLP()
+    opt = torch.optim.AdamW(_groups(net, "dim"), lr=0.05)
+    model = fbmt.compile(net)
+    _train(model, opt, steps=1)
+    saved = opt.state_dict()
+    plain = MLP()
+    plain_opt = torch.optim.AdamW(_groups(plain, "dim"), lr=0.05)
+    plain_opt.load_state_dict(saved)
+    assert plain_opt.state_dict()["state"].keys() == saved["state"].keys()  # kept, not lost
+    with pytest.raises(RuntimeError, match=r"saved from a compiled model's optimizer.*fbmt.compile the model"):
+        _train(plain, plain_opt, steps=1)
+
+
 def _an_l2_split_refused(rank: int, world: int) -> None:
     net = MLP()  # fc1's shard: rank 0 holds part of its weight, rank 1 the rest and all of its bias
     opt = torch.optim.SGD([{"params": [net.fc1.bias], "weight_decay": 0.1}, {"params": [net.fc1.weight]}], lr=0.1)

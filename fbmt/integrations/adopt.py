@@ -20,8 +20,13 @@ before the first of its step, `zero_grad`, `load_state_dict` of a state saved fr
   parameters and the setting;
 - state the optimizer already holds (loaded before compiling, or from steps in eager) moves with it: each
   state tensor shaped like its parameter becomes this rank's elements of the shard, and a per-parameter
-  count (`step`) must agree across the shard's parameters; a state of another shape (one a compiled
-  model's optimizer saved, of its shards) is refused, saying to load it after compiling.
+  count (`step`) must agree across the shard's parameters; a state of another shape is refused;
+- a state saved from a compiled model's optimizer (of its shards: its groups say whose it is, NOTE:
+  [Another rank's optimizer state]) and loaded before compiling, as nanoGPT resumes, does not fit groups
+  of parameters, and torch's `load_state_dict` would refuse it: it is kept (`keep_for_shards`; the
+  optimizer's `state_dict()` gives it back meanwhile) and loaded once the groups hold the shards. An
+  optimizer that steps while it still waits (its model was never compiled) is refused, as it would step
+  without the state it was given.
 
 Every refusal is made before anything changes, and alike on every rank (a rank that holds none of a
 parameter refuses what the others refuse), so ranks never part over it.
@@ -40,7 +45,7 @@ from typing import Any
 
 import torch
 
-from fbmt.compiler import Moved, moved_into, replaced
+from fbmt.compiler import Moved, group_of, moved_into, replaced
 from fbmt.integrations import decay
 
 # torch's optimizers that update each element from its own gradient and state (NOTE: [Optimizers of
@@ -93,6 +98,36 @@ def shards_for_parameters(optimizer: torch.optim.Optimizer) -> None:
         if listed is not None:
             group["param_names"] = names
     _looked[optimizer] = (sum(len(g["params"]) for g in optimizer.param_groups), replaced())
+    kept = optimizer.__dict__.pop(_KEPT, None)
+    if kept is not None:  # a state saved from shards, loaded before compiling: it fits the groups now
+        optimizer.load_state_dict(kept)
+
+
+_KEPT = "_fbmt_state_for_its_shards"  # where an optimizer keeps a state loaded before compiling
+
+
+def keep_for_shards(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> bool:
+    """Keep a state saved from shards that does not fit `optimizer`'s groups of parameters yet, to load
+    when they hold the shards (NOTE: [Optimizers built before compiling]); False where they never will
+    (another class of optimizer, or groups that hold shards already: torch then says why it does not fit)."""
+    holds_shards = any(group_of(p) is not None for g in optimizer.param_groups for p in g["params"])
+    if not _adoptable(optimizer) or holds_shards:
+        return False
+    if _KEPT not in optimizer.__dict__:
+        optimizer.register_state_dict_post_hook(_still_kept)
+    optimizer.__dict__[_KEPT] = state_dict
+    return True
+
+
+def still_waiting(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` keeps a state for shards it does not hold yet."""
+    return _KEPT in optimizer.__dict__
+
+
+def _still_kept(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state an optimizer keeps for its shards is its state until they come (a save in between
+    loses nothing)."""
+    return optimizer.__dict__.get(_KEPT, state_dict)
 
 
 def torch_elementwise(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,4 +1,4 @@
-"""Guards on torch's own entry points around a compiled model, installed by `fbmt.compile`.
+"""Guards on torch's own entry points around a compiled model, installed by `fbmt.compile` (two at import).
 
 A compiled model's parameters are this rank's flat shards, and the module it took over holds `meta`
 placeholders. These habits of training scripts would then go wrong without an error; each is
@@ -21,6 +21,9 @@ caught here, on torch's documented hooks where torch has one:
 
 `install(leaves)` puts the process-wide hooks in place (once per process) and registers the
 tensors whose gradients are sharded; the BMTrain layer installs them for its views too.
+`install_at_import()` (when fbmt is imported) wraps `load_state_dict` and `zero_grad` before any model
+is compiled: a state saved from shards may be loaded into a plain model's optimizer first (nanoGPT's
+resume), and waits for them (NOTE: [Optimizers built before compiling]).
 """
 
 from __future__ import annotations
@@ -36,11 +39,33 @@ import torch.distributed as dist
 
 from fbmt.compiler import group_of, moved_name, replaced, unreduced
 from fbmt.integrations import decay
-from fbmt.integrations.adopt import shards_for_parameters, torch_elementwise
+from fbmt.integrations.adopt import keep_for_shards, shards_for_parameters, still_waiting, torch_elementwise
 
 log = logging.getLogger("fbmt")
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (parameters, replaced()) checked
 _hook: Any = None  # the optimizer step pre-hook's handle, once installed
+_waiting_hook: Any = None  # the one installed at import
+
+
+def install_at_import() -> None:
+    """What must be in place before any model is compiled: an optimizer's state saved from shards may be
+    loaded before `fbmt.compile` (nanoGPT's resume), and must then wait for them."""
+    global _waiting_hook
+    _shards_before_zero_grad_and_load()
+    if _waiting_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _waiting_hook = register_optimizer_step_pre_hook(_refuse_a_step_without_its_state)
+
+
+def _refuse_a_step_without_its_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    shards_for_parameters(optimizer)  # loads the state it keeps, where its groups hold the shards now
+    if still_waiting(optimizer):
+        raise RuntimeError(
+            f"fbmt: this {type(optimizer).__name__} was given a state saved from a compiled model's optimizer "
+            "(of its flat shards), but the parameters it holds were never compiled, so it would step without "
+            "that state: fbmt.compile the model it was built on before its first step"
+        )
 
 
 def install(leaves: list[torch.Tensor]) -> None:
@@ -97,9 +122,17 @@ def _shards_before_zero_grad_and_load() -> None:
 
         @functools.wraps(torch_load)
         def load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-            sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+            saved = state_dict.get("param_groups", [])
+            sizes = [len(g["params"]) for g in saved]
             if sizes != [len(g["params"]) for g in self.param_groups]:
                 shards_for_parameters(self)
+            from_shards = any(SHARDS_KEY in g for g in saved)
+            if (
+                from_shards
+                and sizes != [len(g["params"]) for g in self.param_groups]
+                and keep_for_shards(self, state_dict)
+            ):
+                return None  # loaded when the optimizer holds the shards (NOTE: [Optimizers built before compiling])
             return torch_load(self, state_dict)
 
         _installed["load_state_dict"] = optimizer.load_state_dict = load_state_dict
