@@ -25,6 +25,7 @@ import cProfile
 import importlib
 import pstats
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -103,21 +104,37 @@ def _family(transformers, family: str, layers: int, d_model: int):
     return getattr(transformers, auto).from_config(config, attn_implementation="sdpa")
 
 
-def meta_forward_ms(d_model: int, repeats: int = 50) -> float:
-    """What running one GPT layer costs with no trace at all: its forward on plain `meta` tensors (the
-    floor under any proof that runs each layer to show the layers alike)."""
+def forward_floor_ms(d_model: int, repeats: int = 50) -> tuple[float, float]:
+    """What running one GPT layer's forward costs with no trace at all (the floor under any proof that
+    runs each layer to show the layers alike): on plain `meta` tensors, and on the fake tensors a trace
+    runs it on (their cached dispatch is the cheaper: on meta, attention runs its decomposition)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from fbmt.models import gpt
 
     with torch.device("meta"):
         model = gpt.GPT(gpt.GPTConfig(vocab_size=32000, seq_len=1024, n_layer=1, n_head=16, d_model=d_model))
         x = torch.empty(2, 1024, d_model)
     layer = next(m for m in model.modules() if type(m).__name__ == "Block")
-    for _ in range(3):
-        layer(x)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        layer(x)
-    return (time.perf_counter() - started) / repeats * 1e3
+
+    def timed(run: Callable[[], object]) -> float:
+        for _ in range(3):
+            run()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        return (time.perf_counter() - started) / repeats * 1e3
+
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        params = {n: torch.empty(p.shape, requires_grad=True) for n, p in layer.named_parameters()}
+        x_fake = torch.empty(2, 1024, d_model, requires_grad=True)
+
+    def on_fakes() -> object:
+        with fake_mode:
+            return torch.func.functional_call(layer, params, (x_fake,))
+
+    return timed(lambda: layer(x)), timed(on_fakes)
 
 
 def main() -> None:
@@ -144,7 +161,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.floor:
-        print(f"one layer's forward on meta: {meta_forward_ms(args.d_model):.2f} ms")
+        on_meta, on_fakes = forward_floor_ms(args.d_model)
+        print(f"one layer's forward: {on_meta:.2f} ms on meta, {on_fakes:.2f} ms on fake tensors")
         return
 
     def once(layers: int) -> tuple[float, dict[str, float], int]:
