@@ -759,11 +759,11 @@ def main() -> None:
         # Inductor's caches key a region by its graph and options; of the lowering fbmt patches in while it
         # compiles (NOTE: [Cats of shared reads]) only by a tag a change may forget to bump: a second version
         # that loaded the first one's kernels would time the same code
-        import torch._functorch.config
-        import torch._inductor.config
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.fx_graph_cache = False
-        torch._functorch.config.enable_autograd_cache = False
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
