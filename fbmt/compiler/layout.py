@@ -86,12 +86,19 @@ class Layout:
     world_size: int
 
     def group_of(self, param_name: str) -> tuple[FlatGroup, ParamSlot]:
-        canonical = self.aliases[param_name]
+        found = self._slots.get(self.aliases[param_name])
+        if found is None:
+            raise KeyError(param_name)
+        return found
+
+    @functools.cached_property
+    def _slots(self) -> dict[str, tuple[FlatGroup, ParamSlot]]:
+        # looked up once per parameter by several passes: a scan of every slot made them quadratic
+        slots: dict[str, tuple[FlatGroup, ParamSlot]] = {}
         for g in self.groups:
             for s in g.slots:
-                if s.name == canonical:
-                    return g, s
-        raise KeyError(param_name)
+                slots.setdefault(s.name, (g, s))
+        return slots
 
     @functools.cached_property
     def _block_paths(self) -> frozenset[str]:
