@@ -145,27 +145,29 @@ def test_an_optimizer_built_before_compile_is_saved_and_resumed_before_its_first
         torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
 
 
+def _step64(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    """One step of the MLP on batch `i`, in float64."""
+    (x,), _, y = batch("mlp", i)
+    F.mse_loss(model(x.double()), y.double()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def test_an_eager_runs_optimizer_state_loaded_after_compile_moves_onto_the_shards():
     """A state that fits the optimizer's groups as they are (saved by an eager run, keyed by the model's
     parameters) loads into them after compile, and moves onto the shards at the first step."""
 
-    def step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
-        (x,), _, y = batch("mlp", i)
-        F.mse_loss(model(x.double()), y.double()).backward()
-        opt.step()
-        opt.zero_grad()
-
     torch.manual_seed(0)
     ref = MLP().double()
     ref_opt = torch.optim.AdamW(_groups(ref, "dim"), lr=0.05)
-    step(ref, ref_opt, 0)
+    _step64(ref, ref_opt, 0)
     net = copy.deepcopy(ref)
     opt = torch.optim.AdamW(_groups(net, "dim"), lr=0.05)
     model = fbmt.compile(net)
     opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # eager's layout, loaded after compile
     for i in range(1, 4):
-        step(ref, ref_opt, i)
-        step(model, opt, i)
+        _step64(ref, ref_opt, i)
+        _step64(model, opt, i)
     full = model.full_parameters()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-12, msg=n)
@@ -175,18 +177,12 @@ def _resumed_as_nanogpt_resumes(rank: int, world: int, folder: str) -> None:
     """A whole run saves its model and each rank's optimizer halfway; the resumed run loads both into the
     plain model and its optimizer, then compiles (nanoGPT's order), and ends where the whole run does."""
 
-    def step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
-        (x,), _, y = batch("mlp", i)
-        F.mse_loss(model(x.double()), y.double()).backward()
-        opt.step()
-        opt.zero_grad()
-
     torch.manual_seed(0)
     net = MLP().double()
     opt = torch.optim.AdamW(_groups(net, "dim"), lr=0.05)
     model = fbmt.compile(net)
     for i in range(4):
-        step(model, opt, i)
+        _step64(model, opt, i)
         if i == 1:
             torch.save(model.state_dict(), f"{folder}/model.pt")  # every rank: it gathers
             torch.save(opt.state_dict(), f"{folder}/optim.{rank}.pt")
@@ -198,7 +194,7 @@ def _resumed_as_nanogpt_resumes(rank: int, world: int, folder: str) -> None:
     assert torch.load(f"{folder}/optim.{rank}.pt")["state"].keys() == resumed.state_dict()["state"].keys()
     again = fbmt.compile(net)
     for i in range(2, 4):
-        step(again, resumed, i)
+        _step64(again, resumed, i)
     got, want = again.full_parameters(), model.full_parameters()
     for n, p in want.items():
         torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
