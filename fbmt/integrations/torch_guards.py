@@ -59,6 +59,8 @@ def install_at_import() -> None:
 
 
 def _refuse_a_step_without_its_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not still_waiting(optimizer):  # every optimizer's every step: nothing more unless it waits
+        return
     shards_for_parameters(optimizer)  # loads the state it keeps, where its groups hold the shards now
     if still_waiting(optimizer):
         raise RuntimeError(
