@@ -7,7 +7,7 @@
     FBMT_STAMP=0 python benchmarks/compile_time.py --hf --d-model 256   # HF's Llama, no stamping
     python benchmarks/compile_time.py --hf --hf-call default --d-model 256   # called as HF documents it
     python benchmarks/compile_time.py --hf --family t5 --d-model 256 --layers 8,24   # GPT-2, BERT, T5, BART: dropout on
-    python benchmarks/compile_time.py --floor     # one layer's forward on plain meta tensors: no trace at all
+    python benchmarks/compile_time.py --floor     # one layer's forward alone, on meta and on fake tensors: no trace
 
 Nothing runs: the model is built on meta, compiled for `--world` ranks and traced on CPU fakes, as
 `fbmt.simulate` does, so the numbers are the compiler's own time, without Inductor or a device.
