@@ -157,7 +157,9 @@ def main() -> None:
         "--family", choices=("llama", "gpt2", "bert", "t5", "bart"), default="llama", help="with --hf: which model"
     )
     ap.add_argument(
-        "--floor", action="store_true", help="time one GPT layer's forward on plain meta tensors (no trace) instead"
+        "--floor",
+        action="store_true",
+        help="time one GPT layer's forward alone (no trace), on meta and on fake tensors, instead",
     )
     args = ap.parse_args()
     if args.floor:
