@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fbmt
+from fbmt.integrations.adopt import still_waiting
 from tests.dist import run_ranks
 from tests.models.reference import MLP, batch
 
@@ -218,6 +219,10 @@ def test_an_optimizer_state_saved_from_shards_on_a_model_never_compiled_is_refus
     plain_opt = torch.optim.AdamW(_groups(plain, "dim"), lr=0.05)
     plain_opt.load_state_dict(saved)
     assert plain_opt.state_dict()["state"].keys() == saved["state"].keys()  # kept, not lost
+    fits = torch.optim.AdamW(_groups(MLP(), "dim"), lr=0.05).state_dict()  # a later load wins, as in torch
+    plain_opt.load_state_dict(fits)
+    assert plain_opt.state_dict()["state"] == {} and not still_waiting(plain_opt)
+    plain_opt.load_state_dict(saved)
     with pytest.raises(RuntimeError, match=r"saved from a compiled model's optimizer.*fbmt.compile the model"):
         _train(plain, plain_opt, steps=1)
 

@@ -119,6 +119,11 @@ def keep_for_shards(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     return True
 
 
+def forget_kept(optimizer: torch.optim.Optimizer) -> None:
+    """A later load replaces the state `optimizer` keeps for its shards: the last load wins, as in torch."""
+    optimizer.__dict__.pop(_KEPT, None)
+
+
 def still_waiting(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` keeps a state for shards it does not hold yet."""
     return _KEPT in optimizer.__dict__

@@ -39,7 +39,13 @@ import torch.distributed as dist
 
 from fbmt.compiler import group_of, moved_name, replaced, unreduced
 from fbmt.integrations import decay
-from fbmt.integrations.adopt import keep_for_shards, shards_for_parameters, still_waiting, torch_elementwise
+from fbmt.integrations.adopt import (
+    forget_kept,
+    keep_for_shards,
+    shards_for_parameters,
+    still_waiting,
+    torch_elementwise,
+)
 
 log = logging.getLogger("fbmt")
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (parameters, replaced()) checked
@@ -135,6 +141,7 @@ def _shards_before_zero_grad_and_load() -> None:
                 and keep_for_shards(self, state_dict)
             ):
                 return None  # loaded when the optimizer holds the shards (NOTE: [Optimizers built before compiling])
+            forget_kept(self)
             return torch_load(self, state_dict)
 
         _installed["load_state_dict"] = optimizer.load_state_dict = load_state_dict
