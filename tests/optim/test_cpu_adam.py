@@ -85,7 +85,7 @@ def test_every_simd_level_gives_identical_bits():
 
 
 def test_threads_do_not_change_results():
-    n = 1 << 18  # large enough to be split over threads
+    n = 3 * (1 << 18) + 77  # split over threads, in more chunks than threads, with a ragged last chunk
     outs = []
     for threads in (1, 2, 3):
         p = torch.nn.Parameter(torch.linspace(-1, 1, n))
