@@ -208,6 +208,30 @@ def test_an_optimizer_state_saved_from_shards_loads_before_compile_as_nanogpt_re
     run_ranks(2, _resumed_as_nanogpt_resumes, str(tmp_path))
 
 
+def test_an_optimizer_state_saved_from_shards_before_any_step_loads_before_compile():
+    """An optimizer built on the compiled model's shards and saved before its first step (a run that
+    checkpoints at step 0) says whose its state is too: loaded into the plain model's optimizer before
+    `fbmt.compile` (nanoGPT's order), it is kept for the shards, and the run equals one never saved."""
+    torch.manual_seed(0)
+    net = MLP().double()
+    start = copy.deepcopy(net.state_dict())
+    model = fbmt.compile(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    saved = copy.deepcopy(opt.state_dict())  # no step yet: no moments, the groups of the shards
+    for i in range(3):
+        _step64(model, opt, i)
+    plain = MLP().double()
+    plain.load_state_dict(start)
+    resumed = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    resumed.load_state_dict(saved)  # torch alone refuses it: one group of shards against the parameters
+    again = fbmt.compile(plain)
+    for i in range(3):
+        _step64(again, resumed, i)
+    got, want = again.full_parameters(), model.full_parameters()
+    for n, p in want.items():
+        torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
+
+
 def test_an_optimizer_state_saved_from_shards_on_a_model_never_compiled_is_refused_at_its_first_step():
     torch.manual_seed(0)
     net = MLP()

@@ -21,9 +21,10 @@ caught here, on torch's documented hooks where torch has one:
 
 `install(leaves)` puts the process-wide hooks in place (once per process) and registers the
 tensors whose gradients are sharded; the BMTrain layer installs them for its views too.
-`install_at_import()` (when fbmt is imported) wraps `load_state_dict` and `zero_grad` before any model
-is compiled: a state saved from shards may be loaded into a plain model's optimizer first (nanoGPT's
-resume), and waits for them (NOTE: [Optimizers built before compiling]).
+`install_at_import()` (when fbmt is imported) wraps `load_state_dict`, `zero_grad` and `state_dict` before
+any model is compiled: a state saved from shards (which says so, from before the first step on) may be
+loaded into a plain model's optimizer first (nanoGPT's resume), and waits for them (NOTE: [Optimizers
+built before compiling]).
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ def _shards_before_zero_grad_and_load() -> None:
     first step and zeroed would otherwise be added to the first step's gradients, and a state saved from
     the shards (Trainer's or accelerate's resume, before any step) would not fit its groups. A state that
     fits the groups as they are (the model's own parameters') loads first and moves with them. torch has
-    no hook on zero_grad, nor one that could change the groups before a load."""
+    no hook on zero_grad, nor one that could change the groups before a load. `state_dict` says whose a
+    state of shards is from the optimizer's making on (NOTE: [Another rank's optimizer state]), not from
+    its first step, where a per-optimizer hook would first be registered."""
     optimizer = torch.optim.Optimizer
     if optimizer.zero_grad is not _installed.get("zero_grad"):
         torch_zero_grad = optimizer.zero_grad
@@ -145,6 +148,14 @@ def _shards_before_zero_grad_and_load() -> None:
             return torch_load(self, state_dict)
 
         _installed["load_state_dict"] = optimizer.load_state_dict = load_state_dict
+    if optimizer.state_dict is not _installed.get("state_dict"):
+        torch_state_dict = optimizer.state_dict
+
+        @functools.wraps(torch_state_dict)
+        def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+            return _say_whose(self, torch_state_dict(self))  # NOTE: [Another rank's optimizer state]
+
+        _installed["state_dict"] = optimizer.state_dict = state_dict
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -167,7 +178,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if _checked.get(optimizer) == (count, replaced()):  # checked, and no parameter added or replaced since
         return
-    _say_whose_from_now_on(optimizer)
     for g in optimizer.param_groups:
         for p in g["params"]:
             name = moved_name(p)
@@ -190,13 +200,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 # torch.save(opt.state_dict(), path)`, as HF's Trainer does) and every rank loads that file: rank 1
 # then stepped with rank 0's moments, which have the same size, silently. So the state dict of an
 # optimizer of shards says whose it is: a key of each parameter group holding shards, `fbmt_shards`
-# = (rank, world size), added by a state-dict hook fbmt registers at the optimizer's first step; torch's
+# = (rank, world size), added by `state_dict` (wrapped when fbmt is imported, so that a state saved before
+# the first step says it too, and loads before compile: NOTE: [Optimizers built before compiling]); torch's
 # `load_state_dict` keeps a saved group's keys, and at the first step after a load the key is checked
 # (and dropped): another rank's or another world size's state is refused, saying how to save every
 # rank's. fbmt's own checkpoints (fbmt.checkpoint, OptimManager's gathered state) are keyed by
 # parameter, not by rank, and leave the key out.
 SHARDS_KEY = "fbmt_shards"
-_marked: weakref.WeakSet = weakref.WeakSet()  # optimizers whose state dicts say whose they are
 
 
 def _whose() -> tuple[int, int]:
@@ -224,14 +234,6 @@ def _refuse_another_ranks_state(optimizer: torch.optim.Optimizer) -> None:
             )
 
 
-def _say_whose_from_now_on(optimizer: torch.optim.Optimizer) -> None:
-    """This optimizer's state dicts say whose they are, where it holds shards."""
-    shards = {id(p) for p in list(_SHARDS)}
-    if optimizer not in _marked and any(_holds_shards(g, shards) for g in optimizer.param_groups):
-        _marked.add(optimizer)
-        optimizer.register_state_dict_post_hook(_say_whose)
-
-
 def unmarked(state_dict: dict[str, Any]) -> dict[str, Any]:
     """An optimizer's `state_dict` without the key that says whose it is: for a state that serves every
     rank (gathered, or keyed by parameter name)."""
@@ -241,6 +243,8 @@ def unmarked(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def _say_whose(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     shards = {id(p) for p in list(_SHARDS)}
+    if not shards:  # no model compiled in this process
+        return state_dict
     for saved, group in zip(state_dict["param_groups"], optimizer.param_groups):
         if _holds_shards(group, shards):
             saved[SHARDS_KEY] = _whose()
