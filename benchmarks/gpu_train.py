@@ -664,6 +664,10 @@ def interleaved(
                 sync()
             r["step_ms"].append((time.perf_counter() - t0) * 1e3)
             r["losses"].append(loss.detach())
+    for method in methods if cuda and args.profile else []:  # one profiled step each, after the timed rounds
+        r = built[method]
+        with knobs(method):
+            r["profile"] = kernel_profile(functools.partial(train_step, r["model"], r["opt"], args, cfg, device))
     results = []
     for method in methods:
         r = built.pop(method)
@@ -687,6 +691,8 @@ def interleaved(
             no_host_sync=None,
         )
         out["mfu"] = out["tok_s_gpu"] * cfg.flops_per_token(args.seq) / PEAK_FLOPS if cuda else None
+        if "profile" in r:
+            out["profile"] = r["profile"]
         if is_fbmt(method):
             out["compile_s"], out["inductor_s"] = r["model"].compile_seconds, r["model"].regions.seconds
             out["capture_s"] = r["model"].capture_seconds

@@ -25,8 +25,9 @@ def _train(out: Path, *args: str) -> list[dict]:
     return json.loads(out.read_text())["results"]
 
 
-def test_gpu_train_trains_fbmt_and_fsdp2_alike_on_a_cpu_rank(tmp_path):
-    results = _train(tmp_path / "results.json", "--methods", "fbmt,fsdp2")
+@pytest.mark.parametrize("how", [(), ("--interleave", "--profile")])  # one after the other, or in turn
+def test_gpu_train_trains_fbmt_and_fsdp2_alike_on_a_cpu_rank(tmp_path, how):
+    results = _train(tmp_path / "results.json", "--methods", "fbmt,fsdp2", *how)
     assert [r["method"] for r in results] == ["fbmt", "fsdp2"]
     ours, theirs = (r["losses"] for r in results)
     assert ours == pytest.approx(theirs, abs=1e-3)
