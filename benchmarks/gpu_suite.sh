@@ -30,6 +30,8 @@
 #   6.7b-one     one GPU: the 6.7B (batch 2, block recompute) against FSDP2 + compile, one after the other
 #   fp8-loss     the main job's GPT at 24 layers of width 2048 (1.2B) on its corpus for 300 steps at learning
 #                rate 3e-4, in bf16 and with --fp8 tensorwise: the held-out losses
+#   fp8-base     FP8 (tensorwise) of this tree against the commit in .base (base_package.sh COMMIT .base) and bf16,
+#                the 1.36B with block recompute, interleaved, one profiled step each; Inductor's caches off (--base)
 #   restructure  1.36B with block recompute: this commit against the one before the move into compiler/,
 #                integrations/ and tools/ (c27dbcd, written as fbmt_base by base_package.sh; carry .base where
 #                the machine has no git history), interleaved
@@ -128,5 +130,9 @@ case $stage in
     [ -d .base/fbmt_base ] || bash benchmarks/base_package.sh c27dbcd .base > /dev/null || { echo "carry .base"; exit 1; }
     run restructure_1.36_block 300 benchmarks/gpu_train.py $b136 --remat block --warmup 3 --steps 30 --interleave \
       --base .base --methods base-fbmt-inductor,fbmt-inductor --out "$out/restructure_1.36_block.json" ;;
+  fp8-base)
+    [ -d .base/fbmt_base ] || { echo "write the commit to compare with first: bash benchmarks/base_package.sh COMMIT .base"; exit 1; }
+    run fp8_base_1.36 300 benchmarks/gpu_train.py $b136 --remat block --warmup 4 --steps 12 --interleave --base .base \
+      --profile --methods fbmt-inductor,fbmt-inductor-fp8,base-fbmt-inductor-fp8 --out "$out/fp8_base_1.36.json" ;;
   *) echo "unknown stage $stage (see the head of $0)"; exit 2 ;;
 esac
