@@ -43,3 +43,12 @@ def test_gpu_train_times_an_earlier_commit_beside_this_tree(tmp_path):
     results = _train(tmp_path / "results.json", "--base", str(tmp_path), "--methods", "fbmt,base-fbmt")
     assert [r["method"] for r in results] == ["fbmt", "base-fbmt"]
     assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_cpu_adam_benchmark_steps_both_optimizers_on_one_memory():
+    """`benchmarks/cpu_adam.py` points torch's moments at fbmt's (its `share_state`): a change to either
+    optimizer's state breaks it here. Tiny, nothing timed that matters."""
+    command = [sys.executable, "benchmarks/cpu_adam.py", "--numel", "200000", "--steps", "4"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "(a) fp32 vs AdamW(fused=True)" in done.stdout and "(b) bf16 grad/param" in done.stdout, done.stdout
