@@ -44,6 +44,10 @@ products are rewritten in program order), and the later ones read it, in the for
 or the backward (a scalar the backward reads is saved; one computed from weights alone is computed
 again in the backward by the shard pass, from the weights it gathers there). The program computes
 the same numbers as casting per product, with fewer reductions over the operands.
+A value that is a cat of transposes (a merged q/k/v product's input gradient: the heads' gradients
+joined) is still reduced as the cat: its amax reads through the transposes, slowly, but taken over
+the pieces as stored it ran slower in all (BENCHMARKS.md, FP8), since the rotary embedding's
+backward, read by the amax and the cast, was then computed again inside the transposed cast.
 """
 
 from __future__ import annotations
