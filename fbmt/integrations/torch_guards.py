@@ -220,7 +220,7 @@ def _holds_shards(group: dict[str, Any], shards: set[int]) -> bool:
 def _refuse_another_ranks_state(optimizer: torch.optim.Optimizer) -> None:
     """A state loaded from another rank's (or another world size's) optimizer is refused (NOTE:
     [Another rank's optimizer state])."""
-    shards = {id(p) for p in list(_SHARDS)}
+    shards = _shard_ids()
     me = _whose()
     for group in optimizer.param_groups:
         saved = group.pop(SHARDS_KEY, None)
@@ -242,7 +242,7 @@ def unmarked(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _say_whose(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    shards = {id(p) for p in list(_SHARDS)}
+    shards = _shard_ids()
     if not shards:  # no model compiled in this process
         return state_dict
     for saved, group in zip(state_dict["param_groups"], optimizer.param_groups):
@@ -271,7 +271,7 @@ _warned_unknown: set[str] = set()
 def _refuse_an_update_that_reads_shapes(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer of a compiled model's shards whose update reads a parameter's shape or norm is refused;
     one fbmt does not know is warned about once (NOTE: [Optimizers of flat shards])."""
-    shards = {id(p) for p in list(_SHARDS)}
+    shards = _shard_ids()
     if not any(id(p) in shards for g in optimizer.param_groups for p in g["params"]):
         return
     mro = type(optimizer).__mro__
@@ -351,6 +351,11 @@ def _refuse_a_decay_split_that_cannot_see_into_shards(optimizer: torch.optim.Opt
 # (never at import), once.
 _SHARDS: weakref.WeakSet = weakref.WeakSet()
 _installed_norm: Callable | None = None
+
+
+def _shard_ids() -> set[int]:
+    """The ids of every compiled model's flat shards alive in this process (gradients' owners)."""
+    return {id(p) for p in list(_SHARDS)}
 
 
 def _global_gradient_norms(leaves: list[torch.Tensor]) -> None:
@@ -436,7 +441,7 @@ def _found_on_any_rank(torch_unscale: Callable) -> Callable:
         found = torch_unscale(self, optimizer, inv_scale, found_inf, allow_fp16)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return found
-        shards = {id(p) for p in list(_SHARDS)}
+        shards = _shard_ids()
         if not any(id(p) in shards for group in optimizer.param_groups for p in group["params"]):
             return found
         anywhere = found_inf.new_zeros(())
