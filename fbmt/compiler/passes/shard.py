@@ -18,7 +18,9 @@ Ensures, for each flat group of the layout:
   parameters; a parameter without a gradient in a group that has one gets zeros (NOTE: [Unused
   parameters]).
 Forward values computed from parameters alone (transposes, casts) that the backward reads are
-recomputed in the backward from the backward's own views, so no view of a released buffer is saved.
+recomputed in the backward from the backward's own views, so no view of a released buffer is saved;
+but a reduction of parameters (an FP8 weight's amax) is saved: it is a buffer of its own, a fraction
+of the parameter's size, and recomputing it would read the whole parameter again.
 
 NOTE: [Narrow wire]
 With mixed precision the gradients are bf16 (fp16) values, summed in fp32. Cast to fp32 before a
@@ -331,7 +333,7 @@ def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:
     env: dict[fx.Node, fx.Node] = {}
 
     def clone(n: fx.Node, before: fx.Node) -> fx.Node:
-        if n in params:
+        if n in params or _reduced(n):
             return n
         if n not in env:
             for a in n.all_input_nodes:
@@ -345,5 +347,18 @@ def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:
         if meta.phase(u) != BWD or u in env.values():
             continue
         for a in u.all_input_nodes:
-            if meta.phase(a) == FWD and a not in params and derived[a]:
+            if meta.phase(a) == FWD and a not in params and derived[a] and not _reduced(a):
                 u.replace_input_with(a, clone(a, u))
+
+
+def _reduced(n: fx.Node) -> bool:
+    """A reduction: a value of its own at most 1/64 the size of an input (a weight's amax, its norm)."""
+    out = n.meta.get("val")
+    return (
+        isinstance(out, torch.Tensor)
+        and not ops.is_view(n)
+        and any(
+            isinstance(v := a.meta.get("val"), torch.Tensor) and 64 * out.numel() <= v.numel()
+            for a in n.all_input_nodes
+        )
+    )
