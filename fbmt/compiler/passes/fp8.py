@@ -47,7 +47,9 @@ the same numbers as casting per product, with fewer reductions over the operands
 A value that is a cat of transposes (a merged q/k/v product's input gradient: the heads' gradients
 joined) is still reduced as the cat: its amax reads through the transposes, slowly, but taken over
 the pieces as stored it ran slower in all (BENCHMARKS.md, FP8), since the rotary embedding's
-backward, read by the amax and the cast, was then computed again inside the transposed cast.
+backward, read by the amax and the cast, was then computed again inside the transposed cast; and
+with the cat joined into a buffer first (a ConcatKernel), a cast kernel as slow took its place.
+A weight's amax is taken once a step: the shard pass saves it for the backward.
 """
 
 from __future__ import annotations
