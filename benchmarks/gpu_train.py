@@ -517,7 +517,7 @@ def run(method: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.d
     traced_steps = 0  # fbmt's steps that ran a region as traced, its compile still in the workers
     for step in range(args.warmup + args.steps):
         sync()
-        if step == args.warmup and hasattr(model, "wait_compiled"):
+        if step == compiled_from(args.warmup) and hasattr(model, "wait_compiled"):
             model.wait_compiled()  # timed steps run every region compiled, however fast the workers were
         if step == args.warmup and cuda:
             allocator = allocator_counts()
@@ -622,6 +622,13 @@ def balanced_orders(methods: list[str]) -> list[list[str]]:
     return [[methods[i] for i in r] for r in rounds]
 
 
+def compiled_from(warmup: int) -> int:
+    """The step before which fbmt's background compiles are waited for: the last warmup step, where
+    there are two or more, so that the first step running the compiled regions, which pays for loading
+    their kernels (seconds with Inductor's caches off, `--base`), is not timed."""
+    return warmup - 1 if warmup >= 2 else warmup
+
+
 def interleaved(
     methods: list[str], cfg: LlamaConfig, args: argparse.Namespace, device: torch.device
 ) -> list[dict[str, Any]]:
@@ -646,12 +653,14 @@ def interleaved(
                 method=method, model=model, opt=opt, setup_s=time.perf_counter() - started, step_ms=[], losses=[]
             )
             for step in range(args.warmup):
+                if step == compiled_from(args.warmup) and hasattr(model, "wait_compiled"):
+                    model.wait_compiled()  # timed steps run every region compiled, however fast the workers were
                 t0 = time.perf_counter()
                 r["losses"].append(train_step(model, opt, args, cfg, device, step).detach())
                 sync()
                 r["step_ms"].append((time.perf_counter() - t0) * 1e3)
-            if hasattr(model, "wait_compiled"):
-                model.wait_compiled()  # timed steps run every region compiled, however fast the workers were
+            if args.warmup < 2 and hasattr(model, "wait_compiled"):
+                model.wait_compiled()
         r["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
     orders = balanced_orders(methods)
     for step in range(args.warmup, args.warmup + args.steps):
