@@ -659,8 +659,8 @@ def interleaved(
                 r["losses"].append(train_step(model, opt, args, cfg, device, step).detach())
                 sync()
                 r["step_ms"].append((time.perf_counter() - t0) * 1e3)
-            if args.warmup < 2 and hasattr(model, "wait_compiled"):
-                model.wait_compiled()
+            if compiled_from(args.warmup) == args.warmup and hasattr(model, "wait_compiled"):
+                model.wait_compiled()  # fewer than two warmup steps: before the first timed one
         r["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
     orders = balanced_orders(methods)
     for step in range(args.warmup, args.warmup + args.steps):
