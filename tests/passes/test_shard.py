@@ -116,3 +116,48 @@ def test_one_rank_never_narrows_its_wire():
         torch.randint(0, 64, (2, 16))
     )
     assert not nodes(program, comm.all_to_all_reduce) and nodes(program, comm.reduce_scatter)
+
+
+class _WeightNormed(torch.nn.Module):
+    """Layers whose weights are divided by their norms: forward values of the weights alone that the
+    backward reads, one a reduction (the norm), one full-sized (the normed weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            w = layer.weight / layer.weight.norm()
+            x = torch.tanh(x @ w.t() + layer.bias)
+        return x.square().mean()
+
+
+def _weight_normed_against_eager(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    ref = _WeightNormed()
+    model = fbmt.compile(_WeightNormed(), checks=True, cache_dir=False)
+    model.load_state_dict(ref.state_dict())
+    for step in range(2):
+        x = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(step))[4 * rank : 4 * rank + 4]
+        loss, want = model(x), ref(x)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+        loss.backward(), want.backward()
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            dist.all_reduce(p.grad)
+            torch.testing.assert_close(grads[name], p.grad / world, rtol=1e-5, atol=1e-7)
+        model.zero_grad(), ref.zero_grad()
+    return [meta.recompute(n) or "" for n in model.program.graph.nodes if "linalg_vector_norm" in str(n.target)]
+
+
+def test_a_reduction_of_parameters_is_saved_for_the_backward_and_its_gradients_are_eager():
+    """NOTE in fbmt/compiler/passes/shard.py: on two ZeRO-3 ranks the weights' norms are taken once, in
+    the forward (the full-sized normed weights are recomputed from the backward's gather), with eager's
+    gradients."""
+    from tests.dist import run_ranks
+
+    for norms in run_ranks(2, _weight_normed_against_eager):
+        assert norms and "param" not in norms, norms
