@@ -257,6 +257,33 @@ class Program:
 # ---- printing -----------------------------------------------------------------------------
 
 
+def per_block(items: list[tuple[str, str]]) -> list[str]:
+    """`block: text` for each (block, text), in order, with a run of three or more repeated layers
+    (`h.0`, `h.1`, ... as a list numbers them) that read the same as one entry, `h.0 ... h.127 (128
+    blocks): text`: a pass's line for a deep model stays a line (the root block is "<root>")."""
+    out: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i + 1
+        while j < len(items) and items[j][1] == items[i][1] and _next_layer(items[j - 1][0], items[j][0]):
+            j += 1
+        first, text = items[i][0] or "<root>", items[i][1]
+        out += (
+            [f"{first} ... {items[j - 1][0]} ({j - i} blocks): {text}"]
+            if j - i >= 3
+            else [f"{b or '<root>'}: {t}" for b, t in items[i:j]]
+        )
+        i = j
+    return out
+
+
+def _next_layer(a: str, b: str) -> bool:
+    """Whether block `b` is the layer after `a` in one list (`h.3` after `h.2`)."""
+    pa, _, ia = a.rpartition(".")
+    pb, _, ib = b.rpartition(".")
+    return bool(pa) and pa == pb and ia.isdigit() and ib.isdigit() and int(ib) == int(ia) + 1
+
+
 def _fmt_arg(a: Any) -> str:
     if isinstance(a, fx.Node):
         return "%" + a.name

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fbmt.compiler import collectives, meta
-from fbmt.compiler.program import BWD, FWD, Program
+from fbmt.compiler.program import BWD, FWD, Program, per_block
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class BlockStats:
     nodes: dict[str, int]  # forward nodes per block, in the order the forward reaches them ("" the root)
 
     def __str__(self) -> str:
-        return "forward nodes per block: " + ", ".join(f"{b or '<root>'}: {c}" for b, c in self.nodes.items())
+        return "forward nodes per block: " + ", ".join(per_block([(b, str(c)) for b, c in self.nodes.items()]))
 
 
 def assign_blocks(program: Program) -> tuple[Program, BlockStats]:

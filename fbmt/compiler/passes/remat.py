@@ -45,7 +45,7 @@ import torch.fx as fx
 
 from fbmt.compiler import meta, ops
 from fbmt.compiler.ops import expensive, is_view, nbytes, size
-from fbmt.compiler.program import BWD, FWD, Program
+from fbmt.compiler.program import BWD, FWD, Program, per_block
 
 POLICIES = ("block", "selective", "mincut", "none")  # and "auto", which the pipeline resolves to these per block
 
@@ -100,8 +100,11 @@ class BlockRecompute:
     saved: int  # forward values the recompute reads (saved for the backward)
 
     def __str__(self) -> str:
+        return f"{self.block or '<root>'}: {self.text()}"
+
+    def text(self) -> str:
         late = f" ({self.late} late)" if self.late else ""
-        return f"{self.block or '<root>'}: {self.recomputed} recomputed{late}, {self.saved} saved"
+        return f"{self.recomputed} recomputed{late}, {self.saved} saved"
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,9 @@ class RematStats:
         if self.declined is not None:
             body = f"declined: {self.declined}; activations are saved"
         else:
-            parts = [str(b) for b in self.blocks] + ([str(self.trailing)] if self.trailing else [])
+            parts = per_block([(b.block, b.text()) for b in self.blocks]) + (
+                [str(self.trailing)] if self.trailing else []
+            )
             body = "; ".join(parts) or "no block activations reach the backward"
         return f"{self.chosen}; {body}" if self.chosen is not None else body
 
