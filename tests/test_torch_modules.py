@@ -74,6 +74,24 @@ def test_batchnorm_buffers_follow_ddps_broadcast_buffers(broadcast):
     assert ranks[0]["bn.num_batches_tracked"] == 3
 
 
+def _frozen_batchnorm() -> Normed:
+    """A model that trains with its BatchNorm frozen by `.eval()`, as fine-tuning scripts freeze theirs:
+    it normalizes by its running statistics (set apart from a batch's) and never updates them."""
+    model = Normed()
+    with torch.no_grad():
+        model.bn.running_mean.fill_(0.5)
+        model.bn.running_var.fill_(3.0)
+    model.train()
+    model.bn.eval()
+    return model
+
+
+def test_a_module_set_to_eval_before_compile_keeps_its_mode_while_the_model_trains():
+    ranks = run_ranks(2, _as_ddp, _frozen_batchnorm, (5, 6), True)
+    for buffers in ranks:
+        assert buffers["bn.num_batches_tracked"] == 0 and torch.equal(buffers["bn.running_mean"], torch.full((8,), 0.5))
+
+
 def test_multihead_attention_built_on_meta_is_initialized_by_its_reset_parameters():
     with torch.device("meta"):
         mha = nn.MultiheadAttention(8, 2)

@@ -411,7 +411,9 @@ class CompiledModule(nn.Module):
         self._buffer_owners: dict[str, tuple[nn.Module, str]] = {}  # buffer name -> (module, attribute)
         self._graphed: tuple[Any, Graphed] | None = None  # cuda_graph=True: (key, graphs) of one program
         self._placeholders = Placeholders(module, layout, shards)
-        self.train(module.training)
+        # this module's own mode, the model's as it is: a module of it the user set apart (a BatchNorm
+        # frozen with `.eval()` in a model that trains) keeps its mode, as in eager PyTorch
+        nn.Module.train(self, module.training)
         for m in module.modules():  # a copy of this module (`__deepcopy__`) copies the routes
             _route(m)
         self._adopt()
