@@ -170,7 +170,8 @@ def lower(program: Program, plan: Plan, regions: RegionCache, send: bool = True)
     torch's caches hold them already (a program whose cache entry gave Inductor's artifacts)."""
     # 3. partition into a forward and a backward GraphModule whose collectives run on torch.distributed
     with logs.stage("partitioning", begin=False):
-        exe = partition(program)
+        # NOTE: [One rank's gathers]: FP8 products read their weights in fp32 where Inductor compiles them
+        exe = partition(program, casts_where_read=plan.backend == "inductor" and plan.fp8 is not None)
     # 4. with backend="inductor", compile the compute between collectives (identical blocks share it)
     if plan.backend == "inductor":
         exe.forward = split_regions(exe.forward, regions, send=send)

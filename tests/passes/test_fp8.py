@@ -299,3 +299,47 @@ def test_each_value_a_product_reads_gets_one_amax():
             assert len({v for v, _, _ in values}) == len(values) == 2 * (4 + 2) < 2 * products == 22, values
         amaxes = [n for n in model.program.graph.nodes if n.target is torch.ops.aten.amax.default]
         assert not [n for n in amaxes if meta.recompute(n) == "param"], fp8  # NOTE in fbmt/compiler/passes/shard.py
+
+
+def _gathers_and_casts(model) -> tuple[list, int]:
+    """The dtypes a compiled model's gathers cast to, and the casts of its regions' graphs."""
+    from fbmt.compiler.collectives import torch_impl
+
+    dtypes, casts = [], 0
+    for exe in model.executables():
+        for gm in (exe.forward, exe.backward):
+            dtypes += [n.args[2] for n in gm.graph.nodes if n.target is torch_impl.all_gather]
+            for region in gm.children():
+                if hasattr(region, "gm"):  # a Region: the traced compute Inductor compiles
+                    casts += sum(n.target is torch.ops.aten._to_copy.default for n in region.gm.graph.nodes)
+    return dtypes, casts
+
+
+def test_one_ranks_fp8_weights_are_cast_where_they_are_read_with_the_same_results(monkeypatch):
+    """NOTE: [One rank's gathers]: on one rank with Inductor, an FP8 program's gathers copy nothing and
+    each weight is cast in the region that reads it, computing what the gathers' copies gave; a bf16
+    program keeps its gathers' copies."""
+    from fbmt.compiler import pipeline
+
+    torch.manual_seed(0)
+    base = Net().to(torch.bfloat16).float()  # weights bf16 holds exactly: a cast kept or elided gives the same
+    x, y = torch.randn(4, 8, 32, dtype=torch.bfloat16), torch.randint(0, 48, (4, 8))
+    options = dict(fp8="tensorwise", param_dtype=torch.bfloat16, backend="inductor", cache_dir=False, world_size=1)
+    fp8 = fbmt.compile(_copy(base), **options)
+    loss = _step(fp8, x, y)
+    dtypes, casts = _gathers_and_casts(fp8)
+    # the layers' gathers, in the forward and again in the backward, copy nothing; the head's, kept from the
+    # forward for the backward (the last block's), keeps its copy
+    assert sorted(map(str, dtypes)) == ["None"] * 4 + ["torch.bfloat16"] and casts > 4, (dtypes, casts)
+    partition = pipeline.partition
+    monkeypatch.setattr(pipeline, "partition", lambda program, casts_where_read: partition(program))
+    copied = fbmt.compile(_copy(base), **options)
+    assert torch.equal(_step(copied, x, y), loss)
+    assert set(_gathers_and_casts(copied)[0]) == {torch.bfloat16}
+    want, got = copied.full_gradients(), fp8.full_gradients()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    monkeypatch.undo()
+    bf16 = fbmt.compile(_copy(base), **{**options, "fp8": None})
+    _step(bf16, x, y)
+    assert set(_gathers_and_casts(bf16)[0]) == {torch.bfloat16}

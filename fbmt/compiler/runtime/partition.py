@@ -86,7 +86,10 @@ class Executable:
         return results
 
 
-def partition(program: Program) -> Executable:
+def partition(program: Program, casts_where_read: bool = False) -> Executable:
+    """`program` as a forward and a backward GraphModule whose collectives run on torch.distributed;
+    `casts_where_read`: a one-rank gather that only casts becomes a cast of each parameter where it is
+    read (NOTE: [One rank's gathers], for graphs whose compute Inductor compiles)."""
     g = program.graph
     roles = dict(zip(program.placeholders(), program.inputs))
     tangents = [n for n in program.placeholders() if roles[n].kind == "tangent"]
@@ -125,7 +128,7 @@ def partition(program: Program) -> Executable:
         )
     )
     device = _device(program)
-    _lower(fg, device)
+    _lower(fg, device, casts_where_read)
 
     # ---- backward ----
     backward = None
@@ -143,7 +146,7 @@ def partition(program: Program) -> Executable:
             key = _element(n, bwd_set)
             benv[n] = benv[key] if key is not None else bg.node_copy(n, benv.__getitem__)
         bg.output(tuple(benv[v] if isinstance(v, fx.Node) else v for _, v in grad_out))
-        _lower(bg, device)
+        _lower(bg, device, casts_where_read)
         backward = _GraphModule(torch.nn.Module(), bg, class_name="FbmtBackward")
 
     diff_keys = [roles[t].key for t in tangents]
@@ -323,14 +326,17 @@ def _fuse_buckets(g: fx.Graph, device: torch.device) -> None:
             m.target, m.args, m.kwargs = operator.getitem, (fused, i), {}
 
 
-def _lower(g: fx.Graph, device: torch.device) -> None:
+def _lower(g: fx.Graph, device: torch.device, casts_where_read: bool = False) -> None:
     """Drop dead pure nodes and the `release` markers; collective nodes call their implementations
     (NOTE: [Lowering the IR]), a reducing start through its group's sync switch (NOTE: [Accumulation without
     sync]), a gather of a host kind with the `device` it copies to (NOTE: [Offload] in passes/shard.py),
-    and the ops of NOTE: [Ops that need grad mode] run with autograd on."""
+    and the ops of NOTE: [Ops that need grad mode] run with autograd on; with `casts_where_read`, NOTE:
+    [One rank's gathers]."""
     for n in reversed(list(g.nodes)):
         if n.op == "call_function" and (comm.is_release(n) or not n.users and not ops.effectful(n.target)):
             g.erase_node(n)
+    if casts_where_read:
+        _casts_where_read(g)
     _fuse_buckets(g, device)
     for n in g.nodes:
         kind = comm.kind_of(n) if n.op == "call_function" else None
@@ -347,3 +353,55 @@ def _lower(g: fx.Graph, device: torch.device) -> None:
         elif n.op == "call_function" and n.target in _NEEDS_GRAD_MODE:
             n.target = _NEEDS_GRAD_MODE[n.target]
     g.lint()
+
+
+# NOTE: [One rank's gathers]
+# On one rank a gather with a cast (fp32 shards, bf16 compute) gathers nothing: it is a copy of the whole
+# flat shard in the compute dtype, a kernel of its own between regions that writes every weight in bf16
+# for the regions to read back. With FP8 products (the pipeline asks for this only then, and only where
+# Inductor compiles the compute) the gather returns the shard itself and each parameter's view is cast
+# right before its first reader, so the cast lands in the region that reads the parameter and Inductor
+# fuses it into what reads it: a weight's FP8 scale and cast read the fp32 weight, with no bf16 copy
+# written and read in between, which counts where a step's weights outweigh its activations (a big model
+# on few tokens). A bf16 product gains nothing from it (it reads a bf16 copy, which the region writes instead),
+# so a bf16 program keeps the gather's copy. The values are the cast's, as Inductor computes a cast inside
+# a fused kernel (its `emulate_precision_casts`, off by default, decides whether the bf16 rounding of an
+# intermediate is kept there). A gather whose parameters leave the graph (a ZeRO-2 forward saves them for
+# the backward) or that a bucket holds keeps its copy.
+
+
+def _casts_where_read(g: fx.Graph) -> None:
+    order = ops.node_order(g)
+    for start in [n for n in g.nodes if comm.is_gather(n)]:
+        shard, world, dtype = comm.gather_args(start)
+        value = shard.meta.get("val") if isinstance(shard, fx.Node) else None
+        waits = list(start.users)
+        if (
+            world != 1
+            or comm.kind_of(start).host
+            or meta.bucket(start) is not None
+            or not isinstance(value, torch.Tensor)
+            or dtype is None
+            or dtype == value.dtype
+            or len(waits) != 1
+            or not comm.is_wait(waits[0])
+        ):
+            continue
+        (buffer,) = waits
+        slices = list(buffer.users)
+        views = [v for s in slices for v in s.users]
+        if not all(s.target is aten.slice.Tensor for s in slices) or not all(
+            v.target is aten.view.default and v.users and all(u.op != "output" for u in v.users) for v in views
+        ):
+            continue
+        start.args, start.kwargs = (shard, world, None), {}
+        buffer.meta["val"] = value
+        for s in slices:
+            s.meta["val"] = aten.slice.Tensor(value, *s.args[1:])
+        for v in views:
+            cast_value = v.meta["val"]
+            v.meta["val"] = aten.view.default(v.args[0].meta["val"], *v.args[1:])
+            with g.inserting_before(min(v.users, key=order.__getitem__)):
+                cast = g.call_function(aten._to_copy.default, (v,), {"dtype": dtype})
+            cast.meta = {**v.meta, "val": cast_value}
+            v.replace_all_uses_with(cast, delete_user_cb=lambda u, cast=cast: u is not cast)
