@@ -363,14 +363,15 @@ def _lower(g: fx.Graph, device: torch.device, casts_where_read: bool = False) ->
 # right before its first reader, so the cast lands in the region that reads the parameter and Inductor
 # fuses it into what reads it: a weight's FP8 scale and cast read the fp32 weight, with no bf16 copy
 # written and read in between, which counts where a step's weights outweigh its activations (a big model
-# on few tokens). A bf16 product gains nothing from it (it reads a bf16 copy, which the region writes instead),
-# so a bf16 program keeps the gather's copy. The values are the cast's, as Inductor computes a cast inside
-# a fused kernel (its `emulate_precision_casts`, off by default, decides whether the bf16 rounding of an
-# intermediate is kept there). A gather whose parameters leave the graph (a ZeRO-2 forward saves them for
-# the backward) or that a bucket holds keeps its copy.
+# on few tokens). A bf16 product gains nothing from it (it reads a bf16 copy, which the region writes
+# instead), so a bf16 program keeps the gather's copy. The values are the cast's, as Inductor computes a
+# cast inside a fused kernel (its `emulate_precision_casts`, off by default, decides whether the bf16
+# rounding of an intermediate is kept there). A gather whose parameters leave the graph (a ZeRO-2 forward
+# saves them for the backward) or that a bucket holds keeps its copy.
 
 
 def _casts_where_read(g: fx.Graph) -> None:
+    """NOTE: [One rank's gathers], on a lowered graph before its starts call their implementations."""
     order = ops.node_order(g)
     for start in [n for n in g.nodes if comm.is_gather(n)]:
         shard, world, dtype = comm.gather_args(start)
