@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -90,6 +91,52 @@ def test_a_module_set_to_eval_before_compile_keeps_its_mode_while_the_model_trai
     ranks = run_ranks(2, _as_ddp, _frozen_batchnorm, (5, 6), True)
     for buffers in ranks:
         assert buffers["bn.num_batches_tracked"] == 0 and torch.equal(buffers["bn.running_mean"], torch.full((8,), 0.5))
+
+
+class Checkpointed(nn.Module):
+    """Blocks called through torch.utils.checkpoint in the model's own code, as nanoGPT's forks write them."""
+
+    def __init__(self, reentrant: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)])
+        self.head, self.reentrant = nn.Linear(6, 1), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=self.reentrant)
+        return self.head(x).square().mean()
+
+
+def test_a_models_own_checkpoints_train_as_eager_on_two_ranks():
+    """NOTE: [Checkpoints in the model's code]: the trace failed inside the checkpoint's backward."""
+    run_ranks(2, _as_ddp, Checkpointed, (5, 6), True)
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_a_reentrant_checkpoint_gives_eager_gradients_and_none_where_no_input_requires_grad(input_grad):
+    """Without an input that requires grad a reentrant checkpoint returns values that do not, eagerly: the
+    layers it calls get no gradient (with torch's warning), the head after them does."""
+    torch.manual_seed(0)
+    ref = Checkpointed(reentrant=True)
+    model = fbmt.compile(copy.deepcopy(ref))
+    x = torch.randn(5, 6, requires_grad=input_grad)
+    with (
+        pytest.warns(UserWarning, match="None of the inputs have requires_grad=True")
+        if not input_grad
+        else (contextlib.nullcontext())
+    ):
+        loss = model(x)
+    ref(x).backward()
+    loss.backward()
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        if p.grad is None:  # eager's None, as fbmt gives a parameter no gradient reached
+            assert grads[name] is None, name
+        else:
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert all(p.grad is None for p in ref.layers.parameters()) != input_grad
 
 
 def test_multihead_attention_built_on_meta_is_initialized_by_its_reset_parameters():

@@ -162,6 +162,53 @@ def _tracing() -> Iterator[None]:
         _depth -= 1
 
 
+# NOTE: [Checkpoints in the model's code]
+# A model may call torch.utils.checkpoint itself (nanoGPT's forks, blocks written as torchtitan writes
+# them): eagerly the function runs again in the backward to give the same values with less memory. A
+# trace cannot run it so: the non-reentrant kind recomputes inside autograd's backward, where the
+# module's parameters are no longer the trace's, and the reentrant kind refuses `autograd.grad`. What the
+# backward recomputes is fbmt's to decide (`remat=`), so while tracing a checkpoint is a call of its
+# function. Where eager gives other values it is followed: a reentrant checkpoint none of whose tensor
+# inputs requires grad returns results that do not (its function's parameters get no gradient), with
+# torch's own warning. Hugging Face's `gradient_checkpointing_enable()` is refused before this, saying
+# to use `remat=` (integrations/transformers.py).
+
+
+class _ReentrantAsCall:
+    """`torch.utils.checkpoint.CheckpointFunction` while tracing: its function, called."""
+
+    @staticmethod
+    def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        import torch.utils.checkpoint as checkpoint
+
+        if torch.is_grad_enabled() and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            checkpoint.check_backward_validity(args)  # eager's warning: gradients will be None
+            with torch.no_grad():
+                return function(*args)
+        return function(*args)
+
+
+def _nothing_around(*args: Any, **kwargs: Any) -> Iterator[None]:
+    """The non-reentrant checkpoint's before and after while tracing: nothing (it yields twice)."""
+    yield
+
+
+@contextmanager
+def _checkpoints_as_calls() -> Iterator[None]:
+    """NOTE: [Checkpoints in the model's code]."""
+    import torch.utils.checkpoint as checkpoint
+
+    names = {"CheckpointFunction": _ReentrantAsCall, "_checkpoint_without_reentrant_generator": _nothing_around}
+    saved = {k: getattr(checkpoint, k) for k in names if hasattr(checkpoint, k)}
+    for k in saved:
+        setattr(checkpoint, k, names[k])
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(checkpoint, k, v)
+
+
 def _watching_hooks(fn: Callable[..., Program]) -> Callable[..., Program]:
     @functools.wraps(fn)
     def traced(module: nn.Module, *args: Any, **kwargs: Any) -> Program:
@@ -173,6 +220,7 @@ def _watching_hooks(fn: Callable[..., Program]) -> Callable[..., Program]:
 
 @_watching_hooks
 @_tracing()  # a fresh context for every call: tracing() is True while it runs
+@_checkpoints_as_calls()  # NOTE: [Checkpoints in the model's code]
 @torch.backends.cudnn.flags(enabled=False)  # NOTE: [Ops whose schema hides a mutation]
 def trace(
     module: nn.Module,
