@@ -139,6 +139,21 @@ def test_a_reentrant_checkpoint_gives_eager_gradients_and_none_where_no_input_re
     assert all(p.grad is None for p in ref.layers.parameters()) != input_grad
 
 
+@pytest.mark.parametrize(
+    "embedding, said",
+    [
+        (nn.Embedding(10, 4, max_norm=1.0), r"Embedding '0' has max_norm=1.0: .* does not write its parameters"),
+        (nn.Embedding(10, 4, sparse=True), r"Embedding '0' has sparse=True: .* Build it with sparse=False"),
+        (nn.EmbeddingBag(10, 4, sparse=True), r"EmbeddingBag '0' has sparse=True"),
+    ],
+)
+def test_an_embedding_fbmt_cannot_run_as_eager_is_refused_naming_it(embedding, said):
+    """max_norm failed the trace ("please report it"); sparse=True the shard pass ("reshape is not
+    implemented for sparse tensors")."""
+    with pytest.raises(ValueError, match=said):
+        fbmt.compile(nn.Sequential(embedding, nn.Linear(4, 1)))
+
+
 def test_multihead_attention_built_on_meta_is_initialized_by_its_reset_parameters():
     with torch.device("meta"):
         mha = nn.MultiheadAttention(8, 2)

@@ -54,6 +54,7 @@ def compile_module(
             "Use that compiled module; for a second copy, copy.deepcopy the model before compiling it"
         )
     owners.refuse_gradient_hooks(model)
+    _check_embeddings(model)
     o = options
     launched = job.launched_world_size()
     if o.world_size is None and launched > 1 and not job.is_initialized():
@@ -91,3 +92,26 @@ def compile_module(
     return module_class(
         model, layout, shards, options=o, plan=plan, device=device, rank=rank, search=search, **class_args
     )
+
+
+def _check_embeddings(model: nn.Module) -> None:
+    """Embeddings fbmt cannot compile as eager runs them are refused, naming them and saying what to do:
+    one that writes its own weight in the forward (`max_norm`), one with sparse gradients (a flat
+    shard's gradient is dense)."""
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        name = f"{type(m).__name__} '{path or '<root>'}'"
+        if m.max_norm is not None:
+            raise ValueError(
+                f"fbmt.compile: {name} has max_norm={m.max_norm}: each forward renormalizes, in place, the rows "
+                "of its weight it reads, and a compiled program does not write its parameters. Build it without "
+                "max_norm (a norm cap on what it returns, `e * (cap / e.norm(dim=-1, keepdim=True)).clamp(max=1)`, "
+                "computes without writing the weight)"
+            )
+        if m.sparse:
+            raise ValueError(
+                f"fbmt.compile: {name} has sparse=True: its weight's gradient would be sparse, and a flat shard's "
+                "gradient is dense. Build it with sparse=False before compiling (the same values, as a dense "
+                "gradient; step it with a dense optimizer such as torch.optim.AdamW, not SparseAdam)"
+            )
