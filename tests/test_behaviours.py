@@ -383,6 +383,28 @@ def test_an_attribute_the_forward_sets_at_every_call_is_named_and_stops_building
     assert "the forward sets Counts.calls at every call" in caplog.text
 
 
+class AlsoDetached(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y, y.detach()  # one node of the program, returned twice
+
+
+def test_an_output_returned_beside_its_detached_self_keeps_its_gradient():
+    ref, model = _pair(AlsoDetached)
+    x = torch.randn(3, 4)
+    for m in (ref, model):
+        y, seen = m(x)
+        assert y.requires_grad and not seen.requires_grad
+        (y.square().mean() + seen.sum()).backward()
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
+
+
 def test_a_hugging_face_config_flag_set_after_compile_is_read_by_the_next_call():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

@@ -40,6 +40,11 @@ class RunProgram(torch.autograd.Function):
         ctx.gradient_sync = gradient_sync
         ctx.generation = exe.regions.generation if exe.regions is not None else None
         diff = set(exe.diff_outputs)
+        # an output without a gradient that is the very tensor of one with (a forward returning `y` and
+        # `y.detach()`, the graph's one node twice) is returned as an alias of its own: marked as it is, it
+        # would mark the other too, whose gradient would then be lost without a word
+        differentiable = {id(outs[i]) for i in diff}
+        outs = [o.detach() if i not in diff and id(o) in differentiable else o for i, o in enumerate(outs)]
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
         # an output the caller does not differentiate gets no gradient here, but one that backward makes
         # (NOTE: [Unused outputs' gradients] in runtime/partition.py)
