@@ -377,10 +377,79 @@ def test_an_attribute_the_forward_sets_at_every_call_is_named_and_stops_building
     ref, model = _pair(Counts)
     x = torch.randn(3, 4)
     with caplog.at_level(logging.WARNING, logger="fbmt"):
-        for _ in range(6):
+        for step in range(6):
             torch.testing.assert_close(model(x), ref(x))
+            if step == 0:  # the trace ran the forward more than once, and counted the call once
+                assert model.compiled_from.calls == ref.calls == 1
     assert len(model.programs) <= 3
     assert "the forward sets Counts.calls at every call" in caplog.text
+
+
+class Scales(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * self.calls  # computes with the count: each call would need a program
+
+
+def test_a_count_the_forward_computes_with_is_eagers_at_the_first_call_and_refused_at_the_next(tmp_path):
+    """NOTE: [What a forward keeps on its modules]: tracing runs the forward twice or more; the program
+    computes with what one eager call sees, and the count is counted once. A program loaded from the
+    compile cache counts it too, so a second run meets the same refusal."""
+    x = torch.randn(3, 4)
+    for run in ("compiles", "loads"):
+        ref, model = _pair(Scales, cache_dir=tmp_path)
+        torch.testing.assert_close(model(x), ref(x), msg=run)
+        assert model.program.origin.startswith("loaded" if run == "loads" else "compiled")
+        assert model.compiled_from.calls == ref.calls == 1, run
+        with pytest.raises(RuntimeError, match="sets Scales.calls at every call and computes with it"):
+            model(x)
+
+
+class Keeps(nn.Module):
+    """Tensors a forward keeps for the training loop: a VAE's KL term on the model, a mixture of experts'
+    balancing loss on each layer (in a dict beside a plain value), an activation a hook keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            y = torch.tanh(layer(x))
+            layer.aux = {"balance": y.square().mean(), "experts": 4}
+            x = x + y
+        self.kl = x.exp().mean() - x.mean()
+        return self.head(x)
+
+
+def test_tensors_the_forward_keeps_on_its_modules_are_each_calls_and_train_as_in_eager(caplog):
+    ref, model = _pair(Keeps)
+    for m in (ref, model):
+        m.head.register_forward_hook(lambda mod, args, out: setattr(mod, "seen", out.detach()))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    with caplog.at_level(logging.WARNING, logger="fbmt"):
+        for step in range(3):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+            for m, opt in zip((ref, model), opts):
+                own = m.compiled_from if m is model else m
+                loss = m(x).square().mean() + own.kl + sum(layer.aux["balance"] for layer in own.layers)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                m.loss = loss.detach()
+            torch.testing.assert_close(model.loss, ref.loss, msg=f"step {step}")
+            torch.testing.assert_close(model.compiled_from.head.seen, ref.head.seen)
+            assert model.compiled_from.layers[2].aux["experts"] == 4
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), msg=n)
+    assert "returned nothing" not in caplog.text  # the hook's activation is kept, not lost
+    assert "keeps tensors on its modules" in str(model.program)  # its layers are traced as code
 
 
 class AlsoDetached(nn.Module):
@@ -403,6 +472,24 @@ def test_an_output_returned_beside_its_detached_self_keeps_its_gradient():
     grads = model.full_gradients()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, msg=n)
+
+
+class Appends(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.losses = nn.Linear(4, 4), []
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.losses.append(y.square().mean())  # a list the training loop sums: no place in a program
+        return y
+
+
+def test_tensors_the_forward_adds_to_a_list_its_module_holds_are_refused_naming_it():
+    _, model = _pair(Appends)
+    with pytest.raises(fbmt.TraceError, match=r"puts tensors into Appends '<root>'.losses, a list"):
+        model(torch.randn(3, 4))
+    assert model.compiled_from.losses == []  # the trace left nothing in it
 
 
 def test_a_hugging_face_config_flag_set_after_compile_is_read_by_the_next_call():

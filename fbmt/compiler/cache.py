@@ -533,6 +533,11 @@ def _restored_shape_env(values: dict, ranges: dict, guards: list, fixed_at: dict
 
 def dumps(program: Program) -> bytes:
     """The program as bytes: every field but its layout (the key holds it), the graph node by node."""
+    if program.writes is None:
+        raise Uncacheable(
+            "its forward changed its modules in a way a loaded program cannot do again (installed hooks, "
+            "deleted an attribute, or set one to an object)"
+        )
     nodes = []
     for n in program.graph.nodes:
         if n.op in ("call_module", "get_attr"):

@@ -98,8 +98,9 @@ def _argument_name(path: tuple) -> str:
 # attribute added or deleted since is watched from then on, found by each object's count of attributes,
 # which every call compares: a forward may have read its absence (`getattr(self, "flag", False)`). So are
 # the modules' forward and backward hooks, which the trace runs: one registered or removed since builds
-# (or finds) the program of the hooks there now. Not watched: an attribute the forward itself sets at
-# every call (a counter: `_Attributes.written` names it, once).
+# (or finds) the program of the hooks there now. An attribute the forward itself sets at every call (a
+# counter) would build a program per call: where the programs of two of its values are the same it is
+# watched no more, with a warning, and where they differ it is refused (`_written_at_every_call`).
 # A loop over the compiled model's `modules()` reaches these modules (NOTE: [The compiled model's
 # modules]), and an attribute set on the compiled model is set on the model it wraps.
 _EXACT = frozenset(t for t in cache.PLAIN if t is not enum.Enum)  # the compile cache's plain values, by type
@@ -204,25 +205,46 @@ class _Attributes:
             return f"{where}.{name} = {y!r}, where it was {x!r}"
         return "other module attributes"
 
-    def written(self, before: tuple, after: tuple) -> None:
-        """Attributes the forward itself set while a program was traced: set again at another trace
-        (a counter, `self.calls += 1`), one is watched no more, or each call would build a program; the
-        program reads the value it had when traced, which fbmt says (an attribute set to the same value
-        each call costs one program more, once)."""
+    def written(self, before: tuple, after: tuple) -> list[tuple[str, str]]:
+        """The attributes the forward set while a program was traced that it set at another trace too (a
+        counter, `self.calls += 1`): the program of each value would be a program per call. The caller
+        decides (`CompiledModule._written_at_every_call`)."""
         if not _same_names(before, after):
-            return  # the forward added an attribute: the next call's program reads it (once)
+            return []  # the forward added an attribute: the next call's program reads it (once)
         changed = [(where, name) for where, name, _, _ in self._differences(before, after)]
         again = [c for c in changed if c in self.set_by_forward]
         self.set_by_forward.update(changed)
-        if not again:
-            return
-        log.warning(
-            "fbmt: the forward sets %s at every call; each compiled program reads the value it had when traced, "
-            "so a forward that computes with it differs from eager PyTorch: pass the value as an argument instead",
-            ", ".join(f"{where}.{name}" for where, name in again),
-        )
-        self.unwatched.update(again)
+        return again
+
+    def unwatch(self, names: list[tuple[str, str]]) -> None:
+        """Watch these no more: a call's key stops holding them."""
+        self.unwatched.update(names)
         self._scan()
+
+    def differ_only_in(self, old: tuple, new: tuple, names: list[tuple[str, str]]) -> bool:
+        """Two `values()` of the same watched names that differ, and only in `names`."""
+        if old[0] != new[0] or not _same_names(old, new):
+            return False
+        differing = {(where, name) for where, name, _, _ in self._differences(old, new)}
+        return bool(differing) and differing <= set(names)
+
+
+_ATTRIBUTES = 8  # where a call's key (`CompiledModule._key`) holds the values of the attributes
+
+
+def _same_computation(a: Program, b: Program) -> bool:
+    """Two programs of one call, traced at two values of an attribute, compute the same: the same graph
+    (its constants' numbers included), the same tensor constants, the same plain results."""
+    if str(a.graph) != str(b.graph) or a.constants.keys() != b.constants.keys():
+        return False
+    for name, x in a.constants.items():
+        y = b.constants[name]
+        if x.shape != y.shape or x.dtype != y.dtype or not (x.is_meta or y.is_meta or torch.equal(x, y)):
+            return False  # (on meta, where nothing runs, the metadata alone)
+    try:
+        return bool(a.results.constants == b.results.constants)
+    except Exception:  # a result that cannot say whether it equals another
+        return False
 
 
 def _same_names(old: tuple, new: tuple) -> bool:
@@ -497,7 +519,7 @@ class CompiledModule(nn.Module):
             runner = self._graphs(key, exe) if graphed else exe
             sync = None if graphed else self._sync  # graphs replay their reductions (NOTE: [Accumulation without sync])
             outs = RunProgram.apply(exe, runner, self._routes(), sync, *feed, *self._view_arguments())
-        flat = program.results.assemble(dict(zip(exe.output_keys, outs)), leaves)
+        flat = program.results.assemble(dict(zip(exe.output_keys, outs)), leaves, self._orig)
         return pytree.tree_unflatten(flat, program.out_spec)
 
     def trace(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> Program:
@@ -579,7 +601,7 @@ class CompiledModule(nn.Module):
             record.active(),
             autocast,
             entry,
-            self._attributes.values(),
+            self._attributes.values(),  # at _ATTRIBUTES
         )
 
     # ---- programs for many input sizes (NOTE: [Dynamic sizes]) ----
@@ -712,6 +734,7 @@ class CompiledModule(nn.Module):
         # the key is made once, before tracing: a forward may change its modules' attributes as it runs; a
         # symbolic program's: the call it was traced at and its symbolic dimensions (NOTE: [Symbolic programs on disk])
         k, why_not = self._cache_key((*key, ("symbolic", sorted(dynamic.items()))) if dynamic else key, where)
+        before = self._attributes.values()
         cached = self._from_cache(k)
         if cached is not None:
             program = cached
@@ -720,7 +743,6 @@ class CompiledModule(nn.Module):
                 self.regions.start_workers()
             # not beside the loader thread's Inductor compile: make_fx (ours, and AOTAutograd's within
             # Inductor) keeps its current tracer and the node metadata it records in globals of the process
-            before = self._attributes.values()
             with COMPILING:
                 program = pipeline.compile_program(
                     self._orig,
@@ -735,7 +757,6 @@ class CompiledModule(nn.Module):
                     dynamic=dynamic,
                     entry=entry,
                 )
-            self._attributes.written(before, self._attributes.values())
             program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
             if k is not None:
                 why_not = self._to_cache(k, program, time.perf_counter() - started)
@@ -745,12 +766,48 @@ class CompiledModule(nn.Module):
                     self._to_cache(family, program, time.perf_counter() - started)
             if why_not:
                 program.origin += f"; not kept in the compile cache: {why_not}"
+        # after the trace, or the program's writes done again (`_loaded`): what the forward set on its modules
+        again = self._attributes.written(before, self._attributes.values())
+        if again and self._written_at_every_call(again, key, program):  # the next call's key: this program
+            at = _ATTRIBUTES
+            self._admitted[(*key[:at], self._attributes.values(), *key[at + 1 :])] = key
         exe = pipeline.lower(program, self.plan, self.regions, send=id(program) not in self._regions_on_disk)
         self._say_unused(program)
         log.info("program %d built in %.2fs", len(self.programs) + 1, time.perf_counter() - started)
         self.compile_seconds += time.perf_counter() - started
         self.programs[key], self._executables[key], self.program = program, exe, program
         return exe
+
+    def _written_at_every_call(self, names: list[tuple[str, str]], key: tuple, program: Program) -> bool:
+        """The forward sets these attributes at every call (NOTE: [Attributes read as constants]). Where the
+        program of the value before is the same as this one, the forward does not compute with them: they
+        are watched no more, and keep the value they have now, which fbmt says. Where it is another, each
+        call would compile a program: refused, naming them. With no such program to tell by (this call
+        differs in more than them), they stay watched: a program per value, as eager computes. True where
+        they are watched no more."""
+        said = ", ".join(f"{where}.{name}" for where, name in names)
+        at = _ATTRIBUTES
+        for known, other in self.programs.items():
+            if len(known) != len(key) or known[:at] + known[at + 1 :] != key[:at] + key[at + 1 :]:
+                continue
+            if not self._attributes.differ_only_in(known[at], key[at], names):
+                continue
+            if not _same_computation(other, program):
+                raise RuntimeError(
+                    f"fbmt: the forward sets {said} at every call and computes with it: a compiled program "
+                    "runs no Python, so each value would compile a program of its own. Pass the value to the "
+                    "forward as an argument (a tensor, which the program reads at every call), or keep it "
+                    "outside the forward"
+                )
+            log.warning(
+                "fbmt: the forward sets %s at every call; the program does not compute with it and runs no "
+                "Python, so from this call on it keeps the value it has now, where eager's would change at "
+                "every call. Keep it outside the forward (count the steps in the training loop)",
+                said,
+            )
+            self._attributes.unwatch(names)
+            return True
+        return False
 
     # ---- the compile cache (NOTE: [Compile cache]) ----
     def _cache_key(self, key: tuple, where: torch.device) -> tuple[cache.Key | None, str]:
@@ -787,6 +844,9 @@ class CompiledModule(nn.Module):
             f"on {entry.about.get('saved')})"
         )
         log.info("compile cache: hit %s (%d nodes)", k.digest[:8], len(program.graph.nodes))
+        for path, name, value in program.writes:  # as its trace left them (NOTE: [What a forward keeps on
+            # its modules] in fbmt/compiler/trace.py)
+            vars(self._orig.get_submodule(path))[name] = value
         if self.plan.backend == "inductor":
             if cache.load_artifacts(entry.path):
                 missing = cache.artifacts_missing(entry.path)

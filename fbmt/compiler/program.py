@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from fbmt.compiler import collectives, meta, objects, ops
 from fbmt.compiler.layout import Layout
@@ -91,8 +93,10 @@ class Results:
     """How a call's result is put together from a program's outputs (NOTE: [Objects in a call]).
 
     Output slots are keyed `i` (leaf `i` of the result is that tensor), `("object", i, j)` (the
-    j-th tensor of the object at leaf `i`, one the forward made) and `("state", a, j)` (the j-th
-    tensor of the argument object at input leaf `a`, as the forward leaves it)."""
+    j-th tensor of the object at leaf `i`, one the forward made), `("state", a, j)` (the j-th
+    tensor of the argument object at input leaf `a`, as the forward leaves it) and `("kept", k, j)`
+    (leaf `j` of the k-th value the forward assigned to a module's attribute: NOTE: [What a forward
+    keeps on its modules] in fbmt/compiler/trace.py)."""
 
     n_leaves: int
     constants: dict[int, Any] = field(default_factory=dict)  # leaves that are no tensor: as traced
@@ -100,10 +104,19 @@ class Results:
     returned: dict[int, int] = field(default_factory=dict)  # leaf -> input leaf of the object returned
     states: dict[int, Any] = field(default_factory=dict)  # input leaf -> that object after the forward
     notes: list[str] = field(default_factory=list)  # what tracing left out, for the program's summary
+    # (module path, attribute, structure, leaves, which leaves are the outputs' tensors) of each value
+    # the forward assigned to a module's attribute
+    kept: list[tuple[str, str, Any, list, tuple[int, ...]]] = field(default_factory=list)
 
-    def assemble(self, values: dict[Any, Any], inputs: list[Any]) -> list[Any]:
+    def assemble(self, values: dict[Any, Any], inputs: list[Any], root: nn.Module) -> list[Any]:
         """The result's leaves from the program's outputs by key; brings every argument object
-        (`inputs`: the call's input leaves) to the state the forward leaves it in."""
+        (`inputs`: the call's input leaves) to the state the forward leaves it in, and sets the
+        attributes of `root`'s modules the forward assigns."""
+        for k, (path, name, spec, template, tensors) in enumerate(self.kept):
+            leaves = list(template)
+            for j in tensors:
+                leaves[j] = values[("kept", k, j)]
+            setattr(root.get_submodule(path), name, pytree.tree_unflatten(leaves, spec))
 
         def held(where: str, i: int, template: Any) -> list[Any]:
             return [values[(where, i, j)] for j in range(len(objects.tensors_in(template)))]
@@ -140,6 +153,10 @@ class Program:
     sizes: Any = None
     # the submodule a call of it alone runs, "" for the model (NOTE: [Submodules through the program])
     entry: str = ""
+    # (module path, attribute, value) of each value the forward set on its modules, as one run left it:
+    # a program loaded from the compile cache sets them again; None: it did what the cache cannot do
+    # again (NOTE: [What a forward keeps on its modules] in fbmt/compiler/trace.py)
+    writes: list[tuple[str, str, Any]] | None = field(default_factory=list)
     # Not fields: set by the pass runner for one pass (`copy`). _owned: no one else holds this program
     # (the pass before made it), so the pass may write to it; _written: the pass did.
     _owned = False

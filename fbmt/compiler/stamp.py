@@ -613,6 +613,15 @@ class Stamper:
         with self._wrapped(record):
             yield
 
+    def keeping(self, paths: list[str]) -> None:
+        """The module paths where the fake forward kept tensors: a call of a block that holds one is
+        traced as code, since the stamp op would not set it (NOTE: [What a forward keeps on its
+        modules] in fbmt/compiler/trace.py)."""
+        for c in self.calls:
+            if c.key is not None and any(p == c.block or p.startswith(c.block + ".") for p in paths):
+                c.key = None
+                self.not_stamped.append(f"{c.block}: it keeps tensors on its modules")
+
     def group(self, roots: list[torch.Tensor]) -> None:
         """After the fake forward: calls alike become kinds; a kind of one call is traced as code.
         `roots`: the results the backward will give gradients to. A call's kind includes which of its

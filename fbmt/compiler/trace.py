@@ -16,6 +16,7 @@ tags through the second.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import time
 import traceback
@@ -29,14 +30,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot, make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fbmt import flags, logs
-from fbmt.compiler import masks, meta, objects, sizes, stamp
+from fbmt.compiler import cache, masks, meta, objects, sizes, stamp
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.ops import record
 from fbmt.compiler.ops.graph import fake_value
@@ -292,139 +293,164 @@ def trace(
                 return functional_call(_Entry(module, entry), tensors, a, kw), copies
             return functional_call(module, tensors, a, kw), copies
 
-    # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
-    # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
-    probe_ops = _Decompose(_SYMBOLIC_DECOMPOSITIONS) if dynamic else contextlib.nullcontext()
-    stamper = stamp.Stamper.for_module(module) if flags.STAMP.get() else None  # NOTE: [Stamped blocks]
-    recording = stamper.recording() if stamper is not None else contextlib.nullcontext()
-    with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode, probe_ops, recording:
-        with torch.enable_grad() if needs_grad else torch.no_grad():
-            probe, copies = call(
-                [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)],
-                [b.clone() for b in fake_buffers],
-                [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)],
-            )
-    out_leaves, out_spec = pytree.tree_flatten(probe)
-    results = _Results(out_leaves, copies, drop_caches=needs_grad and kwargs.get("use_cache") is not True)
-    probe_outs = results.tensors(out_leaves, copies)
-    diff_out = [k for k, o in zip(results.keys, probe_outs) if needs_grad and o.requires_grad]
-    wrt_params = [i for i, rg in enumerate(param_rg) if rg]
-    wrt_inputs = [i for i, rg in enumerate(input_rg) if rg]
-    needs_grad = needs_grad and bool(diff_out) and bool(wrt_params or wrt_inputs)
-    if not needs_grad:
-        diff_out = []
-    by_key = dict(zip(results.keys, probe_outs))
-    if stamper is not None:  # which results of each block call the backward gives gradients to, then kinds
-        stamper.group([by_key[k] for k in diff_out])
-    with fake_mode:
-        fake_tangents = [torch.empty(by_key[k].shape, dtype=by_key[k].dtype, device=by_key[k].device) for k in diff_out]
-    del probe, copies, probe_outs, by_key
-
-    n_p, n_b, n_x = len(fake_params), len(fake_buffers), len(fake_inputs)
-    diff_pos = [results.keys.index(k) for k in diff_out]
-
-    def joint(*flat: torch.Tensor) -> list:
-        ps, bs = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
-        xs, ts = list(flat[n_p + n_b : n_p + n_b + n_x]), list(flat[n_p + n_b + n_x :])
-        with torch.enable_grad() if needs_grad else torch.no_grad():
-            out, copies = call(ps, bs, xs)
-        tensors = results.tensors(pytree.tree_leaves(out), copies)
-        if not needs_grad:
-            return tensors
-        wrt = [ps[i] for i in wrt_params] + [xs[i] for i in wrt_inputs]
-        grads = torch.autograd.grad([tensors[i] for i in diff_pos], wrt, ts, allow_unused=True)
-        return [*tensors, *grads]
-
-    if needs_grad:  # leaves that require grad as they come in: a detach of each inside would cost a traced op
-        fake_params = [p.requires_grad_(rg) for p, rg in zip(fake_params, param_rg)]
-        fake_inputs = [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)]
-    flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
-    table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
-    if stamper is not None:
-        for kind in stamper.kinds:
-            why = _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
-            if why is None:
-                stamper.adopt(kind)
-            else:
-                stamper.not_stamped.append(f"{kind.block}'s kind: {why}")
-
-    def trace_variant(kind: stamp.Kind) -> str | None:  # within the model's trace: blocks run their own forward
-        with stamper.paused():
-            return _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
-
+    writes = _ModuleWrites(module)  # NOTE: [What a forward keeps on its modules]
     try:
-        stamping = stamper.stamping(*_constants(), trace_variant) if stamper is not None else contextlib.nullcontext()
-        with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), stamping:
-            first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
-    except stamp.Refused as e:  # a surprise in the backward: the trace again, every block as code
-        stamper.release()
-        stamper, decided = None, {}
-        logs.log.info("traced again without stamping blocks: %s", e)
-        with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
-            first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
-    gm, graph = first, first.graph
-    mutates = _mutates(graph)
-    rewritten = mutates and _without_writes(graph)  # NOTE: [Writes to fresh tensors]
-    # the dead masks go before any node is named again: by the second trace (which would trace them
-    # again), or as it would name them
-    dropped = mutates
-    if dropped:
-        masks.drop_dead(decided)
-    if mutates and not rewritten:  # NOTE: [Functional already]
-        with _translate_errors(module):
-            gm = make_fx(functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake")(
-                *flat_in
-            )
-        graph = gm.graph
-    owner: Any = gm  # where the graph's get_attr nodes find their tensors
-    if stamper is not None and stamper.of_call:
-        graph, moved, kinds_decided, held = stamp.inline(graph, stamper, gm)
-        owner = types.SimpleNamespace(**held)
-        if dropped:
-            masks.drop_dead(kinds_decided)
-        # the masks' nodes as inlining copied them (and named them, as make_fx had); a dropped one, and
-        # one of a graph traced again, as it was
-        decided = {moved.get(n, n): kind for n, kind in decided.items()}
-        decided.update(kinds_decided)
-        stamper.release()
-    elif rewritten:  # named as the functionalized trace would name them, as inlining names its own
-        graph, moved = _named_as_make_fx(graph)
-        decided = {moved.get(n, n): kind for n, kind in decided.items()}
-    if not dropped:
-        masks.drop_dead(decided)
+        # A fake forward first: the shapes of the outputs the backward will receive gradients for, and
+        # what becomes of the objects among the arguments and results (NOTE: [Objects in a call]).
+        probe_ops = _Decompose(_SYMBOLIC_DECOMPOSITIONS) if dynamic else contextlib.nullcontext()
+        stamper = stamp.Stamper.for_module(module) if flags.STAMP.get() else None  # NOTE: [Stamped blocks]
+        recording = stamper.recording() if stamper is not None else contextlib.nullcontext()
+        with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode, probe_ops, recording:
+            with torch.enable_grad() if needs_grad else torch.no_grad():
+                probe_ps = [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)]
+                probe_bs = [b.clone() for b in fake_buffers]
+                probe, copies = call(
+                    probe_ps, probe_bs, [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)]
+                )
+        kept = writes.observe(passed={id(t) for t in (*probe_ps, *probe_bs)})
+        del probe_ps, probe_bs
+        out_leaves, out_spec = pytree.tree_flatten(probe)
+        drop_caches = needs_grad and kwargs.get("use_cache") is not True
+        results = _Results(out_leaves, copies, writes.kept_at(), kept, drop_caches=drop_caches)
+        probe_outs = results.tensors(out_leaves, copies, kept)
+        diff_out = [k for k, o in zip(results.keys, probe_outs) if needs_grad and o.requires_grad]
+        wrt_params = [i for i, rg in enumerate(param_rg) if rg]
+        wrt_inputs = [i for i, rg in enumerate(input_rg) if rg]
+        needs_grad = needs_grad and bool(diff_out) and bool(wrt_params or wrt_inputs)
+        if not needs_grad:
+            diff_out = []
+        by_key = dict(zip(results.keys, probe_outs))
+        if stamper is not None:  # which results of each block call the backward gives gradients to, then kinds
+            stamper.keeping(writes.paths())
+            stamper.group([by_key[k] for k in diff_out])
+        with fake_mode:
+            fake_tangents = [
+                torch.empty(by_key[k].shape, dtype=by_key[k].dtype, device=by_key[k].device) for k in diff_out
+            ]
+        del probe, copies, probe_outs, by_key, kept
 
-    constants = _lift_constants(graph, owner, before=n_p + n_b + n_x)
-    inputs = (
-        [Role("param", p[0]) for p in params]
-        + [Role("buffer", b) for b in buffers]
-        + [Role("input", i) for i in range(n_x)]
-        + [Role("constant", k) for k in constants]
-        + [Role("tangent", i) for i in diff_out]
-    )
-    outputs = [Role("output", k) for k in results.keys] + (
-        [Role("grad", params[i][0]) for i in wrt_params] + [Role("input_grad", i) for i in wrt_inputs]
-        if needs_grad
-        else []
-    )
-    program = Program(
-        graph=graph,
-        inputs=inputs,
-        outputs=outputs,
-        layout=layout,
-        out_spec=out_spec,
-        results=results.plan,
-        needs_grad=needs_grad,
-        constants=constants,
-        sizes=symbolic,
-        entry=entry,
-    )
-    if symbolic is not None and checks:
-        symbolic.masks = checks  # admitted sizes are proved again (NOTE: [Causal masks])
-    _canonicalize(program)
-    said = (*results.plan.notes, *masks.CausalMasks.said(decided), *(stamper.said() if stamper else ()))
-    stats = TraceStats(tuple(constants), said)
-    if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself
-        program.record("trace", time.perf_counter() - started, stats)
+        n_p, n_b, n_x = len(fake_params), len(fake_buffers), len(fake_inputs)
+        diff_pos = [results.keys.index(k) for k in diff_out]
+
+        def joint(*flat: torch.Tensor) -> list:
+            ps, bs = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
+            xs, ts = list(flat[n_p + n_b : n_p + n_b + n_x]), list(flat[n_p + n_b + n_x :])
+            with torch.enable_grad() if needs_grad else torch.no_grad():
+                out, copies = call(ps, bs, xs)
+            kept = writes.read()
+            if kept is None and stamper is not None:  # a stamped block set it: its kind's trace set its exemplar's
+                raise stamp.Refused("a block kept a tensor on a module outside itself")
+            if kept is None:
+                raise TraceError(
+                    "fbmt.compile: the forward kept tensors on its modules in one run and not in another "
+                    f"({', '.join(writes.names())}); it must do the same at every run"
+                )
+            tensors = results.tensors(pytree.tree_leaves(out), copies, kept)
+            if not needs_grad:
+                return tensors
+            wrt = [ps[i] for i in wrt_params] + [xs[i] for i in wrt_inputs]
+            grads = torch.autograd.grad([tensors[i] for i in diff_pos], wrt, ts, allow_unused=True)
+            return [*tensors, *grads]
+
+        if needs_grad:  # leaves that require grad as they come in: a detach of each inside would cost a traced op
+            fake_params = [p.requires_grad_(rg) for p, rg in zip(fake_params, param_rg)]
+            fake_inputs = [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)]
+        flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
+        table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
+        writes.reset()
+        if stamper is not None:
+            for kind in stamper.kinds:
+                why = _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
+                if why is None:
+                    stamper.adopt(kind)
+                else:
+                    stamper.not_stamped.append(f"{kind.block}'s kind: {why}")
+
+        def trace_variant(kind: stamp.Kind) -> str | None:  # within the model's trace: blocks run their own forward
+            with stamper.paused():
+                return _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
+
+        writes.reset()
+        try:
+            stamping = (
+                stamper.stamping(*_constants(), trace_variant) if stamper is not None else contextlib.nullcontext()
+            )
+            with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), stamping:
+                first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
+        except stamp.Refused as e:  # a surprise in the backward: the trace again, every block as code
+            stamper.release()
+            stamper, decided = None, {}
+            logs.log.info("traced again without stamping blocks: %s", e)
+            writes.reset()
+            with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger):
+                first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
+        gm, graph = first, first.graph
+        mutates = _mutates(graph)
+        rewritten = mutates and _without_writes(graph)  # NOTE: [Writes to fresh tensors]
+        # the dead masks go before any node is named again: by the second trace (which would trace them
+        # again), or as it would name them
+        dropped = mutates
+        if dropped:
+            masks.drop_dead(decided)
+        if mutates and not rewritten:  # NOTE: [Functional already]
+            with _translate_errors(module):
+                gm = make_fx(
+                    functionalize(lambda *a: _TagCarrier(first).run(*a), remove="mutations"), tracing_mode="fake"
+                )(*flat_in)
+            graph = gm.graph
+        owner: Any = gm  # where the graph's get_attr nodes find their tensors
+        if stamper is not None and stamper.of_call:
+            graph, moved, kinds_decided, held = stamp.inline(graph, stamper, gm)
+            owner = types.SimpleNamespace(**held)
+            if dropped:
+                masks.drop_dead(kinds_decided)
+            # the masks' nodes as inlining copied them (and named them, as make_fx had); a dropped one, and
+            # one of a graph traced again, as it was
+            decided = {moved.get(n, n): kind for n, kind in decided.items()}
+            decided.update(kinds_decided)
+            stamper.release()
+        elif rewritten:  # named as the functionalized trace would name them, as inlining names its own
+            graph, moved = _named_as_make_fx(graph)
+            decided = {moved.get(n, n): kind for n, kind in decided.items()}
+        if not dropped:
+            masks.drop_dead(decided)
+
+        constants = _lift_constants(graph, owner, before=n_p + n_b + n_x)
+        inputs = (
+            [Role("param", p[0]) for p in params]
+            + [Role("buffer", b) for b in buffers]
+            + [Role("input", i) for i in range(n_x)]
+            + [Role("constant", k) for k in constants]
+            + [Role("tangent", i) for i in diff_out]
+        )
+        outputs = [Role("output", k) for k in results.keys] + (
+            [Role("grad", params[i][0]) for i in wrt_params] + [Role("input_grad", i) for i in wrt_inputs]
+            if needs_grad
+            else []
+        )
+        program = Program(
+            graph=graph,
+            inputs=inputs,
+            outputs=outputs,
+            layout=layout,
+            out_spec=out_spec,
+            results=results.plan,
+            needs_grad=needs_grad,
+            constants=constants,
+            sizes=symbolic,
+            entry=entry,
+        )
+        if symbolic is not None and checks:
+            symbolic.masks = checks  # admitted sizes are proved again (NOTE: [Causal masks])
+        _canonicalize(program)
+        said = (*results.plan.notes, *masks.CausalMasks.said(decided), *(stamper.said() if stamper else ()))
+        stats = TraceStats(tuple(constants), said)
+        if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself
+            program.record("trace", time.perf_counter() - started, stats)
+    except BaseException:
+        writes.reset()  # a failed trace leaves the modules as the call found them
+        raise
+    program.writes = writes.done()
     return program
 
 
@@ -603,6 +629,185 @@ class TraceStats:
         return "; ".join((lifted if self.constants else []) + list(self.notes))
 
 
+# NOTE: [What a forward keeps on its modules]
+# A forward may set attributes of its modules as it runs: a count of its calls (`self.calls += 1`), the
+# length it saw last, or a tensor the training loop reads after the call (a VAE's `self.kl`, a mixture
+# of experts' `self.aux_loss`, attention maps kept for a plot). Tracing runs the forward more than once
+# (the fake forward, a block of each kind, the trace itself), so each run starts from the attributes the
+# call found (`_ModuleWrites.reset`), and after the trace the modules hold what one run left: the program
+# computes with the values eager's call would see, and a count counts the call once. A plain value
+# written so is a watched attribute, whose new value builds the program of it (NOTE: [Attributes read as
+# constants], which says what becomes of one written at every call). A tensor, or a list, tuple or dict
+# holding tensors, that the forward assigns is an output of the program (`Results.kept`): after each
+# call the attribute holds that call's value, its gradient flowing into the program's backward as in
+# eager, and the trace leaves it as the call found it. A tensor put into a container the module already
+# held (`self.losses.append(loss)`) has no such place and is refused, naming the attribute: assign a new
+# value instead. A block whose call keeps a tensor is traced as code, not stamped (the stamp op would set
+# nothing); a stamped block that set one outside itself makes the trace run again without stamping.
+_ABSENT = object()
+_MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module keeps in every module: parameters, hooks...
+
+
+# nn.Module's dicts of hooks (its parameters, buffers and children are the trace's own business)
+_HOOK_DICTS = tuple(
+    k for k, v in vars(nn.Module()).items() if isinstance(v, dict) and k not in ("_parameters", "_buffers", "_modules")
+)
+
+
+def _hooks_of(m: nn.Module) -> list[dict | None]:
+    return [dict(d) if (d := vars(m).get(k)) is not None else None for k in _HOOK_DICTS]
+
+
+def _same_dict(a: dict | None, b: dict | None) -> bool:
+    """The same keys, each to the very same value."""
+    if a is None or b is None:
+        return a is b
+    return a.keys() == b.keys() and all(a[k] is v for k, v in b.items())
+
+
+def _container(v: Any) -> bool:
+    return isinstance(v, (list, tuple, dict))
+
+
+def _plain(v: Any) -> bool:
+    """A value the compile cache keeps as it is (a program's writes are among what it saves)."""
+    return isinstance(v, cache.PLAIN) or (isinstance(v, (list, tuple)) and all(isinstance(x, cache.PLAIN) for x in v))
+
+
+def _undo(container: Any, was: Any) -> None:
+    """A list or dict as it was before the forward added to it."""
+    if isinstance(container, list):
+        container[:] = was
+    elif isinstance(container, dict):
+        container.clear()
+        container.update(was)
+
+
+def _leaf_ids(v: Any) -> tuple[int, ...]:
+    return tuple(map(id, pytree.tree_leaves(v)))
+
+
+class _ModuleWrites:
+    """The modules' attributes as the call found them, and what one run of the forward kept (NOTE: [What
+    a forward keeps on its modules])."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.named = [(path, m, dict(vars(m))) for path, m in module.named_modules()]
+        self.hooks = [_hooks_of(m) for _, m, _ in self.named]  # what a run installs goes with it (Hugging Face
+        # installs its output recorders at the first call that asks for them, and sets a flag that says so)
+        self.held = {  # the containers the modules hold: their leaves, and a copy to undo an addition by
+            (i, k): (_leaf_ids(v), copy.copy(v))
+            for i, (_, _, found) in enumerate(self.named)
+            for k, v in found.items()
+            if k not in _MODULE_OWN and _container(v)
+        }
+        self.after: list[dict] = []  # each module's attributes after one run (the fake forward)
+        self.hooks_after: list[list] = []
+        self.kept: list[tuple[int, str]] = []  # (module, attribute) of the values the forward assigned
+        self.specs: list[Any] = []  # each kept value's structure
+        self.internal: list[tuple[int, str]] = []  # tensors set that the forward did not make
+
+    def observe(self, passed: set[int]) -> list[Any]:
+        """After the fake forward: remember what it left, and return the values it kept (raising, naming
+        it, where it put tensors into a container the module held). `passed`: the ids of the parameters
+        and buffers it was given. A value that holds none of the tensors the forward made (a module's own
+        references to its parameters, which nn.LSTM refreshes as they are swapped in) is not kept."""
+
+        def made(x: Any) -> bool:
+            return isinstance(x, FakeTensor) and id(x) not in passed
+
+        values = []
+        self.hooks_after = [_hooks_of(m) for _, m, _ in self.named]
+        for i, (path, m, found) in enumerate(self.named):
+            now = dict(vars(m))
+            self.after.append(now)
+            for k, v in now.items():
+                if k in _MODULE_OWN:
+                    continue
+                leaves = pytree.tree_leaves(v) if _container(v) or isinstance(v, torch.Tensor) else ()
+                if not any(made(x) for x in leaves):
+                    if v is not found.get(k, _ABSENT) and any(isinstance(x, torch.Tensor) for x in leaves):
+                        self.internal.append((i, k))  # left as found, as the kept values are
+                    continue
+                where = f"{type(m).__name__} '{path or '<root>'}'.{k}"
+                if v is found.get(k, _ABSENT):
+                    if (i, k) in self.held and _leaf_ids(v) != self.held[(i, k)][0]:
+                        _undo(v, self.held[(i, k)][1])
+                        raise TraceError(
+                            f"fbmt.compile: the forward puts tensors into {where}, a {type(v).__name__} the module "
+                            "held before the call; a compiled program runs no Python, so it cannot add to it at "
+                            f"each call. Assign a new value (`self.{k} = ...`): after each call it holds that "
+                            "call's tensors, or return them from the forward"
+                        )
+                    continue
+                if any(not isinstance(x, (torch.Tensor, *cache.PLAIN)) for x in leaves):
+                    raise TraceError(
+                        f"fbmt.compile: the forward keeps tensors on {where} inside a "
+                        f"{type(v).__name__} fbmt cannot rebuild after each call; keep a tensor, or a list, "
+                        "tuple or dict of tensors and plain values there, or return it from the forward"
+                    )
+                self.kept.append((i, k))
+                self.specs.append(pytree.tree_structure(v))
+                values.append(v)
+        return values
+
+    def reset(self) -> None:
+        """Every module's attributes as the call found them, for another run of the forward."""
+        self._restore([found for _, _, found in self.named], self.hooks)
+
+    def done(self) -> list[tuple[str, str, Any]] | None:
+        """After the trace: what one run left, but the kept values (the program's outputs) as found.
+        Returns the other values it set, (module path, attribute, value), for a program loaded from the
+        compile cache to set again; None where that would not do what the run did (it installed hooks,
+        deleted an attribute, or set one to an object the cache cannot keep)."""
+        for i, k in (*self.kept, *self.internal):
+            found = self.named[i][2]
+            if k in found:
+                self.after[i][k] = found[k]
+            else:
+                del self.after[i][k]
+        self._restore(self.after, self.hooks_after)
+        written, again = [], True
+        for (path, _, found), after, hooks, hooks_after in zip(self.named, self.after, self.hooks, self.hooks_after):
+            written += [(path, k, v) for k, v in after.items() if found.get(k, _ABSENT) is not v]
+            again = again and found.keys() <= after.keys() and all(map(_same_dict, hooks, hooks_after))
+        return written if again and all(_plain(v) for _, _, v in written) else None
+
+    def _restore(self, dicts: list[dict], hooks: list[list]) -> None:
+        for (_, m, _), want, want_hooks in zip(self.named, dicts, hooks):
+            now = vars(m)
+            if len(now) != len(want) or any(now.get(k, _ABSENT) is not v for k, v in want.items()):
+                for k in [k for k in now if k not in want]:
+                    del now[k]
+                now.update(want)
+            for k, was in zip(_HOOK_DICTS, want_hooks):
+                d = now.get(k)
+                if d is not None and was is not None and not _same_dict(d, was):
+                    d.clear()
+                    d.update(was)
+
+    def read(self) -> list[Any] | None:
+        """The values this run of the forward kept, or None where it assigned one of them no new value."""
+        values = []
+        for (i, k), spec in zip(self.kept, self.specs):
+            v = vars(self.named[i][1]).get(k, _ABSENT)
+            if v is self.named[i][2].get(k, _ABSENT) or pytree.tree_structure(v) != spec:
+                return None
+            values.append(v)
+        return values
+
+    def kept_at(self) -> list[tuple[str, str]]:
+        """(module path, attribute) of each kept value."""
+        return [(self.named[i][0], k) for i, k in self.kept]
+
+    def paths(self) -> list[str]:
+        """The module paths of the kept values."""
+        return [path for path, _ in self.kept_at()]
+
+    def names(self) -> list[str]:
+        return [f"'{path or '<root>'}'.{k}" for path, k in self.kept_at()]
+
+
 # NOTE: [Objects in a call]
 # A call's arguments and results are pytrees (`ModelOutput` is one), but some leaves are objects
 # that hold tensors: a Hugging Face cache. An argument object's tensors become inputs of the
@@ -620,7 +825,15 @@ class TraceStats:
 class _Results:
     """Which tensors of a traced call are the program's outputs, and their keys (`Results`)."""
 
-    def __init__(self, leaves: list[Any], copies: dict[int, Any], *, drop_caches: bool):
+    def __init__(
+        self,
+        leaves: list[Any],
+        copies: dict[int, Any],
+        kept_at: list[tuple[str, str]],
+        kept: list[Any],
+        *,
+        drop_caches: bool,
+    ):
         self.plan = Results(n_leaves=len(leaves))
         self.sources: list[tuple[str, int]] = []
         self.keys: list[Any] = []
@@ -648,11 +861,21 @@ class _Results:
             self.plan.states[a] = c
             self.sources.append(("state", a))
             self.keys += [("state", a, j) for j in range(len(objects.tensors_in(c)))]
+        for k, ((path, name), v) in enumerate(zip(kept_at, kept)):  # NOTE: [What a forward keeps on its modules]
+            flat, spec = pytree.tree_flatten(v)
+            tensors = tuple(j for j, x in enumerate(flat) if isinstance(x, torch.Tensor))
+            template = [None if j in tensors else x for j, x in enumerate(flat)]
+            self.plan.kept.append((path, name, spec, template, tensors))
+            self.sources.append(("kept", k))
+            self.keys += [("kept", k, j) for j in tensors]
 
-    def tensors(self, leaves: list[Any], copies: dict[int, Any]) -> list[torch.Tensor]:
+    def tensors(self, leaves: list[Any], copies: dict[int, Any], kept: list[Any]) -> list[torch.Tensor]:
         """The output tensors of one call of the forward, in the order of `keys`."""
         out: list[torch.Tensor] = []
         for kind, i in self.sources:
+            if kind == "kept":
+                out += [x for x in pytree.tree_leaves(kept[i]) if isinstance(x, torch.Tensor)]
+                continue
             out += [leaves[i]] if kind == "tensor" else objects.tensors_in(leaves[i] if kind == "object" else copies[i])
         if len(out) != len(self.keys):
             raise TraceError(
@@ -1123,7 +1346,8 @@ class _ModuleTagger:
 # hook is cannot be told from outside, so a forward or full backward hook (or pre-hook: one that keeps a
 # module's inputs, or sets an attribute the forward reads, acts once too) that returned nothing in the
 # trace is named in a warning, once, with what to do instead (transformers' DebugUnderflowOverflow too,
-# which would watch nothing). Not the hooks of torch, peft and accelerate, nor transformers' own that
+# which would watch nothing), unless it set tensors on its module, which the program keeps (NOTE: [What
+# a forward keeps on its modules]). Not the hooks of torch, peft and accelerate, nor transformers' own that
 # act within the trace: its output recorders (filled into the forward's outputs) and the hook that makes
 # the embeddings' output require gradients (changed in place); torch's weight_norm and pruning, which
 # recompute a weight in a pre-hook, are left alone as well. Only the hooks registered before the call are
@@ -1156,9 +1380,12 @@ def _hooks_that_return_nothing(module: nn.Module) -> Iterator[None]:
                 if owner.startswith(_WITHIN_THE_TRACE) or id(hook) in _warned_hooks:
                     continue
 
-                def watch(*args: Any, _hook: Callable = hook, _where: tuple = (path, kind), **kwargs: Any) -> Any:
+                def watch(
+                    *args: Any, _hook: Callable = hook, _where: tuple = (path, kind), _m: nn.Module = m, **kwargs: Any
+                ) -> Any:
+                    found = dict(vars(_m))
                     out = _hook(*args, **kwargs)
-                    if out is None:
+                    if out is None and not _keeps(_m, found):
                         silent.append((*_where, _hook))
                     return out
 
@@ -1183,6 +1410,16 @@ def _hooks_that_return_nothing(module: nn.Module) -> Iterator[None]:
                 kind,
                 name,
             )
+
+
+def _keeps(m: nn.Module, found: dict) -> bool:
+    """Whether a hook set an attribute of its module to tensors: the program keeps them there (NOTE: [What
+    a forward keeps on its modules])."""
+    return any(
+        found.get(k, _ABSENT) is not v and any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v))
+        for k, v in vars(m).items()
+        if k not in _MODULE_OWN and (_container(v) or isinstance(v, torch.Tensor))
+    )
 
 
 def _prints(tagger: _ModuleTagger) -> Any:
