@@ -53,7 +53,9 @@ def uninterrupted(tmp_path_factory):
     return _exported(folder)
 
 
-def test_running_again_with_more_steps_continues_bit_identically(tmp_path, uninterrupted):
+def test_running_again_with_more_steps_continues_bit_identically_and_starting_afresh_is_refused(
+    tmp_path, uninterrupted
+):
     _train(tmp_path, 8)
     out = _train(tmp_path, 12)
     assert "resumed from" in out and "step-00000008 (step 8 of 12)" in out
@@ -63,6 +65,14 @@ def test_running_again_with_more_steps_continues_bit_identically(tmp_path, unint
     assert steps == [str(s) for s in range(1, 13)]  # one row per step, none twice
     again = _train(tmp_path, 12)  # nothing left to do: said so, and nothing overwritten
     assert "already trained to step 12" in again
+    run = subprocess.run(  # starting afresh over the earlier run's checkpoints is refused
+        [sys.executable, "-m", "fbmt.train", "--steps", "4", *RUN, "--checkpoints", str(tmp_path), "--resume", "no"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode != 0 and "holds an earlier run's checkpoints" in run.stdout + run.stderr
+    _assert_identical(_exported(tmp_path), uninterrupted)
 
 
 @pytest.mark.parametrize("fault", ["step:6", "save:8"])
@@ -87,17 +97,6 @@ def test_a_rank_killed_mid_training_or_mid_save_is_restarted_and_ends_identical(
     resumed_at = 4  # the last complete checkpoint before the fault (step 8's save was cut short)
     assert f"step-{resumed_at:08d} (step {resumed_at} of 12)" in out, out[-3000:]
     _assert_identical(_exported(tmp_path), uninterrupted)
-
-
-def test_starting_afresh_over_an_earlier_run_is_refused(tmp_path):
-    _train(tmp_path, 4)
-    run = subprocess.run(
-        [sys.executable, "-m", "fbmt.train", "--steps", "4", *RUN, "--checkpoints", str(tmp_path), "--resume", "no"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode != 0 and "holds an earlier run's checkpoints" in run.stdout + run.stderr
 
 
 def test_two_torchrun_agents_as_two_nodes_train_as_one_node_does(tmp_path, uninterrupted):
