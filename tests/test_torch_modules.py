@@ -1,6 +1,7 @@
 """torch.nn modules beyond linear layers, compiled as users write them and compared with eager PyTorch
 (DDP where ranks matter): recurrent layers, BatchNorm's buffers (and a BatchNorm frozen by `.eval()`),
-a model's own torch.utils.checkpoint calls, embeddings fbmt refuses, and modules built on the meta device."""
+buffers a forward assigns anew or registers, a model's own torch.utils.checkpoint calls, embeddings fbmt
+refuses, and modules built on the meta device."""
 
 from __future__ import annotations
 
@@ -92,6 +93,71 @@ def test_a_module_set_to_eval_before_compile_keeps_its_mode_while_the_model_trai
     ranks = run_ranks(2, _as_ddp, _frozen_batchnorm, (5, 6), True)
     for buffers in ranks:
         assert buffers["bn.num_batches_tracked"] == 0 and torch.equal(buffers["bn.running_mean"], torch.full((8,), 0.5))
+
+
+class Averaging(nn.Module):
+    """A layer that keeps an average by assigning its buffer anew (VQ-VAE codebooks and BYOL's targets
+    are written so), where `mul_` and `add_` would update it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("ema", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.fc(x))
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * y.detach().mean(0)
+        return y - self.ema
+
+
+class Averaged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Averaging() for _ in range(3))  # alike: each would be stamped
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+def test_buffers_the_forward_assigns_anew_train_as_eager_on_two_ranks():
+    """NOTE: [Buffers a forward assigns]: functional_call put the module's own buffers back after the
+    trace, so each call computed from the averages' first values, silently."""
+    ranks = run_ranks(2, _as_ddp, Averaged, (5, 6), True)
+    assert not torch.equal(ranks[0]["layers.2.ema"], torch.zeros(6))
+
+
+class LazyTable(nn.Module):
+    """A table made at the first call and made again for a longer input, as remote-code models' rotary
+    embeddings register theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.cached = nn.Linear(4, 4), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if n > self.cached:
+            table = torch.cos(torch.arange(n, dtype=torch.float32))[None, :, None]
+            self.register_buffer("table", table, persistent=False)
+            self.cached = n
+        return self.fc(x) * self.table[:, :n]
+
+
+def test_a_buffer_the_forward_registers_and_grows_is_eagers_after_each_call():
+    """The trace left a fake tensor registered: the next call failed on it."""
+    torch.manual_seed(0)
+    ref = LazyTable()
+    model = fbmt.compile(copy.deepcopy(ref))
+    for n in (3, 3, 5, 4):
+        x = torch.randn(2, n, 4)
+        torch.testing.assert_close(model(x), ref(x), msg=f"length {n}")
+        table = dict(model.named_buffers())["table"]
+        assert type(table) is torch.Tensor and torch.equal(table, ref.table), n
+    assert model.state_dict().keys() == ref.state_dict().keys()  # not persistent, as it was registered
 
 
 class Checkpointed(nn.Module):

@@ -104,19 +104,24 @@ class Results:
     returned: dict[int, int] = field(default_factory=dict)  # leaf -> input leaf of the object returned
     states: dict[int, Any] = field(default_factory=dict)  # input leaf -> that object after the forward
     notes: list[str] = field(default_factory=list)  # what tracing left out, for the program's summary
-    # (module path, attribute, structure, leaves, which leaves are the outputs' tensors) of each value
-    # the forward assigned to a module's attribute
-    kept: list[tuple[str, str, Any, list, tuple[int, ...]]] = field(default_factory=list)
+    # (module path, attribute, how, structure, leaves, which leaves are the outputs' tensors) of each
+    # value the forward assigned to a module's attribute ("attribute") or buffer ("buffer", "buffer, not
+    # persistent": one it registered or assigned in another shape)
+    kept: list[tuple[str, str, str, Any, list, tuple[int, ...]]] = field(default_factory=list)
 
     def assemble(self, values: dict[Any, Any], inputs: list[Any], root: nn.Module) -> list[Any]:
         """The result's leaves from the program's outputs by key; brings every argument object
         (`inputs`: the call's input leaves) to the state the forward leaves it in, and sets the
         attributes of `root`'s modules the forward assigns."""
-        for k, (path, name, spec, template, tensors) in enumerate(self.kept):
+        for k, (path, name, how, spec, template, tensors) in enumerate(self.kept):
             leaves = list(template)
             for j in tensors:
                 leaves[j] = values[("kept", k, j)]
-            setattr(root.get_submodule(path), name, pytree.tree_unflatten(leaves, spec))
+            owner, value = root.get_submodule(path), pytree.tree_unflatten(leaves, spec)
+            if how == "attribute":
+                setattr(owner, name, value)
+            else:
+                owner.register_buffer(name, value, persistent=how == "buffer")
 
         def held(where: str, i: int, template: Any) -> list[Any]:
             return [values[(where, i, j)] for j in range(len(objects.tensors_in(template)))]

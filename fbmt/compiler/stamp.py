@@ -545,10 +545,13 @@ class Stamper:
                 tensors, [t for b in before.values() for t in b.values() if isinstance(t, torch.Tensor)]
             )
             grad_mode = torch.is_grad_enabled()
+            own = [id(b) for b in block.buffers()]
             with signature:
                 out = forward(*args, **kwargs)
             held.append(signature.held)  # alive until the calls are grouped: no id is another's
             call.nested = len(self.calls) - at - 1
+            if [id(b) for b in block.buffers()] != own:  # it assigned or registered a buffer, which its
+                return out  # stamped copies would not: traced as code (NOTE: [Buffers a forward assigns])
             out_leaves, out_spec = pytree.tree_flatten(out)
             if not _plain(out_leaves) or signature.read_object:
                 return out

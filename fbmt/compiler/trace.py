@@ -276,8 +276,9 @@ def trace(
     decided: dict[fx.Node, str] = {}  # attention masks seen (NOTE: [Causal masks])
     checks: list[masks.MaskCheck] | None = [] if dynamic else None  # a symbolic program's, proved at each size
 
-    def call(ps: list, bs: list, xs: list) -> tuple[Any, dict[int, Any]]:
-        """The forward on these tensors, and the copies of the argument objects it was given."""
+    def call(ps: list, bs: list, xs: list) -> tuple[Any, dict[int, Any], list[tuple[str, torch.Tensor]]]:
+        """The forward on these tensors, the copies of the argument objects it was given, and the buffers
+        it assigned that a program cannot write in place (NOTE: [Buffers a forward assigns])."""
         full = list(leaves)
         for i, x in zip(tensor_pos, xs):
             full[i] = x
@@ -287,11 +288,11 @@ def trace(
             at += len(held)
         a, kw = pytree.tree_unflatten(full, in_spec)
         tensors = dict(zip(names, [*ps, *bs]))
+        given = {k: tensors[k] for k in names[len(ps) :]}  # the buffers, whose reassignment is written back
+        root = _Entry(module, entry, given)
+        tensors = {f"root.{k}": v for k, v in tensors.items()}
         with sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext(), masks.CausalMasks(decided, checks):
-            if entry:
-                tensors = {f"root.{k}": v for k, v in tensors.items()}
-                return functional_call(_Entry(module, entry), tensors, a, kw), copies
-            return functional_call(module, tensors, a, kw), copies
+            return functional_call(root, tensors, a, kw), copies, root.assigned
 
     writes = _ModuleWrites(module)  # NOTE: [What a forward keeps on its modules]
     try:
@@ -304,10 +305,10 @@ def trace(
             with torch.enable_grad() if needs_grad else torch.no_grad():
                 probe_ps = [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)]
                 probe_bs = [b.clone() for b in fake_buffers]
-                probe, copies = call(
+                probe, copies, assigned = call(
                     probe_ps, probe_bs, [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)]
                 )
-        kept = writes.observe(passed={id(t) for t in (*probe_ps, *probe_bs)})
+        kept = writes.observe({id(t) for t in (*probe_ps, *probe_bs)}, assigned)
         del probe_ps, probe_bs
         out_leaves, out_spec = pytree.tree_flatten(probe)
         drop_caches = needs_grad and kwargs.get("use_cache") is not True
@@ -327,7 +328,7 @@ def trace(
             fake_tangents = [
                 torch.empty(by_key[k].shape, dtype=by_key[k].dtype, device=by_key[k].device) for k in diff_out
             ]
-        del probe, copies, probe_outs, by_key, kept
+        del probe, copies, probe_outs, by_key, kept, assigned
 
         n_p, n_b, n_x = len(fake_params), len(fake_buffers), len(fake_inputs)
         diff_pos = [results.keys.index(k) for k in diff_out]
@@ -336,8 +337,8 @@ def trace(
             ps, bs = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
             xs, ts = list(flat[n_p + n_b : n_p + n_b + n_x]), list(flat[n_p + n_b + n_x :])
             with torch.enable_grad() if needs_grad else torch.no_grad():
-                out, copies = call(ps, bs, xs)
-            kept = writes.read()
+                out, copies, assigned = call(ps, bs, xs)
+            kept = writes.read(assigned)
             if kept is None and stamper is not None:  # a stamped block set it: its kind's trace set its exemplar's
                 raise stamp.Refused("a block kept a tensor on a module outside itself")
             if kept is None:
@@ -701,17 +702,22 @@ class _ModuleWrites:
             for k, v in found.items()
             if k not in _MODULE_OWN and _container(v)
         }
+        self.buffers = [(dict(m._buffers), set(m._non_persistent_buffers_set)) for _, m, _ in self.named]
+        self.index = {path: i for i, (path, _, _) in enumerate(self.named)}
         self.after: list[dict] = []  # each module's attributes after one run (the fake forward)
         self.hooks_after: list[list] = []
-        self.kept: list[tuple[int, str]] = []  # (module, attribute) of the values the forward assigned
+        # (module, attribute, how) of the values the forward assigned: how "attribute", or "buffer" (a
+        # buffer assigned anew or registered, in another shape than it had: NOTE: [Buffers a forward assigns])
+        self.kept: list[tuple[int, str, str]] = []
         self.specs: list[Any] = []  # each kept value's structure
         self.internal: list[tuple[int, str]] = []  # tensors set that the forward did not make
 
-    def observe(self, passed: set[int]) -> list[Any]:
+    def observe(self, passed: set[int], buffers: list[tuple[str, torch.Tensor]]) -> list[Any]:
         """After the fake forward: remember what it left, and return the values it kept (raising, naming
         it, where it put tensors into a container the module held). `passed`: the ids of the parameters
         and buffers it was given. A value that holds none of the tensors the forward made (a module's own
-        references to its parameters, which nn.LSTM refreshes as they are swapped in) is not kept."""
+        references to its parameters, which nn.LSTM refreshes as they are swapped in) is not kept.
+        `buffers`: the buffers it assigned that its program cannot write in place (`_Entry.assigned`)."""
 
         def made(x: Any) -> bool:
             return isinstance(x, FakeTensor) and id(x) not in passed
@@ -746,27 +752,45 @@ class _ModuleWrites:
                         f"{type(v).__name__} fbmt cannot rebuild after each call; keep a tensor, or a list, "
                         "tuple or dict of tensors and plain values there, or return it from the forward"
                     )
-                self.kept.append((i, k))
+                self.kept.append((i, k, "attribute"))
                 self.specs.append(pytree.tree_structure(v))
                 values.append(v)
+            for k, v in now.items():  # a size of a symbolic trace kept as a number: the program has no number
+                if v is not found.get(k, _ABSENT) and any(
+                    isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                    for x in (pytree.tree_leaves(v) if _container(v) else (v,))
+                ):
+                    raise TraceError(
+                        f"fbmt.compile: the forward keeps a size of its inputs on {type(m).__name__} "
+                        f"'{path or '<root>'}'.{k}, which a program for many sizes has no number for"
+                    )
+        for name, v in buffers:
+            owner, _, attr = name.rpartition(".")
+            i = self.index[owner]
+            persistent = attr not in self.named[i][1]._non_persistent_buffers_set
+            self.kept.append((i, attr, "buffer" if persistent else "buffer, not persistent"))
+            self.specs.append(pytree.tree_structure(v))
+            values.append(v)
         return values
 
     def reset(self) -> None:
         """Every module's attributes as the call found them, for another run of the forward."""
         self._restore([found for _, _, found in self.named], self.hooks)
+        self._restore_buffers()
 
     def done(self) -> list[tuple[str, str, Any]] | None:
         """After the trace: what one run left, but the kept values (the program's outputs) as found.
         Returns the other values it set, (module path, attribute, value), for a program loaded from the
         compile cache to set again; None where that would not do what the run did (it installed hooks,
         deleted an attribute, or set one to an object the cache cannot keep)."""
-        for i, k in (*self.kept, *self.internal):
+        for i, k in (*((i, k) for i, k, how in self.kept if how == "attribute"), *self.internal):
             found = self.named[i][2]
             if k in found:
                 self.after[i][k] = found[k]
             else:
                 del self.after[i][k]
         self._restore(self.after, self.hooks_after)
+        self._restore_buffers()  # the program's outputs, registered after each call
         written, again = [], True
         for (path, _, found), after, hooks, hooks_after in zip(self.named, self.after, self.hooks, self.hooks_after):
             written += [(path, k, v) for k, v in after.items() if found.get(k, _ABSENT) is not v]
@@ -786,26 +810,42 @@ class _ModuleWrites:
                     d.clear()
                     d.update(was)
 
-    def read(self) -> list[Any] | None:
+    def _restore_buffers(self) -> None:
+        """The buffers as found: one the forward registered is an output of the program, not a fake."""
+        for (_, m, _), (found, hidden) in zip(self.named, self.buffers):
+            if not _same_dict(m._buffers, found):
+                m._buffers.clear()
+                m._buffers.update(found)
+            if m._non_persistent_buffers_set != hidden:
+                m._non_persistent_buffers_set.clear()
+                m._non_persistent_buffers_set.update(hidden)
+
+    def read(self, buffers: list[tuple[str, torch.Tensor]]) -> list[Any] | None:
         """The values this run of the forward kept, or None where it assigned one of them no new value."""
         values = []
-        for (i, k), spec in zip(self.kept, self.specs):
-            v = vars(self.named[i][1]).get(k, _ABSENT)
-            if v is self.named[i][2].get(k, _ABSENT) or pytree.tree_structure(v) != spec:
+        assigned = dict(buffers)
+        for (i, k, how), spec in zip(self.kept, self.specs):
+            if how == "attribute":
+                v = vars(self.named[i][1]).get(k, _ABSENT)
+                if v is self.named[i][2].get(k, _ABSENT):
+                    return None
+            else:
+                v = assigned.pop(f"{self.named[i][0]}.{k}".lstrip("."), _ABSENT)
+            if v is _ABSENT or pytree.tree_structure(v) != spec:
                 return None
             values.append(v)
-        return values
+        return values if not assigned else None
 
-    def kept_at(self) -> list[tuple[str, str]]:
-        """(module path, attribute) of each kept value."""
-        return [(self.named[i][0], k) for i, k in self.kept]
+    def kept_at(self) -> list[tuple[str, str, str]]:
+        """(module path, attribute, how) of each kept value."""
+        return [(self.named[i][0], k, how) for i, k, how in self.kept]
 
     def paths(self) -> list[str]:
         """The module paths of the kept values."""
-        return [path for path, _ in self.kept_at()]
+        return [path for path, _, _ in self.kept_at()]
 
     def names(self) -> list[str]:
-        return [f"'{path or '<root>'}'.{k}" for path, k in self.kept_at()]
+        return [f"'{path or '<root>'}'.{k}" for path, k, _ in self.kept_at()]
 
 
 # NOTE: [Objects in a call]
@@ -829,7 +869,7 @@ class _Results:
         self,
         leaves: list[Any],
         copies: dict[int, Any],
-        kept_at: list[tuple[str, str]],
+        kept_at: list[tuple[str, str, str]],
         kept: list[Any],
         *,
         drop_caches: bool,
@@ -861,11 +901,11 @@ class _Results:
             self.plan.states[a] = c
             self.sources.append(("state", a))
             self.keys += [("state", a, j) for j in range(len(objects.tensors_in(c)))]
-        for k, ((path, name), v) in enumerate(zip(kept_at, kept)):  # NOTE: [What a forward keeps on its modules]
+        for k, ((path, name, how), v) in enumerate(zip(kept_at, kept)):  # NOTE: [What a forward keeps on its modules]
             flat, spec = pytree.tree_flatten(v)
             tensors = tuple(j for j, x in enumerate(flat) if isinstance(x, torch.Tensor))
             template = [None if j in tensors else x for j, x in enumerate(flat)]
-            self.plan.kept.append((path, name, spec, template, tensors))
+            self.plan.kept.append((path, name, how, spec, template, tensors))
             self.sources.append(("kept", k))
             self.keys += [("kept", k, j) for j in tensors]
 
@@ -1182,9 +1222,24 @@ def _canonicalize(program: Program) -> None:
         n for n in g.nodes if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in placeholders
     ]
     last_fwd = None
-    for n in g.nodes:
+    order = {}
+    for i, n in enumerate(g.nodes):
+        order[n] = i
         if n.op == "call_function" and meta.module(n) is not None and n not in epilogue:
             last_fwd = n
+    # a buffer assigned anew is written after the module returned (NOTE: [Buffers a forward assigns]): the
+    # value written, made outside every module, is the forward's too
+    sources = [n.args[1] for n in epilogue if isinstance(n.args[1], fx.Node) and n.args[1].op != "placeholder"]
+    latest = max(sources, key=order.__getitem__, default=None)
+    if latest is not None and (last_fwd is None or order[latest] > order[last_fwd]):
+        k = last_fwd.next if last_fwd is not None else next(iter(g.nodes))
+        while True:
+            if k.op == "call_function":
+                meta.tag_missing(k, module="")
+            if k is latest:
+                break
+            k = k.next
+        last_fwd = latest
     for n in epilogue:
         (last_fwd or next(iter(g.nodes))).append(n)
         last_fwd = n
@@ -1262,15 +1317,49 @@ class _Forward(nn.Module):
 
 
 class _Entry(nn.Module):
-    """What `functional_call` runs for a call of a submodule: the module's parameters under `root.`, so
-    that tied names resolve as in the module (NOTE: [Submodules through the program])."""
+    """What `functional_call` runs for a call of the module ("") or of a submodule: the module's parameters
+    under `root.`, so that tied names resolve as in the module (NOTE: [Submodules through the program]);
+    a buffer the call assigned anew is written into the one it was given (NOTE: [Buffers a forward
+    assigns]), before functional_call puts the module's own back."""
 
-    def __init__(self, root: nn.Module, path: str):
+    def __init__(self, root: nn.Module, path: str, given: dict[str, torch.Tensor]):
         super().__init__()
-        self.root, self.path = root, path
+        self.root, self.path, self.given = root, path, given
+        self.assigned: list[tuple[str, torch.Tensor]] = []  # (name, tensor) of each one not written in place
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.root.get_submodule(self.path)(*args, **kwargs)
+        out = self.root.get_submodule(self.path)(*args, **kwargs)
+        for name, buffer in self.root.named_buffers():
+            given = self.given.get(name)
+            if buffer is given:
+                continue
+            if given is not None and _same_meta(buffer, given):
+                with torch.no_grad():  # the value, as eager's next call reads it (a loss through it is the call's)
+                    given.copy_(buffer)
+            elif isinstance(buffer, FakeTensor):  # registered by this run, or in another shape than it had
+                self.assigned.append((name, buffer))
+        return out
+
+
+# NOTE: [Buffers a forward assigns]
+# A forward that assigns a registered buffer anew (`self.ema = 0.9 * self.ema + 0.1 * x.mean(0)`, where
+# an update in place would be `mul_` and `add_`) leaves the module holding the new tensor in eager. In a
+# trace, functional_call gives the forward the program's buffer and puts the module's own back after,
+# so the assignment was lost: every call computed from the buffer's first value, without an error. The
+# call therefore runs under `_Entry`, which writes each buffer assigned anew into the one it was given,
+# as an update in place: the program's write of a mutated buffer (NOTE: [Ops whose schema hides a
+# mutation]) brings it to the module's buffer after each call, broadcast as DDP's are. A buffer the
+# forward registers (a rotary table made at the first call), or assigns in another shape or dtype (the
+# table grown for a longer input), is an output of the program instead, registered after each call as
+# a kept tensor is set (NOTE: [What a forward keeps on its modules]); the trace leaves the buffers as
+# it found them. A block that assigns or registers one is traced as code, not stamped: its stamped
+# copies would not.
+
+
+def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.device != b.device or a.dim() != b.dim():
+        return False
+    return all(isinstance(x, int) and x == y for x, y in zip(a.shape, b.shape))
 
 
 class _ModuleTagger:
