@@ -55,6 +55,7 @@ checks() {
   run gpt_on_gpu 300 tests/gpu/gpt_on_gpu.py
   timeout 120 python3 tests/gpu/copies_on_gpu.py 2>&1 | tail -2
   timeout 120 python3 tests/gpu/offload_on_gpu.py 2>&1 | tail -2
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 tests/gpu/writes_on_gpu.py 2>&1 | tail -4
   run offload_model_on_gpu 240 tests/gpu/offload_model_on_gpu.py
   run hf_on_gpu 300 tests/gpu/hf_on_gpu.py
 }
