@@ -474,6 +474,24 @@ def test_an_output_returned_beside_its_detached_self_keeps_its_gradient():
         torch.testing.assert_close(grads[n], p.grad, msg=n)
 
 
+class Clips(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc.weight[0].clamp_(-0.1, 0.1)  # weight clipping written inside the forward, on a view
+        return self.fc(x)
+
+
+def test_a_forward_that_writes_a_parameter_in_place_is_refused_naming_it():
+    """The program's gathered copy would take the write, never the shards: the trace failed, "please report it"."""
+    _, model = _pair(Clips)
+    with pytest.raises(fbmt.TraceError, match=r"writes parameter 'fc.weight' in place \(aten.clamp_"):
+        model(torch.randn(3, 4))
+
+
 class Appends(nn.Module):
     def __init__(self):
         super().__init__()

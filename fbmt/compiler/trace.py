@@ -387,6 +387,8 @@ def trace(
                 first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
         gm, graph = first, first.graph
         mutates = _mutates(graph)
+        if mutates:
+            _refuse_parameter_writes(graph, [p[0] for p in params])
         rewritten = mutates and _without_writes(graph)  # NOTE: [Writes to fresh tensors]
         # the dead masks go before any node is named again: by the second trace (which would trace them
         # again), or as it would name them
@@ -938,6 +940,30 @@ def _mutates(graph: fx.Graph) -> bool:
         n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
         for n in graph.nodes
     )
+
+
+def _refuse_parameter_writes(graph: fx.Graph, names: list[str]) -> None:
+    """A forward that writes a parameter in place (`self.weight.clamp_(-c, c)` under no_grad, as weight
+    clipping inside a forward is written) would write the program's gathered copy of it, which no one
+    reads back into the shards: refused, naming the parameter and the op."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][: len(names)]
+    param = dict(zip(placeholders, names))
+    for n in graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        for a, v in zip(n.target._schema.arguments, n.args):
+            if a.alias_info is None or not a.alias_info.is_write or not isinstance(v, fx.Node):
+                continue
+            while v not in param and v.op == "call_function" and getattr(v.target, "is_view", False):
+                v = v.args[0]  # a write to a view of it writes it
+            if v in param:
+                raise TraceError(
+                    f"fbmt.compile: the forward writes parameter '{param[v]}' in place ({n.target}); a compiled "
+                    "program computes with a gathered copy of each parameter and never writes it back to the "
+                    "shards. Compute the changed weight as a value (`w = self.weight.clamp(-c, c)`), or write "
+                    "the shards after the optimizer's step (`for p in model.parameters(): p.data.clamp_(-c, c)`, "
+                    "for a write element by element)"
+                )
 
 
 # NOTE: [Writes to fresh tensors]
