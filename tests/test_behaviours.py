@@ -474,6 +474,32 @@ def test_an_output_returned_beside_its_detached_self_keeps_its_gradient():
         torch.testing.assert_close(grads[n], p.grad, msg=n)
 
 
+@torch.compile(backend="eager")  # a helper of the model's code under torch.compile (any backend)
+def _scaled_gelu(x):
+    return F.gelu(x) * 2
+
+
+class CallsCompiled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _scaled_gelu(self.fc(x))
+
+
+def test_a_function_under_torch_compile_in_the_models_code_traces_as_its_python():
+    """Dynamo refused make_fx's trace ("using FX to symbolically trace a dynamo-optimized function"), and
+    with Inductor ran its kernel on the fake forward's tensors: a segmentation fault."""
+    ref, model = _pair(CallsCompiled)
+    x = torch.randn(3, 4)
+    for m in (ref, model):
+        m(x).square().sum().backward()
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
+
+
 class Clips(nn.Module):
     def __init__(self):
         super().__init__()

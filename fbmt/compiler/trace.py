@@ -223,6 +223,11 @@ def _watching_hooks(fn: Callable[..., Program]) -> Callable[..., Program]:
 @_tracing()  # a fresh context for every call: tracing() is True while it runs
 @_checkpoints_as_calls()  # NOTE: [Checkpoints in the model's code]
 @torch.backends.cudnn.flags(enabled=False)  # NOTE: [Ops whose schema hides a mutation]
+# A function of the model's code under torch.compile runs as Python while traced: Dynamo would compile
+# it for the fake forward's tensors and run Inductor's kernel on them (a segmentation fault on the host),
+# and refuses make_fx's trace; the program's own backend decides how it is compiled.
+@torch.compiler.set_stance("force_eager")
+@torch._dynamo.config.patch(error_on_nested_fx_trace=False)
 def trace(
     module: nn.Module,
     layout: Layout,
