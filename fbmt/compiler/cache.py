@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import enum
 import functools
 import hashlib
 import io
@@ -77,6 +76,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from fbmt import flags, job
+from fbmt.compiler import objects
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.program import Program
 
@@ -364,7 +364,7 @@ def _describe_module(module: nn.Module) -> str:
 # attributes that hold Python's hash() of a string, which each process salts anew (transformers'
 # GenerationConfig keeps one), and that no forward reads
 SALTED = frozenset({"_original_object_hash"})
-PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
+PLAIN = objects.PLAIN
 
 
 def _describe(x: Any, paths: dict[int, str], seen: set[int], depth: int) -> str:

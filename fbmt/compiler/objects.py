@@ -31,13 +31,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
+# values a program keeps as they are (the compile cache saves them as such)
+PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
 _OPAQUE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, nn.Module)
 
 
 def is_object(x: Any) -> bool:
     """A pytree leaf that is neither a tensor nor a plain value, and has attributes to look into."""
-    return not isinstance(x, (torch.Tensor, *_PLAIN, *_OPAQUE)) and hasattr(x, "__dict__")
+    return not isinstance(x, (torch.Tensor, *PLAIN, *_OPAQUE)) and hasattr(x, "__dict__")
 
 
 def _children(x: Any) -> list[Any]:
@@ -74,7 +75,7 @@ def fingerprint(obj: Any) -> Any:
     def fp(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return ("T", tuple(x.shape), x.dtype, x.device, x.requires_grad)
-        if isinstance(x, _PLAIN):
+        if isinstance(x, PLAIN):
             return x
         if isinstance(x, _OPAQUE):
             return ("opaque", id(x))
@@ -161,7 +162,7 @@ def state(obj: Any) -> dict[tuple, Any]:
     def walk(x: Any, path: tuple) -> None:
         if isinstance(x, torch.Tensor):
             out[path] = x
-        elif isinstance(x, (*_PLAIN, numbers.Number)):
+        elif isinstance(x, (*PLAIN, numbers.Number)):
             out[path] = ("plain", type(x), x)
         elif isinstance(x, _OPAQUE):
             out[path] = ("opaque", id(x))

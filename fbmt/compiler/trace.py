@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fbmt import flags, logs
-from fbmt.compiler import cache, masks, meta, objects, sizes, stamp
+from fbmt.compiler import masks, meta, objects, sizes, stamp
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.ops import record
 from fbmt.compiler.ops.graph import fake_value
@@ -679,7 +679,8 @@ def _container(v: Any) -> bool:
 
 def _plain(v: Any) -> bool:
     """A value the compile cache keeps as it is (a program's writes are among what it saves)."""
-    return isinstance(v, cache.PLAIN) or (isinstance(v, (list, tuple)) and all(isinstance(x, cache.PLAIN) for x in v))
+    plain = objects.PLAIN
+    return isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))
 
 
 def _undo(container: Any, was: Any) -> None:
@@ -753,7 +754,7 @@ class _ModuleWrites:
                             "call's tensors, or return them from the forward"
                         )
                     continue
-                if any(not isinstance(x, (torch.Tensor, *cache.PLAIN)) for x in leaves):
+                if any(not isinstance(x, (torch.Tensor, *objects.PLAIN)) for x in leaves):
                     raise TraceError(
                         f"fbmt.compile: the forward keeps tensors on {where} inside a "
                         f"{type(v).__name__} fbmt cannot rebuild after each call; keep a tensor, or a list, "
