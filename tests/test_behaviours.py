@@ -449,7 +449,9 @@ def test_tensors_the_forward_keeps_on_its_modules_are_each_calls_and_train_as_in
     for n, p in ref.named_parameters():
         torch.testing.assert_close(full[n], p.detach(), msg=n)
     assert "returned nothing" not in caplog.text  # the hook's activation is kept, not lost
-    assert "keeps tensors on its modules" in str(model.program)  # its layers are traced as code
+    text = str(model.program)
+    assert "keeps tensors on its modules" in text  # its layers are traced as code
+    assert "output[kl]=" in text and "output[layers.2.aux]=" in text  # named by where they are kept
 
 
 class AlsoDetached(nn.Module):

@@ -337,15 +337,25 @@ def format_graph(program: Program) -> str:
     The runner formats the program after every pass (its history), so this is written for speed:
     each node's value and target are formatted once."""
     roles = dict(zip(program.placeholders(), program.inputs))
+    kept = program.results.kept
+
+    def said(r: Role) -> str:  # a kept value by its module's attribute: output[layers.0.aux], tangent[kl]
+        if isinstance(r.key, tuple) and r.key[0] == "kept":
+            path, name, _, _, _, tensors = kept[r.key[1]]
+            leaf = f"[{r.key[2]}]" if tensors != (0,) else ""
+            return f"{r.kind}[{path + '.' if path else ''}{name}{leaf}]"
+        return str(r)
+
     lines = []
     for n in program.graph.nodes:
         value = _fmt_val(n)
         if n.op == "placeholder":
-            lines.append(f"%{n.name}: {value} = input {roles.get(n, '?')}")
+            lines.append(f"%{n.name}: {value} = input {said(roles[n]) if n in roles else '?'}")
             continue
         if n.op == "output":
             outs = ", ".join(
-                f"{r}=%{v.name}" if isinstance(v, fx.Node) else f"{r}={v!r}" for r, v in zip(program.outputs, n.args[0])
+                f"{said(r)}=%{v.name}" if isinstance(v, fx.Node) else f"{said(r)}={v!r}"
+                for r, v in zip(program.outputs, n.args[0])
             )
             lines.append(f"return {outs}")
             continue
