@@ -461,16 +461,19 @@ class AlsoDetached(nn.Module):
 
     def forward(self, x):
         y = self.fc(x)
-        return y, y.detach()  # one node of the program, returned twice
+        z = y * 1.0
+        z[:, 0] = 2 * z[:, 0]  # written in place: the program takes a view of `z` from `z` itself
+        return y, y.detach(), z, z.detach()[:, 1:]  # `y`: one node of the program, returned twice
 
 
-def test_an_output_returned_beside_its_detached_self_keeps_its_gradient():
+def test_an_output_returned_beside_its_detached_self_or_a_view_of_it_is_eagers():
     ref, model = _pair(AlsoDetached)
     x = torch.randn(3, 4)
     for m in (ref, model):
-        y, seen = m(x)
+        y, seen, z, part = m(x)
         assert y.requires_grad and not seen.requires_grad
-        (y.square().mean() + seen.sum()).backward()
+        assert z.requires_grad and not part.requires_grad, "a detached view required grad as its base"
+        (y.square().mean() + seen.sum() + z.sum() + part.square().sum()).backward()
     grads = model.full_gradients()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, msg=n)
@@ -518,6 +521,33 @@ def test_a_forward_that_writes_a_parameter_in_place_is_refused_naming_it():
     _, model = _pair(Clips)
     with pytest.raises(fbmt.TraceError, match=r"writes parameter 'fc.weight' in place \(aten.clamp_"):
         model(torch.randn(3, 4))
+
+
+class KeepsAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 6), nn.Linear(6, 2)
+        self.start = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        h = self.embed(x)
+        h[:, 0] = self.start  # written in place
+        self.first = h.detach()[:, :1]  # a view of it, kept: the program takes it again from `h` at its end
+        return self.head(h)
+
+
+def test_a_view_of_a_tensor_written_in_place_kept_on_a_module_is_eagers():
+    """The view was made after the backward in the program, which the forward could not return (a
+    KeyError from the partitioner)."""
+    ref, model = _pair(KeepsAView)
+    for m in (ref, model):
+        m(torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))).square().mean().backward()
+    own = model.compiled_from
+    torch.testing.assert_close(own.first, ref.first)
+    assert not own.first.requires_grad
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
 
 
 class Appends(nn.Module):

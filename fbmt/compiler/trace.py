@@ -1272,10 +1272,15 @@ def _canonicalize(program: Program) -> None:
                 break
             k = k.next
         last_fwd = latest
+    late = _late_outputs(program, order, last_fwd, set(epilogue))
     for n in epilogue:
         (last_fwd or next(iter(g.nodes))).append(n)
         last_fwd = n
         meta.tag(n, module="")
+    for n in late:
+        (last_fwd or next(iter(g.nodes))).append(n)
+        last_fwd = n
+        meta.tag_missing(n, module="")
     phase = FWD
     for n in g.nodes:
         if n.op in ("placeholder", "output"):
@@ -1284,6 +1289,29 @@ def _canonicalize(program: Program) -> None:
         if n is last_fwd:
             phase = BWD
     g.lint()
+
+
+def _late_outputs(program: Program, order: dict[fx.Node, int], last_fwd: fx.Node | None, epilogue: set) -> list:
+    """The nodes after the forward's last that make one of its outputs (in graph order): functionalization
+    takes a view again at the very end from a tensor written in place (`y.detach()[:, :1]` of a `y` that a
+    setitem wrote, kept on a module), after the backward; left there, the output would be the backward's."""
+    start = order[last_fwd] if last_fwd is not None else -1
+    tangents = {n for n, r in zip(program.placeholders(), program.inputs) if r.kind == "tangent"}
+    late: set[fx.Node] = set()
+    for role, value in zip(program.outputs, program.output_node().args[0]):
+        if role.kind != "output" or not isinstance(value, fx.Node) or order[value] <= start:
+            continue
+        chain, stack = set(), [value]
+        while stack:
+            n = stack.pop()
+            if n in tangents:
+                raise TraceError(f"fbmt.compile: the forward's output {role.key} is computed from a gradient")
+            if n.op == "placeholder" or order[n] <= start or n in epilogue or n in chain or n in late:
+                continue
+            chain.add(n)
+            stack.extend(n.all_input_nodes)
+        late |= chain
+    return sorted(late, key=order.__getitem__)
 
 
 class _TagCarrier(fx.Interpreter):

@@ -40,11 +40,12 @@ class RunProgram(torch.autograd.Function):
         ctx.gradient_sync = gradient_sync
         ctx.generation = exe.regions.generation if exe.regions is not None else None
         diff = set(exe.diff_outputs)
-        # an output without a gradient that is the very tensor of one with (a forward returning `y` and
-        # `y.detach()`, the graph's one node twice) is returned as an alias of its own: marked as it is, it
-        # would mark the other too, whose gradient would then be lost without a word
-        differentiable = {id(outs[i]) for i in diff}
-        outs = [o.detach() if i not in diff and id(o) in differentiable else o for i, o in enumerate(outs)]
+        # an output without a gradient is returned as an alias of its own. Where it is the very tensor of
+        # one with (a forward returning `y` and `y.detach()`, the graph's one node twice), marking it would
+        # mark the other too, whose gradient would then be lost without a word; where it is a view of one
+        # (`y.detach()[:, 1:]` of a `y` written in place: the program takes it from `y` itself), autograd
+        # would have it require grad as its base does, as eager's does not
+        outs = [o.detach() if i not in diff and isinstance(o, torch.Tensor) else o for i, o in enumerate(outs)]
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
         # an output the caller does not differentiate gets no gradient here, but one that backward makes
         # (NOTE: [Unused outputs' gradients] in runtime/partition.py)
