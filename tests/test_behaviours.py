@@ -216,6 +216,39 @@ def test_tied_weights_appear_under_both_names():
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
 
 
+class OneLayerTwice(nn.Module):
+    """`nn.ModuleList([layer] * 3)`: one layer registered at three paths, its weights shared across depth."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.layers = nn.ModuleList([layer] * 3)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x).square().mean()
+
+
+def test_a_layer_registered_at_several_paths_trains_as_eager():
+    """torch's functional_call put the trace's fake tensor back into the shared layer (it restores name by
+    name): the second call refused the model, naming a parameter 'deleted or replaced after fbmt.compile'."""
+    ref, model = _pair(OneLayerTwice)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        losses = [m(x) for m in (ref, model)]
+        torch.testing.assert_close(losses[1], losses[0], msg=f"step {step}")
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), msg=n)
+
+
 def test_new_input_shapes_retrace_and_stay_correct():
     ref, model = _pair(gpt)
     for T in (16, 8, 16):

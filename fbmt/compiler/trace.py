@@ -297,7 +297,7 @@ def trace(
         root = _Entry(module, entry, given)
         tensors = {f"root.{k}": v for k, v in tensors.items()}
         with sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext(), masks.CausalMasks(decided, checks):
-            return functional_call(root, tensors, a, kw), copies, root.assigned
+            return _functional_call(root, tensors, a, kw), copies, root.assigned
 
     writes = _ModuleWrites(module)  # NOTE: [What a forward keeps on its modules]
     try:
@@ -506,7 +506,7 @@ def _trace_kind(
             # proves its rewritten masks again at each size it admits
             keeping = sizes.matmul_keeping_sizes() if checks is not None else contextlib.nullcontext()
             with keeping, masks.CausalMasks(decided, checks, known=known):
-                out = functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
+                out = _functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
         tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
         written = _written(kind, copies, before)
         if written is None:  # refuses the kind (below)
@@ -1289,6 +1289,20 @@ def _canonicalize(program: Program) -> None:
         if n is last_fwd:
             phase = BWD
     g.lint()
+
+
+def _functional_call(module: nn.Module, tensors: dict[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
+    """`torch.func.functional_call`, whose module keeps its own parameters and buffers afterwards also
+    where one module is registered at two paths (`nn.ModuleList([layer, layer])`, a layer shared across
+    depth): torch puts the originals back name by name, so the second name of a shared slot put back the
+    tensor the first had been given, and a fake tensor of the trace was left on the model."""
+    slots = [(table, k, v) for m in module.modules() for table in (m._parameters, m._buffers) for k, v in table.items()]
+    try:
+        return functional_call(module, tensors, args, kwargs)
+    finally:
+        for table, k, v in slots:
+            if k in table and table[k] is not v:
+                table[k] = v
 
 
 def _late_outputs(program: Program, order: dict[fx.Node, int], last_fwd: fx.Node | None, epilogue: set) -> list:
