@@ -1,0 +1,283 @@
+"""Random small models against eager PyTorch: a search for the model fbmt gets wrong.
+
+    python -m tests.fuzz --seeds 0:200              # one process
+    python -m tests.fuzz --seeds 0:100 --ranks 2    # 2 gloo ranks, each its half of the batch
+
+Each seed builds blocks from a table of ops chosen for what a compiler can get wrong: views and writes
+to them, setitem, in-place ops on intermediates, shared and reused weights, buffers, tensors kept on
+modules, a buffer assigned anew, torch.utils.checkpoint, a custom autograd.Function, no_grad regions,
+casts, topk/scatter, attention; the blocks sit in a ModuleList (sometimes one instance at several paths),
+and the model is compiled under one of several options. Three SGD steps are compared with eager: the
+losses, the tensors kept on modules, then every parameter. A seed whose eager run already fails is
+skipped, and so is one whose values overflow in eager. A difference counts where it is beyond what fp32
+rounding makes: eager in float64 runs beside, and eager's own distance from it is the yardstick.
+`tests/test_fuzz.py` runs a few seeds in the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import random
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+
+import fbmt
+
+D = 8  # the width of every block
+
+
+class _Round(torch.autograd.Function):
+    """A straight-through rounding: a backward of its own, unlike the forward's derivative."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g * (x.abs() < 2).to(g.dtype)
+
+
+def _setitem(m: Block, x: torch.Tensor) -> torch.Tensor:
+    y = x * 1.0
+    y[:, 0] = y[:, 0] * 2
+    y[..., :2] = 0.5 * x[..., 2:4]
+    return y
+
+
+def _write_views(m: Block, x: torch.Tensor) -> torch.Tensor:
+    y = x + 0
+    y.transpose(1, 2)[:, 0].add_(1.0)
+    y.narrow(1, 0, 1).mul_(1.1)
+    return y
+
+
+def _shift(m: Block, x: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros_like(x)
+    y.narrow(1, 0, x.shape[1] - 1).copy_(x[:, 1:])
+    return y
+
+
+def _no_grad_scale(m: Block, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        s = x.abs().mean(-1, keepdim=True) + 1
+    return x / s
+
+
+def _topk(m: Block, x: torch.Tensor) -> torch.Tensor:
+    v, i = x.topk(3, -1)
+    return torch.zeros_like(x).scatter_add(-1, i, v * 2) + x * 0.1
+
+
+def _keep(m: Block, x: torch.Tensor) -> torch.Tensor:
+    m.aux = x.square().mean()  # a loss term the training loop reads off the module
+    m.seen = x.detach()[:, :1]  # an activation kept for logging
+    return x
+
+
+def _ema(m: Block, x: torch.Tensor) -> torch.Tensor:
+    m.ema = 0.5 * m.ema + 0.5 * x.detach().mean((0, 1))  # a buffer assigned anew
+    return x + m.ema
+
+
+def _argmax_embed(m: Block, x: torch.Tensor) -> torch.Tensor:
+    k = x.argmax(-1)
+    return x + F.one_hot(k, D).to(x.dtype) * 0.5 + m.emb(k)
+
+
+OPS: dict[str, Any] = {
+    "linear": lambda m, x: m.lin(x),
+    "weight_twice": lambda m, x: F.linear(x, m.lin.weight) + m.lin(x),
+    "gelu": lambda m, x: F.gelu(x),
+    "layer_norm": lambda m, x: m.ln(x),
+    "rms_norm": lambda m, x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5),
+    "attention": lambda m, x: torch.softmax(x @ x.transpose(1, 2) / 3, -1) @ x,
+    "sdpa_causal": lambda m, x: F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], is_causal=True)[
+        :, 0
+    ],
+    "setitem": _setitem,
+    "write_views": _write_views,
+    "add_": lambda m, x: m.lin(x).add_(x),
+    "clone_mul_": lambda m, x: x.clone().mul_(0.7),
+    "shift": _shift,
+    "cat_split": lambda m, x: torch.cat(list(reversed(x.split([3, 5], -1))), -1),
+    "cumsum": lambda m, x: x.cumsum(1) / (1 + torch.arange(x.shape[1], device=x.device)[:, None]),
+    "gather": lambda m, x: x.gather(-1, m.perm.expand_as(x)),
+    "index_select": lambda m, x: x.index_select(-1, m.perm),
+    "masked_fill": lambda m, x: x.masked_fill(x > 1.5, 0.0),
+    "where": lambda m, x: torch.where(x > 0, x, x * 0.1),
+    "einsum": lambda m, x: torch.einsum("btd,de->bte", x, m.mat),
+    "bmm": lambda m, x: torch.bmm(x, m.mat.expand(x.shape[0], -1, -1)),
+    "buffer": lambda m, x: x + m.offset,
+    "transpose": lambda m, x: x.transpose(0, 1).contiguous().transpose(0, 1) * 1.5,
+    "unbind_stack": lambda m, x: torch.stack([t * (1 + i % 2) for i, t in enumerate(x.unbind(1))], 1) / 2,
+    "roll_flip": lambda m, x: torch.roll(x.flip(-1), 1, 1),
+    "gate": lambda m, x: x * torch.sigmoid(m.gate(x)),
+    "conv": lambda m, x: m.conv(x.transpose(1, 2)).transpose(1, 2),
+    "logsumexp": lambda m, x: x - torch.logsumexp(x, -1, keepdim=True),
+    "amax": lambda m, x: x - x.amax(1, keepdim=True),
+    "checkpoint": lambda m, x: checkpoint.checkpoint(lambda t: F.gelu(m.lin(t)), x, use_reentrant=False),
+    "custom_function": lambda m, x: _Round.apply(x),
+    "no_grad_scale": _no_grad_scale,
+    "bf16_round_trip": lambda m, x: (x.to(torch.bfloat16) * 2).to(x.dtype) / 2,
+    "topk_scatter": _topk,
+    "argmax_embed": _argmax_embed,
+    "keep": _keep,
+    "ema": _ema,
+}
+RANDOM_OPS = ("dropout", "noise")  # drawn only where one rank runs the whole batch: eager's draws are its own
+OPS["dropout"] = lambda m, x: F.dropout(x, 0.1, m.training)
+OPS["noise"] = lambda m, x: x + 0.1 * torch.randn_like(x)
+
+OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"remat": "block"},
+    {"remat": "mincut"},
+    {"dynamic": False},
+    {"remat": "selective"},
+    {"zero": 2},
+    {"schedule": "fsdp2"},
+    {"offload": True, "remat": "block"},
+]
+
+
+class Block(nn.Module):
+    def __init__(self, ops: list[str]):
+        super().__init__()
+        self.ops = ops
+        self.lin, self.gate = nn.Linear(D, D), nn.Linear(D, D, bias=False)
+        self.ln = nn.LayerNorm(D)
+        self.mat = nn.Parameter(torch.randn(D, D) / 3)
+        self.conv = nn.Conv1d(D, D, 3, padding=1)
+        self.emb = nn.Embedding(D, D)
+        self.register_buffer("offset", torch.randn(D) * 0.1)
+        self.register_buffer("perm", torch.randperm(D), persistent=False)
+        self.register_buffer("ema", torch.zeros(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for op in self.ops:
+            x = OPS[op](self, x)
+        return x
+
+
+class Model(nn.Module):
+    def __init__(self, blocks: list[list[str]], order: list[int], residual: bool):
+        super().__init__()
+        self.inp = nn.Linear(4, D)
+        made = [Block(ops) for ops in blocks]
+        self.blocks = nn.ModuleList(made[i] for i in order)  # an index twice: one instance at two paths
+        self.head = nn.Linear(D, 3)
+        self.residual = residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h) if self.residual else b(h)
+        return self.head(h).mean(1)
+
+
+def build(seed: int, ranks: int = 1) -> tuple[Model, dict[str, Any], random.Random]:
+    """The model of `seed` (the same on every rank), its options, and the generator that drew them."""
+    rnd = random.Random(seed)
+    names = [n for n in OPS if ranks == 1 or n not in (*RANDOM_OPS, "ema")]
+    kinds = [[rnd.choice(names) for _ in range(rnd.randint(1, 4))] for _ in range(rnd.randint(1, 3))]
+    n = rnd.randint(1, 4)
+    if rnd.random() < 0.3:  # one instance at several paths (`nn.ModuleList([layer] * n)`)
+        blocks, order = kinds, [rnd.randrange(len(kinds)) for _ in range(n)]
+    else:  # a block of its own at each path, of one of the kinds
+        blocks, order = [kinds[rnd.randrange(len(kinds))] for _ in range(n)], list(range(n))
+    torch.manual_seed(seed)
+    return Model(blocks, order, rnd.random() < 0.7), OPTIONS[seed % len(OPTIONS)], rnd
+
+
+def compare(seed: int, rank: int = 0, ranks: int = 1) -> str | None:
+    """What differs from eager for `seed` (None: nothing, or eager itself fails). With `ranks` > 1, call it
+    on every rank: each computes its part of the batch, eager the whole."""
+    ref, options, rnd = build(seed, ranks)
+    try:
+        ref(torch.randn(2, 6, 4))
+    except Exception:
+        return None
+    ref, options, rnd = build(seed, ranks)
+    model = fbmt.compile(copy.deepcopy(ref), **options)
+    exact = copy.deepcopy(ref).double()  # where fp32 rounding alone makes eager and fbmt part (values that grew)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.02) for m in (ref, model, exact)]
+    length, batch = rnd.choice([5, 6, 7]), 2 * ranks
+    said = f"seed {seed}, {options}, blocks {[b.ops for b in ref.blocks]}"
+    for step in range(3):
+        g = torch.Generator().manual_seed(seed * 100 + step)
+        x, y = torch.randn(batch, length + 2 * step, 4, generator=g), torch.randn(batch, 3, generator=g)
+        mine = slice(2 * rank, 2 * rank + 2)
+        losses = []
+        for m, opt, part in ((ref, opts[0], slice(None)), (model, opts[1], mine), (exact, opts[2], slice(None))):
+            torch.manual_seed(step)
+            own = m.compiled_from if m is model else m
+            dtype = torch.float64 if m is exact else torch.float32
+            loss = F.mse_loss(m(x[part].to(dtype)), y[part].to(dtype))
+            loss = loss + 0.1 * sum(getattr(b, "aux", 0) for b in own.blocks)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if not torch.isfinite(torch.tensor(losses[0])):
+            return None  # eager's values overflowed: nothing to compare
+        if ranks == 1 and abs(losses[0] - losses[1]) > 1e-4 * (1 + abs(losses[0])) + 4 * abs(losses[0] - losses[2]):
+            return f"{said}: loss at step {step} {losses[1]}, eager {losses[0]}"
+        for a, b in zip(ref.blocks, model.compiled_from.blocks):
+            for name in ("ema", "seen") if ranks == 1 else ():
+                if hasattr(a, name) and not torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-4, atol=1e-5):
+                    return f"{said}: {name} kept on a block at step {step}"
+    full, wide = model.full_parameters(), dict(exact.named_parameters())
+    for n, p in ref.named_parameters():
+        if not torch.isfinite(p).all():
+            return None  # eager's last step overflowed
+        off = (full[n] - p).abs().max().item()
+        if (
+            not torch.allclose(full[n], p.detach(), rtol=1e-4, atol=1e-5)
+            and off > 1e-5 + 4 * (p.double() - wide[n]).abs().max().item()
+        ):
+            return f"{said}: parameter {n} differs by {off:.3g}"
+    return None
+
+
+def on_ranks(rank: int, world: int, seeds: list[int]) -> list[str]:
+    return [said for seed in seeds if (said := caught(seed, rank, world))]
+
+
+def caught(seed: int, rank: int = 0, ranks: int = 1) -> str | None:
+    try:
+        return compare(seed, rank, ranks)
+    except Exception as e:
+        return f"seed {seed}, {build(seed, ranks)[1]}: {type(e).__name__}: {str(e)[:400]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="0:50", help="first:last (last excluded)")
+    ap.add_argument("--ranks", type=int, default=1)
+    a = ap.parse_args(argv)
+    logging.getLogger("fbmt").setLevel(logging.ERROR)  # its advice on each model (unused parameters, sizes)
+    lo, hi = map(int, a.seeds.split(":"))
+    if a.ranks == 1:
+        found = [said for seed in range(lo, hi) if (said := caught(seed))]
+    else:
+        from tests.dist import run_ranks
+
+        found = sorted(set(sum(run_ranks(a.ranks, on_ranks, list(range(lo, hi))), [])))
+    for said in found:
+        print(said)
+    print(f"{len(found)} of {hi - lo} seeds differ from eager")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

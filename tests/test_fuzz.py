@@ -1,0 +1,19 @@
+"""A few of tests/fuzz.py's random models, trained against eager PyTorch in the suite (the script searches
+many more: `python -m tests.fuzz --seeds 0:200`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import fuzz
+from tests.dist import run_ranks
+
+
+# 18 and 23 register one block at several paths (the second call refused them before 34f3dc3)
+@pytest.mark.parametrize("seed", [18, 23, 2, 9, 12, 40])
+def test_a_random_model_trains_as_eager(seed):
+    assert fuzz.caught(seed) is None
+
+
+def test_random_models_train_on_two_ranks_as_eager_on_the_whole_batch():
+    assert run_ranks(2, fuzz.on_ranks, [1, 3, 5, 18]) == [[], []]
