@@ -29,7 +29,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: tuple, barrier: bool = True) -> None:
+def _join(rank: int, world: int, port: int) -> None:
+    """This process joins the group as rank `rank` of `world`, meeting at `port`."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -42,11 +43,15 @@ def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: t
     # test in under a minute, not after the default 10; a test that waits on purpose sets its own.
     os.environ.setdefault("FBMT_TIMEOUT", "45")
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     import fbmt
 
     fbmt.init_distributed(seed=0, backend="gloo")  # CPU tests, also on a machine with GPUs
+
+
+def _worker(rank: int, world: int, port: int, folder: str, fn: Callable, args: tuple, barrier: bool = True) -> None:
+    import torch.distributed as dist
+
+    _join(rank, world, port)
     torch.save(fn(rank, world, *args), os.path.join(folder, f"{rank}.pt"))
     # No rank tears down while a peer may still have gloo socket I/O in flight from the last
     # collective (seen once as a SIGABRT, "terminate called without an active exception").
@@ -210,22 +215,11 @@ def _close_kept() -> None:
 
 def _serve(rank: int, world: int, port: int, conn: Any) -> None:
     """A kept rank: joins the group as `_worker` does, then runs each call sent until told to stop."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        FBMT_INIT_TIMEOUT="60",
-    )
-    os.environ.setdefault("FBMT_TIMEOUT", "45")
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
-    import fbmt
     from fbmt.job import seed_everything
 
-    fbmt.init_distributed(seed=0, backend="gloo")
+    _join(rank, world, port)
     loggers = [logging.getLogger(), logging.getLogger("fbmt")]
     while True:
         try:
