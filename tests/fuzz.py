@@ -253,6 +253,7 @@ def compare(seed: int, rank: int = 0, ranks: int = 1) -> str | None:
 
 
 def on_ranks(rank: int, world: int, seeds: list[int]) -> list[str]:
+    logging.getLogger("fbmt").setLevel(logging.ERROR)  # as `main` does; a kept rank puts the level back
     return [said for seed in seeds if (said := caught(seed, rank, world))]
 
 
