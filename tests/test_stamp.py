@@ -418,6 +418,37 @@ def test_blocks_that_write_to_an_argument_are_traced_as_code(monkeypatch):
     assert "blocks traced as code: layers.0's kind:" in said and "stamped" not in said
 
 
+class _Convolved(nn.Module):
+    """A convolution over the sequence, then a residual added in place: the gradient a block gets (the
+    next block's convolution's input gradient, transposed) is not laid out as the block's output."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.conv = nn.Conv1d(16, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return self.fc(x).add_(x)
+
+
+def test_a_gradient_laid_out_otherwise_than_its_blocks_output_is_read_as_the_kind_was_traced(monkeypatch):
+    """The kind's backward reshaped its tangent with a `view`, valid for the layout traced (its output's);
+    the gradient the next block gave was transposed, and the program failed in its backward ("view size
+    is not compatible"). Now each such gradient is copied to the traced layout first."""
+    monkeypatch.setenv("FBMT_STAMP", "1")
+    torch.manual_seed(0)
+    ref = _Stack(_Convolved, n=2)
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    x = torch.randn(2, 7, 16)
+    for m in (ref, model):
+        m(x).backward()
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
+    assert "stamped" in _trace_line(model.program)
+
+
 class _MaskInside(nn.Module):
     """A block that builds a causal mask from sizes itself (decided while its kind is traced) and whose
     RMSNorm writes in place (its kind's graph is functionalized, as the model's is)."""

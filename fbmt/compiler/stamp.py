@@ -88,6 +88,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fbmt.compiler import meta, objects
@@ -273,12 +274,31 @@ class _Stamped(torch.autograd.Function):
                 f"a call of {k.block}'s kind got gradients for its outputs {got}, "
                 f"its traced kind for {k.differentiable}"
             )
-        out = iter(torch.ops.fbmt.stamp_grad(ctx.kind, ctx.call, [grads[i] for i in got]))
+        tangents = k.placeholders[k.n_inputs :]
+        given = [_laid_out_as(grads[i], t.meta["val"], k) for i, t in zip(got, tangents)]
+        out = iter(torch.ops.fbmt.stamp_grad(ctx.kind, ctx.call, given))
         per_input: list[torch.Tensor | None] = [None] * k.n_inputs
         for i, g in zip(k.wrt, k.grads):
             if g is not None:
                 per_input[i] = next(out)
         return None, None, *per_input
+
+
+def _laid_out_as(g: torch.Tensor, traced: torch.Tensor, kind: Kind) -> torch.Tensor:
+    """`g`, a gradient a stamped call gets, with the strides its kind's trace gave that tangent (its output's).
+    A gradient need not be laid out as its output is (the input gradient of a convolution on a transposed
+    tensor, say), and the kind's backward decided its reshapes on the traced layout: a `view` there of a
+    gradient laid out otherwise fails when the program runs. Strides are compared where they are known
+    to be equal, without guards on symbolic sizes; any other gradient is copied to the contiguous layout
+    a kind's tangent has where its output had it, and a kind whose tangent has another is not stamped."""
+    if all(statically_known_true(a == b) for a, b in zip(g.stride(), traced.stride())):
+        return g
+    expected: Any = 1
+    for size, stride in reversed(list(zip(traced.shape, traced.stride()))):
+        if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
+            raise Refused(f"a call of {kind.block}'s kind got a gradient laid out otherwise than its traced kind's")
+        expected = expected * size
+    return g.clone(memory_format=torch.contiguous_format)
 
 
 class _Signature(TorchDispatchMode):
