@@ -14,10 +14,7 @@ rounding makes: eager in float64 runs beside, and eager's own distance from it i
 `tests/test_fuzz.py` runs a few seeds in the suite.
 Known and left: dropout of a tensor that is not contiguous draws its mask in another order than eager's
 (functionalization turns eager's `bernoulli_` on an `empty_like` into `bernoulli.p`, which fills a
-contiguous tensor): seed 105 reports it. And a model of two blocks `conv` (on `x.transpose(1, 2)`), then
-`add_` (`m.lin(x).add_(x)`), non-residual, behind a linear layer, fails in its backward: the trace
-takes a view of the convolution's input gradient (`view size is not compatible`) where eager copies;
-`--seeds 378:379 --ranks 2` reports it (on 92df2d3 too).
+contiguous tensor): seed 105 reports it.
 """
 
 from __future__ import annotations
