@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fbmt import job
@@ -66,7 +67,7 @@ def compile_module(
         )
     world = o.world_size or job.world_size()
     rank = job.rank() if world == job.world_size() else 0
-    device = job.compute_device(o.device)
+    device = _device_for(model, o.device, world)
     if o.cuda_graph and device.type != "cuda":
         raise ValueError(
             f"fbmt.compile(cuda_graph=True): CUDA graphs need the model on a CUDA device, and this "
@@ -92,6 +93,29 @@ def compile_module(
     return module_class(
         model, layout, shards, options=o, plan=plan, device=device, rank=rank, search=search, **class_args
     )
+
+
+def _device_for(model: nn.Module, device: torch.device | str | None, world: int) -> torch.device:
+    """Where the shards live and the program runs: `device` if given; else, for a model on a GPU that this
+    process trains alone (`world_size=1`, or no process group), the model's own GPU, as a script run with
+    `python train.py` after `model.cuda()` means; else this rank's device (its GPU under NCCL, the CPU
+    under gloo). A model on a GPU in a job of ranks over gloo is refused: gloo reduces on the CPU."""
+    if device is not None:
+        return job.compute_device(device)
+    held = {t.device for t in (*model.parameters(), *model.buffers()) if t.device.type not in ("meta", "cpu")}
+    if len(held) != 1:
+        return job.compute_device()
+    (own,) = held
+    if world == 1 or not job.is_initialized():
+        return job.compute_device(own)
+    if job.local_device().type == "cpu":
+        raise ValueError(
+            f"fbmt.compile: the model's parameters are on {own}, but this job's {world} ranks joined over "
+            f"{dist.get_backend()}, whose collectives run on the CPU. Initialize with NCCL "
+            "(fbmt.init_distributed() picks it when GPUs are visible, or backend='nccl'), or pass "
+            "device='cpu' to train on the CPU on purpose"
+        )
+    return job.compute_device()
 
 
 def _check_embeddings(model: nn.Module) -> None:

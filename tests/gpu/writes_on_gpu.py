@@ -6,8 +6,9 @@ A model whose layers keep a balancing loss on themselves and an average in a buf
 anew, and whose root keeps a KL term (NOTE: [What a forward keeps on its modules], NOTE: [Buffers a
 forward assigns] in fbmt/compiler/trace.py), trains four SGD steps in fp32 with the loss read from
 what it kept, for each backend (eager, Inductor, Inductor with CUDA graphs): the losses, the kept
-tensors, the buffers and the parameters against eager PyTorch on the same GPU. Exits non-zero on a
-mismatch.
+tensors, the buffers and the parameters against eager PyTorch on the same GPU; and compiled as a script
+run with `python` compiles a model it moved to the GPU (no process group, no `device=`): there. Exits
+non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -71,13 +72,18 @@ def main() -> None:
     want = train(ref, ref, device)
     failed = False
     for name, options in [
-        ("eager", {}),
-        ("inductor", {"backend": "inductor"}),
-        ("inductor + graphs", {"backend": "inductor", "cuda_graph": True}),
+        ("eager", {"world_size": 1, "device": device}),
+        ("inductor", {"world_size": 1, "device": device, "backend": "inductor"}),
+        ("inductor + graphs", {"world_size": 1, "device": device, "backend": "inductor", "cuda_graph": True}),
+        ("the model's own GPU", {}),  # `python train.py` after `model.cuda()`: no process group, no device=
     ]:
         torch.manual_seed(0)
         base = Model().to(device)
-        model = fbmt.compile(copy.deepcopy(base), world_size=1, cache_dir=False, device=device, **options)
+        model = fbmt.compile(copy.deepcopy(base), cache_dir=False, **options)
+        if model.device.type != "cuda":
+            print(f"{name:20s} compiled for {model.device}, not the model's GPU: MISMATCH")
+            failed = True
+            continue
         got = train(model, model.compiled_from, device)
         worst = max(((a - b).abs().max() / (b.abs().max() + 1e-6)).item() for a, b in zip(got, want))
         full = model.full_parameters()
