@@ -42,6 +42,48 @@ def test_dropout_masks_match_eager_and_survive_recompute(remat):
         assert any(meta.recompute(n) == "activation" for n in bwd)
 
 
+class DropsAcross(nn.Module):
+    """Dropout of tensors that are not contiguous: a sequence transposed, a convolution's output permuted
+    back to (batch, length, channels); `writes` adds a count written in place to a buffer, so the trace
+    is functionalized whole instead of rewritten (NOTE: [Writes to fresh tensors])."""
+
+    def __init__(self, writes: bool):
+        super().__init__()
+        self.lin, self.conv, self.head = nn.Linear(8, 8), nn.Conv1d(8, 8, 3, padding=1), nn.Linear(8, 2)
+        self.writes = writes
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.writes:
+            self.calls.add_(1)
+        h = self.lin(x).transpose(0, 1).contiguous().transpose(0, 1)  # (batch, length, 8), laid out length-first
+        h = F.dropout(h, 0.4, self.training) * 2
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(F.dropout(F.gelu(h), 0.3, self.training)).mean(1)
+
+
+@pytest.mark.parametrize("writes", [False, True])
+def test_dropout_of_a_tensor_laid_out_otherwise_draws_eagers_mask(writes):
+    """NOTE: [Draws in memory order]: `bernoulli_` fills a transposed tensor in the order of its memory; the
+    program draws the same mask (it drew another before), at three lengths (the third symbolic)."""
+    ref, model = _pair(lambda: DropsAcross(writes))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for step, length in enumerate((5, 7, 9)):
+        x = torch.randn(3, length, 8, generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m, opt in zip((ref, model), opts):
+            torch.manual_seed(step)
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], msg=f"step {step}")
+    full = model.full_parameters()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), msg=n)
+
+
 def test_a_gradient_penalty_through_the_compiled_backward_is_refused():
     """`torch.autograd.grad(out, x, create_graph=True)` (a gradient penalty, WGAN-GP's) differentiates the
     backward: the compiled backward is not differentiable, and it gave wrong parameter gradients, silently

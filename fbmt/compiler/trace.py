@@ -63,7 +63,44 @@ def _native_batch_norm(*args: Any) -> Any:
     return native_batch_norm_decomposition(*args)
 
 
-_DECOMPOSITIONS = {aten.native_batch_norm.default: _native_batch_norm}
+# NOTE: [Draws in memory order]
+# Dropout draws its mask into `empty_like(x)`, laid out as `x`, with `bernoulli_`, whose kernel fills
+# the tensor in the order of its memory; the functional op a program holds instead, `bernoulli.p`,
+# draws into a new contiguous tensor, in the order of its indices. Where `x` is not contiguous (a
+# transposed sequence, a convolution's output permuted) the two masks are as random but not the same,
+# so a seeded run would not be eager's. The trace draws through a view whose index order is the
+# tensor's memory order (a permute), which both functionalization and the rewrite of writes to fresh
+# tensors (NOTE: [Writes to fresh tensors]) keep as a write through that view. The other random fills
+# (`uniform_`, `normal_`, `exponential_`) have functional ops that keep the layout, and need nothing.
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The permutation of `t`'s dimensions that lists them by stride, largest first (dimensions of size
+    1 first, where they change nothing); None where that is `t`'s own order, or not known without a
+    guard on a symbolic size."""
+    unit = [d for d in range(t.dim()) if statically_known_true(t.shape[d] == 1)]
+    rest = [d for d in range(t.dim()) if d not in unit]
+    order: list[int] = []
+    for d in rest:  # insertion by stride: a handful of dimensions
+        at = len(order)
+        while at > 0 and not statically_known_true(t.stride(order[at - 1]) >= t.stride(d)):
+            if not statically_known_true(t.stride(order[at - 1]) < t.stride(d)):
+                return None
+            at -= 1
+        order.insert(at, d)
+    perm = unit + order
+    return None if perm == sorted(perm) or statically_known_true(t.is_contiguous()) else perm
+
+
+def _bernoulli_(self: torch.Tensor, p: float = 0.5, *, generator: Any = None) -> Any:
+    """`self.bernoulli_(p)` drawn in the order of `self`'s memory, as its kernel draws (NOTE: [Draws in
+    memory order]); NotImplemented (traced as it is) where that order is its indices'."""
+    perm = _memory_order(self)
+    if perm is None:
+        return NotImplemented
+    self.permute(perm).bernoulli_(p, generator=generator)
+    return self
+
+
+_DECOMPOSITIONS = {aten.native_batch_norm.default: _native_batch_norm, aten.bernoulli_.float: _bernoulli_}
 
 
 def _constant_pad_nd(input: torch.Tensor, pad: list, value: Any = 0) -> torch.Tensor:
@@ -99,7 +136,8 @@ class _Decompose(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         decomposition = self.table.get(func)
-        return (decomposition or func)(*args, **(kwargs or {}))
+        out = decomposition(*args, **(kwargs or {})) if decomposition else NotImplemented
+        return func(*args, **(kwargs or {})) if out is NotImplemented else out
 
 
 _fakes_registered = False
@@ -979,7 +1017,8 @@ def _refuse_parameter_writes(graph: fx.Graph, names: list[str]) -> None:
 # start`), and autograd writes a slice's gradient into a new tensor. Such a write is its op's
 # functional form on the value as it is at that point (`bernoulli.p`, `add.Tensor`), read by whatever
 # reads the tensor after it; a write through slices and selects is the functional op on the view,
-# scattered back into the whole (`slice_scatter`, `select_scatter`). That is what functionalization
+# scattered back into the whole (`slice_scatter`, `select_scatter`), and one through a permute (NOTE:
+# [Draws in memory order]) the functional op's value permuted back. That is what functionalization
 # makes of it, at the cost of a second trace of the whole graph (as long as the first).
 # `_without_writes` makes the rewrite where every write is of this kind, and soundly:
 # - the written tensor is the result of an op that returns a tensor of its own (a factory, a product,
@@ -994,6 +1033,7 @@ def _refuse_parameter_writes(graph: fx.Graph, names: list[str]) -> None:
 # autograd), and the backward's nodes read each tensor as it is when they run, later in the graph.
 _WHOLE_ALIASES = {aten.detach.default, aten.alias.default}  # the tensor itself, under another node
 _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
+_WHOLE_VIEWS = {aten.permute.default}  # a view of every element: the written view, permuted back, is the whole
 _FUNCTIONAL: dict[Any, Any] = {}
 _RELAYOUTS = {"resize_", "resize_as_", "set_"}  # write a tensor's size or storage, not its values
 # ops that read their first argument's storage by strides (NOTE: [Strides read after a write])
@@ -1100,7 +1140,7 @@ def _without_writes(graph: fx.Graph) -> bool:
                 return False
             if x in views and not n.users:  # through views (nothing reads the view after, as written)
                 base, *chain = chain_of(x)
-                if any(v.target not in _SCATTERS for v in chain):
+                if any(v.target not in _SCATTERS and v.target not in _WHOLE_VIEWS for v in chain):
                     return False
                 root[base] = top = root.get(base, base)
                 through[n] = top, chain
@@ -1140,6 +1180,12 @@ def _without_writes(graph: fx.Graph) -> bool:
             value = _functional_node(graph, n, written[n])
             top, chain = through.get(n, (root.get(n), []))
             for view in reversed(chain):  # written back into each view's base, outermost last
+                if view.target in _WHOLE_VIEWS:
+                    dims = [d % len(view.args[1]) for d in view.args[1]]
+                    value = _new_node(
+                        graph, n, aten.permute.default, (value, [dims.index(d) for d in range(len(dims))]), {}
+                    )
+                    continue
                 value = _new_node(graph, n, _SCATTERS[view.target], (view.args[0], value, *view.args[1:]), view.kwargs)
             now[top] = value
     for n, _ in reversed(writes):
