@@ -227,6 +227,9 @@ def build(seed: int, ranks: int = 1, how: How = How()) -> tuple[Model, dict[str,
 
 
 LOOPS = ("plain", "accumulate", "eval_between", "no_grad_first")
+# and then: nothing more; the gradients clipped by their norm; after the second step, the model's state_dict
+# loaded into a new compile of it, which trains on
+THEN = ("", "clip", "reload")
 
 
 class _LowEager(nn.Module):
@@ -264,7 +267,8 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, how: How = How()) -> str |
 
     The loop is one of LOOPS: plain steps; two micro-batches a step, the first under `no_sync()`; a call in
     `eval()` under `no_grad()` after each step, its output compared; or a `no_grad()` call before the first
-    step, so that the first program compiled is one without a backward."""
+    step, so that the first program compiled is one without a backward. Then (THEN) the gradients may be
+    clipped at each step, or the model reloaded from its state_dict into a new compile after the second."""
     dtype, device = how.dtype, how.device
     ref, options, rnd = build(seed, ranks, how)
     try:
@@ -278,10 +282,12 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, how: How = How()) -> str |
     eager = _LowEager(ref, dtype) if dtype else ref
     length, batch = rnd.choice([5, 6, 7]), 2 * ranks
     loop = LOOPS[rnd.randrange(len(LOOPS))]
-    said = f"seed {seed}, {options}, loop {loop}, blocks {[b.ops for b in ref.blocks]}"
+    then = rnd.choice(THEN)
+    said = f"seed {seed}, {options}, loop {loop} {then}, blocks {[b.ops for b in ref.blocks]}"
+    fresh = copy.deepcopy(ref) if then == "reload" else None
     mine = slice(2 * rank, 2 * rank + 2)
     own = eager.low if dtype else ref  # the modules eager's forward ran: what it kept on them
-    runs = ((eager, own, slice(None)), (model, model.compiled_from, mine), (exact, exact, slice(None)))
+    runs = [(eager, own, slice(None)), (model, model.compiled_from, mine), (exact, exact, slice(None))]
 
     eps = torch.finfo(dtype).eps if dtype else 0.0
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -328,6 +334,8 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, how: How = How()) -> str |
                 if m is eager and dtype is not None:
                     eager.settle()
                 total += loss.item()
+            if then == "clip":  # a norm over every rank's shards, small enough that it clips
+                torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 0.05)
             opt.step()
             opt.zero_grad()
             losses.append(total)
@@ -349,6 +357,12 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, how: How = How()) -> str |
                 return None
             if not close(outs[1], outs[0][mine], outs[2][mine]):
                 return f"{said}: the eval call's output after step {step}"
+        if then == "reload" and step == 1:  # a second job: a new compile of the model, the first's state loaded
+            state = model.state_dict()
+            model = fbmt.compile(copy.deepcopy(fresh), **options)
+            model.load_state_dict(state)
+            opts[1] = torch.optim.SGD(model.parameters(), lr=0.02)
+            runs[1] = (model, model.compiled_from, mine)
     full, wide = model.full_parameters(), dict(exact.named_parameters())
     for n, p in ref.named_parameters():
         if not torch.isfinite(p).all():
