@@ -135,6 +135,22 @@ def test_casting_a_compiled_model_says_how_to_compute_in_that_dtype():
     model(torch.randn(2, 12))
 
 
+def test_moving_a_compiled_model_to_another_device_says_to_move_it_before_compile():
+    """`model.to(other)` after compile moved the shards under programs compiled for the first device: the
+    next call failed inside them, or refused its inputs on the new device (a CPU machine's other device is
+    meta; CUDA is refused alike). A move to the device it is on is nothing (Trainer makes one)."""
+    model = fbmt.compile(MLP())
+    x = torch.randn(2, 12)
+    want = model(x)
+    assert model.to("cpu") is model and model.cpu() is model and model.to("cpu:0") is model
+    for move in (lambda: model.to("meta"), lambda: model.to(device="meta"), lambda: model.to_empty(device="meta")):
+        with pytest.raises(
+            ValueError, match=r"compiled for cpu to meta after fbmt.compile.*compile with device='meta'"
+        ):
+            move()
+    torch.testing.assert_close(model(x), want)  # nothing moved
+
+
 def _one_rank_late(rank: int, world: int) -> str:
     """Rank 1 comes to its second call 6 s late (evaluating alone, say); rank 0 waits in the agreement."""
     import logging

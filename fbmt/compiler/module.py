@@ -1066,14 +1066,25 @@ class CompiledModule(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> CompiledModule:
         """What `to`, `cuda`, `cpu` and `type` do to the shards: a cast (`model.type(torch.float16)`) is
-        refused as `to` refuses it; with offload=True nothing else either, the shards stay in host
-        memory (NOTE: [Offload] in passes/shard.py; `to` refuses another device)."""
+        refused as `to` refuses it, and so is a move to another device than the programs' (the same one
+        is nothing: Trainer moves the model to its device); with offload=True nothing else either, the
+        shards stay in host memory (NOTE: [Offload] in passes/shard.py; `to` refuses another device)."""
         for dtype in {p.dtype for p in self.flat_params}:
             cast = fn(torch.empty(0, dtype=dtype)).dtype  # what fn would make of a shard
             if cast != dtype:
                 self._keep_dtype(cast, "type")
         if self.options.offload:
             return self
+        if self.device.type != "meta" and not _same_device(
+            moved := fn(torch.empty(0, device=self.device)).device, self.device
+        ):
+            # the programs hold the device in their factories, streams and kernels: shards moved under them
+            # would make every call fail in a product of two devices, or refuse inputs on the new one
+            raise ValueError(
+                f"fbmt: moving a model compiled for {self.device} to {moved} after fbmt.compile; its programs were "
+                f"compiled for {self.device}. Move the model before compiling (fbmt.compile(model.to({str(moved)!r}))) "
+                f"or compile with device={str(moved)!r}"
+            )
         return nn.Module._apply(self, fn, recurse)
 
     def half(self) -> CompiledModule:
