@@ -339,8 +339,10 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, how: How = How()) -> str |
             opt.step()
             opt.zero_grad()
             losses.append(total)
-        if not torch.isfinite(torch.tensor(losses[0])):
-            return None  # eager's values overflowed: nothing to compare
+        if not abs(losses[0]) < 1e8:
+            return (
+                None  # eager's values overflowed, or came near (where one rounding more overflows): nothing to compare
+            )
         if ranks == 1 and not close(*map(torch.tensor, losses)):
             return f"{said}: loss at step {step} {losses[1]}, eager {losses[0]}"
         for a, b, c in zip(own.blocks, model.compiled_from.blocks, exact.blocks):
