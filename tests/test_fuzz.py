@@ -11,9 +11,9 @@ from tests import fuzz
 from tests.dist import run_ranks
 
 
-# 18 and 23 register one block at several paths (the second call refused them before 34f3dc3); 349 drops out
+# 23 and 40 register one block at several paths (the second call refused them before 34f3dc3); 358 drops out
 # a convolution's transposed output (another mask than eager's before NOTE: [Draws in memory order])
-@pytest.mark.parametrize("seed", [18, 23, 2, 9, 12, 40, 349])
+@pytest.mark.parametrize("seed", [18, 23, 2, 9, 12, 40, 358])
 def test_a_random_model_trains_as_eager(seed):
     assert fuzz.caught(seed) is None
 
