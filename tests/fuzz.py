@@ -453,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="param_dtype=torch.bfloat16, against eager's bf16 copies")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--inductor", action="store_true", help='backend="inductor" (no random ops: it draws its own)')
+    ap.add_argument("--progress", action="store_true", help="a line for each seed, differing or not")
     a = ap.parse_args(argv)
     logging.getLogger("fbmt").setLevel(logging.ERROR)  # its advice on each model (unused parameters, sizes)
     lo, hi = map(int, a.seeds.split(":"))
@@ -465,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
             if said := caught(seed, how=how):
                 print(said, flush=True)
                 found.append(said)
+            elif a.progress:
+                print(f"seed {seed}: as eager", flush=True)
     else:
         from tests.dist import run_ranks
 
