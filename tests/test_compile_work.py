@@ -170,6 +170,31 @@ class Dropout(Plain):
         return self.b(self.drop(torch.tanh(self.a(x))))
 
 
+class ThroughPermute(Plain):
+    """Writes through a permute of a fresh tensor and a slice of one: each the functional op's value permuted
+    back (NOTE: [Draws in memory order] makes dropout's draw one)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))  # (3, 16)
+        y = h.new_zeros(16, 3)
+        y.permute(1, 0).add_(h)
+        z = h.new_ones(3, 16)
+        z.t()[1:].mul_(h.t()[1:] * 3)
+        return self.b(y.t() * z)
+
+
+class DropoutAcross(Plain):
+    """Dropout of a transposed tensor: eager's mask, drawn through a permute, with no second trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).t().contiguous().t()
+        return self.b(self.drop(h))
+
+
 @pytest.fixture
 def functionalizations(monkeypatch):
     calls = []
@@ -194,6 +219,8 @@ def functionalizations(monkeypatch):
         (ReadThenShift, False),
         (WritesOfAnotherDtype, False),
         (ThroughView, False),
+        (ThroughPermute, False),
+        (DropoutAcross, False),
         (ViewThenWrite, True),
         (StridesRead, True),
         (StridesReadDownstream, True),

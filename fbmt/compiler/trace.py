@@ -1017,8 +1017,8 @@ def _refuse_parameter_writes(graph: fx.Graph, names: list[str]) -> None:
 # start`), and autograd writes a slice's gradient into a new tensor. Such a write is its op's
 # functional form on the value as it is at that point (`bernoulli.p`, `add.Tensor`), read by whatever
 # reads the tensor after it; a write through slices and selects is the functional op on the view,
-# scattered back into the whole (`slice_scatter`, `select_scatter`), and one through a permute (NOTE:
-# [Draws in memory order]) the functional op's value permuted back. That is what functionalization
+# scattered back into the whole (`slice_scatter`, `select_scatter`), and one through a permute or a
+# transpose (NOTE: [Draws in memory order]) the functional op's value permuted back. That is what functionalization
 # makes of it, at the cost of a second trace of the whole graph (as long as the first).
 # `_without_writes` makes the rewrite where every write is of this kind, and soundly:
 # - the written tensor is the result of an op that returns a tensor of its own (a factory, a product,
@@ -1033,7 +1033,19 @@ def _refuse_parameter_writes(graph: fx.Graph, names: list[str]) -> None:
 # autograd), and the backward's nodes read each tensor as it is when they run, later in the graph.
 _WHOLE_ALIASES = {aten.detach.default, aten.alias.default}  # the tensor itself, under another node
 _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
-_WHOLE_VIEWS = {aten.permute.default}  # a view of every element: the written view, permuted back, is the whole
+
+
+def _inverse_permute(view: fx.Node) -> tuple[Any, tuple]:
+    dims = [d % len(view.args[1]) for d in view.args[1]]
+    return aten.permute.default, ([dims.index(d) for d in range(len(dims))],)
+
+
+# views of every element, each with the view that undoes it: the written view, undone, is the whole
+_WHOLE_VIEWS: dict[Any, Callable[[fx.Node], tuple[Any, tuple]]] = {
+    aten.permute.default: _inverse_permute,
+    aten.transpose.int: lambda view: (aten.transpose.int, tuple(view.args[1:3])),
+    aten.t.default: lambda view: (aten.t.default, ()),
+}
 _FUNCTIONAL: dict[Any, Any] = {}
 _RELAYOUTS = {"resize_", "resize_as_", "set_"}  # write a tensor's size or storage, not its values
 # ops that read their first argument's storage by strides (NOTE: [Strides read after a write])
@@ -1132,8 +1144,8 @@ def _without_writes(graph: fx.Graph) -> bool:
         x = n.args[0] if n.args else None
         if n.target in _WHOLE_ALIASES and x in root:
             root[n] = root[x]
-        elif _view(n.target) and (fresh(x) or x in views):
-            views[n] = x
+        elif (_view(n.target) or n.target in _WHOLE_ALIASES) and (fresh(x) or x in views):
+            views[n] = x  # (a view's alias, as autograd saves `detach(t(x))`, is a view of it)
         elif n.target._schema.is_mutable:
             op = _functional(n.target)
             if op is None or not isinstance(x, fx.Node) or "val" not in n.meta:  # (its dtype: below)
@@ -1181,10 +1193,8 @@ def _without_writes(graph: fx.Graph) -> bool:
             top, chain = through.get(n, (root.get(n), []))
             for view in reversed(chain):  # written back into each view's base, outermost last
                 if view.target in _WHOLE_VIEWS:
-                    dims = [d % len(view.args[1]) for d in view.args[1]]
-                    value = _new_node(
-                        graph, n, aten.permute.default, (value, [dims.index(d) for d in range(len(dims))]), {}
-                    )
+                    undo, args = _WHOLE_VIEWS[view.target](view)
+                    value = _new_node(graph, n, undo, (value, *args), {})
                     continue
                 value = _new_node(graph, n, _SCATTERS[view.target], (view.args[0], value, *view.args[1:]), view.kwargs)
             now[top] = value
