@@ -5,12 +5,14 @@ keeps a program per shape."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import random
 
 import pytest
 import torch
 import torch.nn as nn
+import transformers
 
 import fbmt
 from fbmt.models.gpt import GPT, GPTConfig
@@ -110,6 +112,26 @@ def test_hugging_face_llama_with_padding_masks_at_unseen_lengths_matches_eager(b
         compiled.append(model.regions.misses)
     assert len(model.programs) == 2, list(model.programs)
     assert compiled[2:] == [compiled[1]] * 4, compiled  # Inductor: nothing compiled after the second length
+
+
+def test_hugging_face_bloom_adds_its_alibi_bias_with_baddbmm_in_one_program_for_every_length(caplog):
+    """Bloom's attention adds its ALiBi bias, one row for all queries, as `alibi.baddbmm(q, k)`: torch's
+    meta kernel broadcasts that row with `expand` on symbolic sizes, which fails, and the model fell back
+    to a program per length (and torch logged the traceback)."""
+    config = transformers.BloomConfig(vocab_size=hf.VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    with caplog.at_level("WARNING"):
+        for step, length in enumerate([8, 11, 9, 14]):
+            ids = torch.randint(3, hf.VOCAB, (2, length), generator=torch.Generator().manual_seed(step))
+            out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+            out.loss.backward()
+            want.loss.backward()
+            torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+            _gradients_match_and_clear(model, ref, length)
+    assert len(model.programs) == 2 and list(model.programs.values())[1].sizes is not None, list(model.programs)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 class Branches(nn.Module):

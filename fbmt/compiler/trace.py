@@ -124,7 +124,22 @@ def _constant_pad_nd(input: torch.Tensor, pad: list, value: Any = 0) -> torch.Te
     return x.clone() if x is input else x
 
 
-_SYMBOLIC_DECOMPOSITIONS = {**_DECOMPOSITIONS, aten.constant_pad_nd.default: _constant_pad_nd}
+def _baddbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    """`baddbmm` with `input` broadcast to the product's shape first (Bloom's ALiBi bias, one row for every
+    query): the meta kernel's own broadcast calls `expand` with symbolic sizes on a meta tensor, which
+    fails, so the model fell back to a program per shape. The kernel broadcasts the same way: results
+    are unchanged. Traced this way only where sizes are symbolic (NOTE: [Dynamic sizes])."""
+    shape = (batch1.shape[0], batch1.shape[1], batch2.shape[2])
+    if input.dim() == 3 and all(statically_known_true(a == b) for a, b in zip(input.shape, shape)):
+        return NotImplemented
+    return torch.baddbmm(input.expand(shape), batch1, batch2, beta=beta, alpha=alpha)
+
+
+_SYMBOLIC_DECOMPOSITIONS = {
+    **_DECOMPOSITIONS,
+    aten.constant_pad_nd.default: _constant_pad_nd,
+    aten.baddbmm.default: _baddbmm,
+}
 
 
 class _Decompose(TorchDispatchMode):
