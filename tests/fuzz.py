@@ -301,11 +301,13 @@ class _LowEager(nn.Module):
         for p in self.low.parameters():
             p.data = p.data.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
             for p, q in zip(self.inner.parameters(), self.low.parameters()):
                 q.copy_(p)
-        return self.low(x.to(self.dtype))
+        cast = lambda t: t.to(self.dtype) if t.is_floating_point() else t  # noqa: E731
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+        return self.low(*args, **kwargs)
 
     def settle(self) -> None:
         for p, q in zip(self.inner.parameters(), self.low.parameters()):

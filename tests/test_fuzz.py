@@ -1,13 +1,14 @@
-"""A few of tests/fuzz.py's random models, trained against eager PyTorch in the suite (the script searches
-many more: `python -m tests.fuzz --seeds 0:200`). Each seed draws its training loop too (fuzz.LOOPS): those
-below cover every loop."""
+"""A few of tests/fuzz.py's random models and of tests/fuzz_hf.py's Hugging Face runs, trained against eager
+PyTorch in the suite (the scripts search many more: `python -m tests.fuzz --seeds 0:200`, `python -m
+tests.fuzz_hf --seeds 0:100`). Each seed draws its training loop too (fuzz.LOOPS): those below cover every
+loop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests import fuzz
+from tests import fuzz, fuzz_hf
 from tests.dist import run_ranks
 
 
@@ -25,3 +26,17 @@ def test_a_random_model_in_bf16_trains_as_eager_with_bf16_copies(seed):
 
 def test_random_models_train_on_two_ranks_as_eager_on_the_whole_batch():
     assert run_ranks(2, fuzz.on_ranks, [1, 3, 5, 18]) == [[], []]
+
+
+# tests/fuzz_hf.py: Hugging Face families as users train them (padded batches of a new length each step, each
+# loop, options, SGD or AdamW). 200: Bloom (its ALiBi bias added by `baddbmm`) at three lengths, accumulation
+# and a reload; 210: Pegasus, FSDP2's schedule, dropout, AdamW; 221: Llama
+# offloaded, eval calls between steps; 225: Llama, mincut, accumulation, dropout and clipping
+@pytest.mark.parametrize("seed", [200, 210, 221, 225])
+def test_a_hugging_face_model_trains_as_eager_as_users_train_it(seed):
+    assert fuzz_hf.caught(seed) is None
+
+
+def test_hugging_face_models_train_on_two_ranks_as_eager_ddp_and_in_bf16():
+    assert run_ranks(2, fuzz_hf.on_ranks, [202, 214]) == [[], []]
+    assert fuzz_hf.caught(218, dtype=torch.bfloat16) is None
