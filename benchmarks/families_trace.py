@@ -1,5 +1,7 @@
 """How each Hugging Face family of the tests compiles: seconds to its first step, whether a trace ran
-again under functionalization (NOTE: [Writes to fresh tensors]), and what was stamped.
+again under functionalization (NOTE: [Writes to fresh tensors]), what was stamped, and how many programs
+four training calls of other lengths compiled (two where one symbolic program serves them all: NOTE:
+[Dynamic sizes]).
 
     python benchmarks/families_trace.py                  # every family of tests/test_families.py, 4 layers
     python benchmarks/families_trace.py --only deepseek_v3,mbart --layers 8
@@ -42,7 +44,7 @@ def main() -> None:
     heads += [(m, transformers.AutoModelForSeq2SeqLM, "seq2seq") for m in families.SEQ2SEQ]
     only = set(filter(None, args.only.split(",")))
     heads = [h for h in heads if not only or h[0] in only]
-    print("| family | seconds | traces again | stamped |\n|---|---|---|---|")
+    print("| family | seconds | traces again | stamped | programs for lengths 12, 9, 15, 20 |\n|---|---|---|---|---|")
     for i, (model_type, auto, kind) in enumerate([heads[0], *heads]):  # the first once untimed: imports, caches
         extra = families.ENCODER_DECODER if kind == "seq2seq" else {}
         config = transformers.AutoConfig.for_model(
@@ -62,8 +64,17 @@ def main() -> None:
         seconds = time.perf_counter() - started
         line = next(x for x in str(compiled.program).splitlines() if "pass trace" in x)
         stamped = line[line.index("stamped their calls") :].split("(", 1)[1].split(")")[0] if "stamped" in line else "-"
+        for length in (9, 15, 20):  # the sequences' length alone changes (a sequence-to-sequence model's source)
+            ids = torch.randint(3, families.VOCAB, (3, length), generator=torch.Generator().manual_seed(length))
+            sized = dict(input_ids=ids, labels=ids) if kind == "causal" else dict(call, input_ids=ids)
+            if kind == "masked":
+                sized["labels"] = ids
+            if "attention_mask" in call:
+                sized["attention_mask"] = torch.ones_like(ids)
+            compiled(**sized).loss.backward()
         if i:
-            print(f"| {model_type} | {seconds:.2f} | {len(second) or '-'} | {stamped} |", flush=True)
+            programs = len(compiled.programs)
+            print(f"| {model_type} | {seconds:.2f} | {len(second) or '-'} | {stamped} | {programs} |", flush=True)
 
 
 if __name__ == "__main__":
