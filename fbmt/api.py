@@ -46,7 +46,7 @@ def compile(model: nn.Module, **options: Any) -> CompiledModule:
     whole model.
     """
     o = CompileOptions.from_kwargs(options)
-    transformers.check_model(model)
+    transformers.check_model(model, o.remat)
     if o.remat == "auto":
         auto_remat.machine_of(o.cost_model)  # a cost model of the wrong kind is named now, not at the first call
     cls = transformers.compiled_class(_Compiled, type(model)) if isinstance(model, nn.Module) else _Compiled

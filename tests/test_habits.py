@@ -93,21 +93,43 @@ def test_a_write_to_a_compiled_models_buffer_reaches_the_program():
         torch.testing.assert_close(model(x), ref(x))
 
 
-def test_hugging_faces_checkpointing_and_resizing_say_what_to_do_instead():
-    """gradient_checkpointing_enable() before compile ended in an internal TraceError ("please report
-    it"); resize_token_embeddings after it in "Tensor.item() cannot be called on meta tensors"."""
+@pytest.mark.parametrize("reentrant", [None, True, False])
+def test_hugging_faces_gradient_checkpointing_trains_as_eager_and_says_remat_decides(caplog, reentrant):
+    """NOTE: [Hugging Face's checkpointing]: gradient_checkpointing_enable() before compile was refused,
+    and after it (what Trainer(gradient_checkpointing=True) calls) too; an unmodified script failed. Its
+    checkpoint calls are traced as calls: eager's loss and gradients, remat= named, remat='none' warned."""
+    from tests.models.hf import build, inputs
+
+    ref = build("llama")
+    kwargs = None if reentrant is None else {"use_reentrant": reentrant}
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    with caplog.at_level("INFO", logger="fbmt"):
+        model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+        model.gradient_checkpointing_enable()  # Trainer's call: changes nothing
+    said = [r.getMessage() for r in caplog.records if "gradient checkpointing on" in r.getMessage()]
+    assert len(said) == 2 and all("remat='block'" in m for m in said), said
+    for step in range(2):
+        call = inputs("llama", step)
+        want, got = ref(**call).loss, model(**call).loss
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+            p.grad = None
+        model.zero_grad()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fbmt"):
+        fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, remat="none")
+    assert "remat='none' keeps every activation" in caplog.text, caplog.text
+
+
+def test_resizing_a_compiled_hugging_face_model_says_to_resize_before():
+    """resize_token_embeddings after compile ended in "Tensor.item() cannot be called on meta tensors"."""
     from tests.models.hf import build
 
-    model = build("llama")
-    model.gradient_checkpointing_enable()
-    with pytest.raises(
-        ValueError, match=r"gradient checkpointing on .* remat='block' .*gradient_checkpointing_disable"
-    ):
-        fbmt.compile(model)
-    model.gradient_checkpointing_disable()
-    compiled = fbmt.compile(model)
-    with pytest.raises(RuntimeError, match=r"gradient_checkpointing_enable\(\) on a compiled model: fbmt recomputes"):
-        compiled.gradient_checkpointing_enable()  # what Trainer(gradient_checkpointing=True) calls
+    compiled = fbmt.compile(build("llama"), world_size=1, cache_dir=False)
     with pytest.raises(RuntimeError, match=r"resize_token_embeddings\(\) on a compiled model: .* before fbmt.compile"):
         compiled.resize_token_embeddings(128)
 

@@ -224,8 +224,8 @@ def _tracing() -> Iterator[None]:
 # backward recomputes is fbmt's to decide (`remat=`), so while tracing a checkpoint is a call of its
 # function. Where eager gives other values it is followed: a reentrant checkpoint none of whose tensor
 # inputs requires grad returns results that do not (its function's parameters get no gradient), with
-# torch's own warning. Hugging Face's `gradient_checkpointing_enable()` is refused before this, saying
-# to use `remat=` (integrations/transformers.py).
+# torch's own warning. Hugging Face's `gradient_checkpointing_enable()` makes each layer such a call
+# (NOTE: [Hugging Face's checkpointing]).
 
 
 class _ReentrantAsCall:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 import types
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from typing import Any
 import torch.nn as nn
 
 from fbmt.compiler import CompiledModule, register_trace_hint
+
+log = logging.getLogger("fbmt")
 
 
 class _Wrapping(type):
@@ -138,13 +141,7 @@ class _Original:
 # model they would change the module compile took over (placeholders) and leave the shards and the
 # programs as they were, so they are refused by name, with what to do instead.
 _RESTRUCTURE = "it makes new parameters, which a compiled model cannot take: call it before fbmt.compile"
-_CHECKPOINTING = (
-    "fbmt recomputes activations itself, in the program: compile with remat='block' (the default), "
-    "'selective', 'mincut' or 'auto', and leave Hugging Face's checkpointing off"
-)
 BEFORE_COMPILE = {
-    "gradient_checkpointing_enable": _CHECKPOINTING,
-    "activation_checkpointing_enable": _CHECKPOINTING,
     "resize_token_embeddings": _RESTRUCTURE,
     "set_input_embeddings": _RESTRUCTURE,
     "set_output_embeddings": _RESTRUCTURE,
@@ -153,18 +150,40 @@ BEFORE_COMPILE = {
 }
 
 
-def check_model(model: nn.Module) -> None:
-    """Refuse a model whose Hugging Face checkpointing is on: tracing its `torch.utils.checkpoint`
-    calls fails deep in torch, and fbmt's remat= does the same job in the program."""
+# NOTE: [Hugging Face's checkpointing]
+# `gradient_checkpointing_enable()` (and TrainingArguments(gradient_checkpointing=True), which calls it on
+# the model the Trainer holds) asks for each layer to be recomputed in the backward. In a trace its
+# `torch.utils.checkpoint` calls are calls (NOTE: [Checkpoints in the model's code]) and the backward
+# recomputes what `remat=` says, so the model computes as eagerly: its values and gradients do not depend
+# on it. fbmt says so once, and warns where `remat="none"` keeps every activation (the user asked for less
+# memory). On a compiled model the call changes nothing in its programs, and says the same.
+_CHECKPOINT_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+
+
+def _checkpointing_said(model: str, remat: Any) -> None:
+    if remat == "none":
+        log.warning(
+            "fbmt: %s has Hugging Face's gradient checkpointing on, but remat='none' keeps every activation: "
+            "fbmt recomputes what remat= says, not what the model's checkpoint calls say; pass remat='block' "
+            "(the default; each layer recomputed, as Hugging Face's checkpointing does) for its memory",
+            model,
+        )
+    else:
+        log.info(
+            "fbmt: %s has Hugging Face's gradient checkpointing on: the backward recomputes what remat=%r says "
+            "(its checkpoint calls are traced as calls; NOTE: [Hugging Face's checkpointing])",
+            model,
+            remat,
+        )
+
+
+def check_model(model: nn.Module, remat: Any) -> None:
+    """Say what becomes of Hugging Face's gradient checkpointing, where the model has it on."""
     on = getattr(model, "is_activation_checkpointing", None)
     if on is None and hasattr(type(model), "is_gradient_checkpointing"):  # transformers before 5
         on = model.is_gradient_checkpointing
     if on:
-        raise ValueError(
-            f"fbmt.compile: this {type(model).__name__} has Hugging Face's gradient checkpointing on "
-            f"(gradient_checkpointing_enable()); {_CHECKPOINTING}: call model.gradient_checkpointing_disable() "
-            "before compiling (with HF Trainer: TrainingArguments(gradient_checkpointing=False))"
-        )
+        _checkpointing_said(type(model).__name__, remat)
 
 
 class Forwarding(CompiledModule, metaclass=_Wrapping):
@@ -212,6 +231,8 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         orig = self._orig
         if name in BEFORE_COMPILE and hasattr(orig, name):
             return _refused(type(orig).__name__, name)
+        if name in _CHECKPOINT_METHODS and hasattr(orig, name):
+            return lambda *args, **kwargs: _checkpointing_said(type(orig).__name__, self.options.remat)
         found = inspect.getattr_static(type(orig), name, None)
         if isinstance(found, (types.FunctionType, property)) and name not in vars(orig):
             if name in BY_NAMES:
