@@ -3,15 +3,17 @@ training loops and batches for the run fbmt gets wrong.
 
     python -m tests.fuzz_hf --seeds 0:40              # one process
     python -m tests.fuzz_hf --seeds 0:40 --ranks 2    # 2 gloo ranks, each its part of the batch
+    python -m tests.fuzz_hf --seeds 0:40 --bf16       # param_dtype=torch.bfloat16, against eager's bf16 copies
 
 Each seed draws a tiny family from tests/test_families.py's tables (causal, masked and sequence-to-sequence
 language models; `from_config`, nothing downloaded), one of tests/fuzz.py's option sets and training loops
 (plain; accumulation under `no_sync()`; eval calls between steps; a `no_grad()` call first; then clipping or
 a reload from the state_dict), and its batches as data collators make them: a length of its own at each
 step, rows padded on the left or on the right with their labels -100, `use_cache` left at the default or
-False, dropout on in some single-process runs. Three SGD steps are compared with eager on each rank's part
-(DDP's semantics: each rank's mean loss, the gradients averaged): the losses, the eval logits, then every
-parameter, within what rounding makes (eager in float64 beside it is the yardstick, as in tests/fuzz.py).
+False, dropout on in some single-process runs, Hugging Face's gradient checkpointing on in some. Three steps
+of SGD or AdamW are compared with eager on each rank's part (DDP's semantics: each rank's mean loss, the
+gradients averaged): the losses, the eval logits, then every parameter, within what rounding makes (eager in
+float64 beside it is the yardstick, in float32 for bf16 runs; as in tests/fuzz.py).
 """
 
 from __future__ import annotations
@@ -43,18 +45,21 @@ AUTO = {
     "masked": transformers.AutoModelForMaskedLM,
     "seq2seq": transformers.AutoModelForSeq2SeqLM,
 }
+PLAIN = fuzz.How()  # fp32, on the CPU, fbmt's own executor
 ROUTED = ("num_experts", "num_local_experts", "n_routed_experts")  # a mixture of experts' config
 # dropout, on in some one-process runs: where one process runs the whole batch, eager and fbmt draw the same
 # masks from the same seed
 DROPOUT = 0.1
 
 
-def build(seed: int, ranks: int = 1) -> tuple[torch.nn.Module, str, dict[str, Any], random.Random]:
+def build(
+    seed: int, ranks: int = 1, how: fuzz.How = PLAIN
+) -> tuple[torch.nn.Module, str, dict[str, Any], random.Random]:
     """The model of `seed`, its family, fbmt's options for it, and the generator that drew them."""
     rnd = random.Random(seed)
     family = rnd.choice(sorted(KINDS))
     kind = KINDS[family]
-    draws = ranks == 1 and rnd.random() < 0.3
+    draws = rnd.random() < 0.3 and ranks == 1 and how.backend is None  # Inductor draws its own numbers
     extra = fam.ENCODER_DECODER if kind == "seq2seq" else {}
     no_draws = {k: (DROPOUT if draws else 0.0) for k in fam.NO_DRAWS}
     no_draws["router_jitter_noise"] = no_draws["input_jitter_noise"] = 0.0  # noise a router adds: not a mask
@@ -66,11 +71,18 @@ def build(seed: int, ranks: int = 1) -> tuple[torch.nn.Module, str, dict[str, An
         model = AUTO[kind].from_config(config, attn_implementation="sdpa")
     except ValueError:  # a family transformers runs with its eager attention only
         model = AUTO[kind].from_config(config, attn_implementation="eager")
+    if rnd.random() < 0.25 and model.supports_gradient_checkpointing:  # as Trainer's gradient_checkpointing=True
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": rnd.random() < 0.5})
     options = {**fuzz.OPTIONS[rnd.randrange(len(fuzz.OPTIONS))], "cache_dir": False}
-    return model, kind, options, rnd
+    options.update({k: v for k, v in (("param_dtype", how.dtype), ("backend", how.backend)) if v is not None})
+    return model.to(how.device), kind, options, rnd
 
 
-def _batch(kind: str, rnd: random.Random, rows: int, length: int) -> dict[str, torch.Tensor]:
+def _checkpointing(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def _batch(kind: str, rnd: random.Random, rows: int, length: int, device: str) -> dict[str, torch.Tensor]:
     """One step's call as a collator pads it: every row its own count of pads, on the side `rnd` draws."""
     g = torch.Generator().manual_seed(rnd.randrange(2**31))
     ids = torch.randint(3, fam.VOCAB, (rows, length), generator=g)
@@ -85,27 +97,30 @@ def _batch(kind: str, rnd: random.Random, rows: int, length: int) -> dict[str, t
     ids = ids.masked_fill(mask == 0, fam.SMALL["pad_token_id"])
     if kind == "seq2seq":
         labels = torch.randint(3, fam.VOCAB, (rows, rnd.randint(3, 6)), generator=g)
-        return dict(input_ids=ids, attention_mask=mask, labels=labels)
-    labels = ids.masked_fill(mask == 0, -100)
-    if kind == "masked":  # the collator's: most tokens are not predicted
-        labels = labels.masked_fill(torch.rand(ids.shape, generator=g) < 0.6, -100)
-        labels[:, 1] = ids[:, 1]  # at least one a row
-    call = dict(input_ids=ids, labels=labels)
-    return dict(call, attention_mask=mask) if side != "none" or rnd.random() < 0.5 else call
+        call = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    else:
+        labels = ids.masked_fill(mask == 0, -100)
+        if kind == "masked":  # the collator's: most tokens are not predicted
+            labels = labels.masked_fill(torch.rand(ids.shape, generator=g) < 0.6, -100)
+            labels[:, 1] = ids[:, 1]  # at least one a row
+        call = dict(input_ids=ids, labels=labels)
+        if side != "none" or rnd.random() < 0.5:
+            call["attention_mask"] = mask
+    return {k: v.to(device) for k, v in call.items()}
 
 
 def _part(call: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
     return {k: v[rows] for k, v in call.items()}
 
 
-def compare(seed: int, rank: int = 0, ranks: int = 1, dtype: torch.dtype | None = None) -> str | None:
-    """What differs from eager for `seed` (None: nothing, or eager itself fails). Call it on every rank. With
-    `dtype`, fbmt's `param_dtype` against eager computing on copies of its parameters in it (`fuzz._LowEager`)."""
-    ref, kind, options, rnd = build(seed, ranks)
-    if dtype is not None:
-        if any(hasattr(ref.config, k) for k in ROUTED):
-            return None  # a router's top-k jumps where bf16 rounds a score past another
-        options["param_dtype"] = dtype
+def compare(seed: int, rank: int = 0, ranks: int = 1, how: fuzz.How = PLAIN) -> str | None:
+    """What differs from eager for `seed` (None: nothing, or eager itself fails). Call it on every rank. `how`
+    as in tests/fuzz.py: with its `dtype`, fbmt's `param_dtype` against eager computing on copies of its
+    parameters in it (`fuzz._LowEager`)."""
+    ref, kind, options, rnd = build(seed, ranks, how)
+    dtype = how.dtype
+    if dtype is not None and any(hasattr(ref.config, k) for k in ROUTED):
+        return None  # a router's top-k jumps where bf16 rounds a score past another
     loop = rnd.choice(fuzz.LOOPS)
     then = rnd.choice(fuzz.THEN)
     use_cache = rnd.choice([None, False]) if kind == "causal" else None
@@ -116,11 +131,14 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, dtype: torch.dtype | None 
         if adamw
         else (lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     )
-    calls = [_batch(kind, rnd, 2 * ranks, n) for n in lengths]
+    # rows a rank has at each step: mostly 2, some batches more, and an epoch's last batch fewer
+    rows = [rnd.choice([2, 2, 3] if loop == "accumulate" else [2, 2, 3, 1]) for _ in lengths]
+    calls = [_batch(kind, rnd, b * ranks, n, how.device) for b, n in zip(rows, lengths)]
     extra = {} if use_cache is None else {"use_cache": use_cache}
     said = (
-        f"seed {seed}: {type(ref).__name__}, "
-        f"{options}, {'AdamW' if adamw else 'SGD'}, loop {loop} {then}, use_cache {use_cache}, lengths {lengths}"
+        f"seed {seed}: {type(ref).__name__}{' (gradient checkpointing)' if _checkpointing(ref) else ''}, "
+        f"{options}, {'AdamW' if adamw else 'SGD'}, loop {loop} {then}, use_cache {use_cache}, lengths {lengths}, "
+        f"rows a rank {rows}"
     )
     fresh = copy.deepcopy(ref) if then == "reload" else None
     model = fbmt.compile(copy.deepcopy(ref), **options)
@@ -149,25 +167,31 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, dtype: torch.dtype | None 
         torch.manual_seed(seed)  # dropout draws eager's masks from the same seed
         return m(**c, **extra)
 
-    micro = 2 if loop == "accumulate" else 1
-    mine = slice(2 * rank, 2 * rank + 2)
+    micro = 2 if loop == "accumulate" else 1  # a step's micro-batches: a rank's first row, then the rest
+
+    def part_of(r: int, b: int) -> slice:
+        return slice(b * r, b * r + b)
+
     if loop == "no_grad_first":
         with torch.no_grad():
-            outs = [call(m, _part(calls[0], mine), 7).logits for m in runs]
+            outs = [call(m, _part(calls[0], part_of(rank, rows[0])), 7).logits for m in runs]
         if not close(outs[1], outs[0], outs[2]):
             return f"{said}: the no_grad call's logits"
     first = None  # eager's first loss
     for step, c in enumerate(calls):
+        mine = part_of(rank, rows[step])
         losses = {}  # (model, part) -> loss
         for i, m in enumerate(runs):
             # eager runs every rank's part on its own: DDP's mean of each rank's mean loss
-            parts = [mine] if m is model else [slice(2 * r, 2 * r + 2) for r in range(ranks)]
+            parts = [mine] if m is model else [part_of(r, rows[step]) for r in range(ranks)]
             for part in parts:
                 for k in range(micro):
-                    rows = slice(part.start + k, part.start + k + 1) if micro == 2 else part
+                    cut = (
+                        [slice(part.start, part.start + 1), slice(part.start + 1, part.stop)][k] if micro == 2 else part
+                    )
                     quiet = m is model and micro == 2 and k == 0
                     with model.no_sync() if quiet else contextlib.nullcontext():
-                        loss = call(m, _part(c, rows), step).loss
+                        loss = call(m, _part(c, cut), step).loss
                         scale = micro * (1 if m is model else ranks)
                         (loss / scale).backward()
                     if m is eager and dtype is not None:
@@ -211,16 +235,16 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, dtype: torch.dtype | None 
     return None
 
 
-def caught(seed: int, rank: int = 0, ranks: int = 1, dtype: torch.dtype | None = None) -> str | None:
+def caught(seed: int, rank: int = 0, ranks: int = 1, how: fuzz.How = PLAIN) -> str | None:
     try:
-        return compare(seed, rank, ranks, dtype)
+        return compare(seed, rank, ranks, how)
     except Exception as e:
         return f"seed {seed}, {type(build(seed, ranks)[0]).__name__}: {type(e).__name__}: {str(e)[:600]}"
 
 
-def on_ranks(rank: int, world: int, seeds: list[int], dtype: torch.dtype | None = None) -> list[str]:
+def on_ranks(rank: int, world: int, seeds: list[int], how: fuzz.How = PLAIN) -> list[str]:
     logging.getLogger("fbmt").setLevel(logging.ERROR)
-    return [said for seed in seeds if (said := caught(seed, rank, world, dtype))]
+    return [said for seed in seeds if (said := caught(seed, rank, world, how))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,15 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0:20", help="first:last (last excluded)")
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--bf16", action="store_true", help="param_dtype=torch.bfloat16, against eager's bf16 copies")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--inductor", action="store_true", help='backend="inductor" (no dropout: it draws its own)')
     ap.add_argument("--progress", action="store_true", help="a line for each seed, differing or not")
     a = ap.parse_args(argv)
     logging.getLogger("fbmt").setLevel(logging.ERROR)  # its advice on each model (unused parameters, sizes)
     lo, hi = map(int, a.seeds.split(":"))
-    dtype = torch.bfloat16 if a.bf16 else None
+    how = fuzz.How(torch.bfloat16 if a.bf16 else None, a.device, "inductor" if a.inductor else None)
     if a.ranks == 1:
         found = []
         for seed in range(lo, hi):
-            if said := caught(seed, dtype=dtype):
+            if said := caught(seed, how=how):
                 print(said, flush=True)
                 found.append(said)
             elif a.progress:
@@ -244,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from tests.dist import run_ranks
 
-        found = sorted(set(sum(run_ranks(a.ranks, on_ranks, list(range(lo, hi)), dtype), [])))
+        found = sorted(set(sum(run_ranks(a.ranks, on_ranks, list(range(lo, hi)), how), [])))
         for said in found:
             print(said)
     print(f"{len(found)} of {hi - lo} seeds differ from eager")
