@@ -6,14 +6,15 @@ training loops and batches for the run fbmt gets wrong.
     python -m tests.fuzz_hf --seeds 0:40 --bf16       # param_dtype=torch.bfloat16, against eager's bf16 copies
 
 Each seed draws a tiny family from tests/test_families.py's tables (causal, masked and sequence-to-sequence
-language models; `from_config`, nothing downloaded), one of tests/fuzz.py's option sets and training loops
-(plain; accumulation under `no_sync()`; eval calls between steps; a `no_grad()` call first; then clipping or
-a reload from the state_dict), and its batches as data collators make them: a length of its own at each
-step, rows padded on the left or on the right with their labels -100, `use_cache` left at the default or
-False, dropout on in some single-process runs, Hugging Face's gradient checkpointing on in some. Three steps
-of SGD or AdamW are compared with eager on each rank's part (DDP's semantics: each rank's mean loss, the
-gradients averaged): the losses, the eval logits, then every parameter, within what rounding makes (eager in
-float64 beside it is the yardstick, in float32 for bf16 runs; as in tests/fuzz.py).
+language models, sequence classifiers; `from_config`, nothing downloaded), one of tests/fuzz.py's option sets
+and training loops (plain; accumulation under `no_sync()`; eval calls between steps; a `no_grad()` call first;
+then clipping or a reload from the state_dict), and its batches as data collators make them: a length of its own
+at each step, rows (some steps more or fewer) padded on the left or on the right with their labels -100,
+`use_cache` left at the default or False, dropout on in some single-process runs, Hugging Face's gradient
+checkpointing on in some. Three steps of SGD or AdamW are compared with eager on each rank's part (DDP's
+semantics: each rank's mean loss, the gradients averaged): the losses, the eval logits, then every parameter,
+within what rounding makes (eager in float64 beside it is the yardstick, in float32 for bf16 runs; as in
+tests/fuzz.py).
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from tests import test_families as fam
 
 transformers.logging.set_verbosity_error()
 
-KINDS = {
+KINDS = {  # a family (and its head, after a slash) -> the kind of call
     **{name: "causal" for name in ["llama", "mistral", "qwen2", "gpt2", *fam.CAUSAL]},
     **{name: "masked" for name in fam.MASKED},
-    **{name: "seq2seq" for name in fam.SEQ2SEQ},
+    **{name: "seq2seq" for name in [*fam.SEQ2SEQ, "t5"]},
+    **{f"{name}/classifier": "classifier" for name in fam.CLASSIFIERS},
 }
 AUTO = {
+    "classifier": transformers.AutoModelForSequenceClassification,
     "causal": transformers.AutoModelForCausalLM,
     "masked": transformers.AutoModelForMaskedLM,
     "seq2seq": transformers.AutoModelForSeq2SeqLM,
@@ -57,10 +60,12 @@ def build(
 ) -> tuple[torch.nn.Module, str, dict[str, Any], random.Random]:
     """The model of `seed`, its family, fbmt's options for it, and the generator that drew them."""
     rnd = random.Random(seed)
-    family = rnd.choice(sorted(KINDS))
-    kind = KINDS[family]
+    name = rnd.choice(sorted(KINDS))
+    kind, family = KINDS[name], name.split("/")[0]
     draws = rnd.random() < 0.3 and ranks == 1 and how.backend is None  # Inductor draws its own numbers
-    extra = fam.ENCODER_DECODER if kind == "seq2seq" else {}
+    extra = fam.ENCODER_DECODER if kind in ("seq2seq", "classifier") else {}  # (num_labels=3)
+    if family == "t5":
+        extra = dict(d_ff=128, d_kv=16, decoder_start_token_id=0)
     no_draws = {k: (DROPOUT if draws else 0.0) for k in fam.NO_DRAWS}
     no_draws["router_jitter_noise"] = no_draws["input_jitter_noise"] = 0.0  # noise a router adds: not a mask
     config = transformers.AutoConfig.for_model(
@@ -98,6 +103,8 @@ def _batch(kind: str, rnd: random.Random, rows: int, length: int, device: str) -
     if kind == "seq2seq":
         labels = torch.randint(3, fam.VOCAB, (rows, rnd.randint(3, 6)), generator=g)
         call = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    elif kind == "classifier":  # its pooling finds each row's last token that is not the pad token
+        call = dict(input_ids=ids, attention_mask=mask, labels=torch.randint(0, 3, (rows,), generator=g))
     else:
         labels = ids.masked_fill(mask == 0, -100)
         if kind == "masked":  # the collator's: most tokens are not predicted
