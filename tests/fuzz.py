@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -448,13 +449,15 @@ def caught(seed: int, rank: int = 0, ranks: int = 1, how: How = How()) -> str | 
         return f"seed {seed}, {build(seed, ranks, how)[1]}: {type(e).__name__}: {str(e)[:400]}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def search(doc: str, caught: Callable, on_ranks: Callable, argv: list[str] | None, inductor: str) -> int:
+    """The command line of a fuzzer whose `caught(seed, how=...)` says what differs for one seed, and whose
+    `on_ranks(rank, world, seeds, how)` for each of its seeds on ranks; `inductor`: what `--inductor` leaves out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--seeds", default="0:50", help="first:last (last excluded)")
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--bf16", action="store_true", help="param_dtype=torch.bfloat16, against eager's bf16 copies")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--inductor", action="store_true", help='backend="inductor" (no random ops: it draws its own)')
+    ap.add_argument("--inductor", action="store_true", help=f'backend="inductor" ({inductor})')
     ap.add_argument("--progress", action="store_true", help="a line for each seed, differing or not")
     a = ap.parse_args(argv)
     logging.getLogger("fbmt").setLevel(logging.ERROR)  # its advice on each model (unused parameters, sizes)
@@ -478,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
             print(said)
     print(f"{len(found)} of {hi - lo} seeds differ from eager")
     return 1 if found else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return search(__doc__, caught, on_ranks, argv, "no random ops: it draws its own")
 
 
 if __name__ == "__main__":

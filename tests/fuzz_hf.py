@@ -19,7 +19,6 @@ tests/fuzz.py).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import logging
@@ -255,33 +254,7 @@ def on_ranks(rank: int, world: int, seeds: list[int], how: fuzz.How = PLAIN) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", default="0:20", help="first:last (last excluded)")
-    ap.add_argument("--ranks", type=int, default=1)
-    ap.add_argument("--bf16", action="store_true", help="param_dtype=torch.bfloat16, against eager's bf16 copies")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--inductor", action="store_true", help='backend="inductor" (no dropout: it draws its own)')
-    ap.add_argument("--progress", action="store_true", help="a line for each seed, differing or not")
-    a = ap.parse_args(argv)
-    logging.getLogger("fbmt").setLevel(logging.ERROR)  # its advice on each model (unused parameters, sizes)
-    lo, hi = map(int, a.seeds.split(":"))
-    how = fuzz.How(torch.bfloat16 if a.bf16 else None, a.device, "inductor" if a.inductor else None)
-    if a.ranks == 1:
-        found = []
-        for seed in range(lo, hi):
-            if said := caught(seed, how=how):
-                print(said, flush=True)
-                found.append(said)
-            elif a.progress:
-                print(f"seed {seed}: as eager", flush=True)
-    else:
-        from tests.dist import run_ranks
-
-        found = sorted(set(sum(run_ranks(a.ranks, on_ranks, list(range(lo, hi)), how), [])))
-        for said in found:
-            print(said)
-    print(f"{len(found)} of {hi - lo} seeds differ from eager")
-    return 1 if found else 0
+    return fuzz.search(__doc__, caught, on_ranks, argv, "no dropout: it draws its own")
 
 
 if __name__ == "__main__":
