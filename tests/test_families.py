@@ -247,6 +247,19 @@ def test_a_router_that_reads_values_is_named_without_a_setting_it_lacks():
     assert "experts_implementation" not in str(error.value), error.value
 
 
+def test_layerdrop_is_named_with_the_setting_that_turns_it_off():
+    """LayerDrop skips a layer where `torch.rand([])` falls under its probability, a Python `if` on a value:
+    the trace error says which setting turns it off (transformers 5.17 drew it even at probability 0, and
+    the error said only to rewrite the model's `if`)."""
+    config = transformers.AutoConfig.for_model(
+        "bart", **{**SMALL, **NO_DRAWS, **ENCODER_DECODER, "encoder_layerdrop": 0.3}
+    )
+    model = fbmt.compile(transformers.AutoModelForSeq2SeqLM.from_config(config), world_size=1, cache_dir=False)
+    ids = torch.randint(3, VOCAB, (2, 8))
+    with pytest.raises(fbmt.TraceError, match=r"LayerDrop .* probability 0\.3.*encoder_layerdrop"):
+        model(input_ids=ids, labels=ids[:, :4])
+
+
 def test_unused_parameters_are_named_and_frozen_ones_train_as_in_eager(caplog):
     """NOTE: [Unused parameters]: DINOv2 called without `bool_masked_pos` reads no mask token. Eager leaves
     its `.grad` None and AdamW skips it; fbmt's shard gives it zeros, so weight decay would shrink it:

@@ -363,3 +363,28 @@ def _experts_hint(module: nn.Module, kind: str) -> str | None:
 
 
 register_trace_hint(_experts_hint)
+
+
+def _layerdrop_hint(module: nn.Module, kind: str) -> str | None:
+    """LayerDrop (BART, mBART, Pegasus, Marian, Whisper, ...) skips a layer where `torch.rand([])` falls
+    under the layer's drop probability, a Python `if` on a value no trace has. Transformers 5.17 draws
+    and compares in every training call, even where the probability is 0; later versions (5.24) only
+    where it is above 0."""
+    drops = [m.layerdrop for m in module.modules() if isinstance(getattr(m, "layerdrop", None), (int, float))]
+    if kind != "DataDependentOutputException" or not drops:
+        return None
+    p = max(drops)
+    if p > 0:
+        return (
+            f"LayerDrop (a layer skipped at random, here with probability {p}) chooses in Python which layers "
+            "run, which no program can hold: set the config's encoder_layerdrop / decoder_layerdrop (or "
+            "layerdrop) to 0 before building the model"
+        )
+    return (
+        "this transformers version draws each layer's LayerDrop probability and compares it in Python in "
+        "every training call, though the drop probability is 0; a newer transformers (5.24) skips the draw "
+        "where it is 0, and fbmt traces that"
+    )
+
+
+register_trace_hint(_layerdrop_hint)
