@@ -306,8 +306,9 @@ class _LowEager(nn.Module):
         with torch.no_grad():
             for p, q in zip(self.inner.parameters(), self.low.parameters()):
                 q.copy_(p)
-        cast = lambda t: t.to(self.dtype) if t.is_floating_point() else t  # noqa: E731
-        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+        args, kwargs = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t, (args, kwargs)
+        )
         return self.low(*args, **kwargs)
 
     def settle(self) -> None:
