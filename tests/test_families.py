@@ -260,6 +260,35 @@ def test_layerdrop_is_named_with_the_setting_that_turns_it_off():
         model(input_ids=ids, labels=ids[:, :4])
 
 
+def test_checkpointing_enabled_after_compile_trains_only_what_eager_trains():
+    """NOTE: [Hugging Face's checkpointing]: Trainer(gradient_checkpointing=True, gradient_checkpointing_kwargs=
+    {"use_reentrant": True}) enables it on the compiled model. With DINOv2's embeddings frozen, eager's
+    reentrant checkpoints get no input that requires grad: the layers get no gradient and AdamW leaves
+    them. The call changed nothing on a compiled model, whose program trained every layer, silently."""
+    config = transformers.AutoConfig.for_model("dinov2", **VISION)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForImageClassification.from_config(config)
+    ref.dinov2.embeddings.requires_grad_(False)
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    call = dict(
+        pixel_values=torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)), labels=torch.tensor([0, 2])
+    )
+    torch.testing.assert_close(model(**call).loss, ref(**call).loss)  # a first program, without checkpoints
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (ref, model)]
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
+        for _ in range(2):
+            for m, opt in zip((ref, model), opts):
+                m(**call).loss.backward()
+                opt.step()
+                opt.zero_grad()
+    assert ref.dinov2.encoder.layer[0].mlp.fc1.weight.grad is None  # eager's own, as the docstring says
+    state = model.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_unused_parameters_are_named_and_frozen_ones_train_as_in_eager(caplog):
     """NOTE: [Unused parameters]: DINOv2 called without `bool_masked_pos` reads no mask token. Eager leaves
     its `.grad` None and AdamW skips it; fbmt's shard gives it zeros, so weight decay would shrink it:

@@ -106,7 +106,7 @@ def test_hugging_faces_gradient_checkpointing_trains_as_eager_and_says_remat_dec
     ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     with caplog.at_level("INFO", logger="fbmt"):
         model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
-        model.gradient_checkpointing_enable()  # Trainer's call: changes nothing
+        model.gradient_checkpointing_enable()  # Trainer's call, made on the model it wraps
     said = [r.getMessage() for r in caplog.records if "gradient checkpointing on" in r.getMessage()]
     assert len(said) == 2 and all("remat='block'" in m for m in said), said
     for step in range(2):

@@ -156,7 +156,11 @@ BEFORE_COMPILE = {
 # `torch.utils.checkpoint` calls are calls (NOTE: [Checkpoints in the model's code]) and the backward
 # recomputes what `remat=` says, so the model computes as eagerly: its values and gradients do not depend
 # on it. fbmt says so once, and warns where `remat="none"` keeps every activation (the user asked for less
-# memory). On a compiled model the call changes nothing in its programs, and says the same.
+# memory). On a compiled model the call is made on the model it wraps, as eager makes it: the attributes
+# and the input hook it sets are watched (NOTE: [Attributes read as constants]), so the next call traces
+# the layers as checkpoint calls. That matters where a reentrant checkpoint gets no input that requires
+# grad (`use_reentrant=True`, frozen embeddings of a model whose input is not `input_ids`): eager gives the
+# layer's parameters no gradient, and a program traced without the checkpoints would train them.
 _CHECKPOINT_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 
 
@@ -175,6 +179,11 @@ def _checkpointing_said(model: str, remat: Any) -> None:
             model,
             remat,
         )
+
+
+def _checkpointing_enabled(enable: Callable[..., Any], model: str, remat: Any, *args: Any, **kwargs: Any) -> None:
+    enable(*args, **kwargs)
+    _checkpointing_said(model, remat)
 
 
 def check_model(model: nn.Module, remat: Any) -> None:
@@ -232,7 +241,9 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         if name in BEFORE_COMPILE and hasattr(orig, name):
             return _refused(type(orig).__name__, name)
         if name in _CHECKPOINT_METHODS and hasattr(orig, name):
-            return lambda *args, **kwargs: _checkpointing_said(type(orig).__name__, self.options.remat)
+            return functools.partial(
+                _checkpointing_enabled, getattr(orig, name), type(orig).__name__, self.options.remat
+            )
         found = inspect.getattr_static(type(orig), name, None)
         if isinstance(found, (types.FunctionType, property)) and name not in vars(orig):
             if name in BY_NAMES:
