@@ -11,10 +11,10 @@ and training loops (plain; accumulation under `no_sync()`; eval calls between st
 then clipping or a reload from the state_dict), and its batches as data collators make them: a length of its own
 at each step, rows (some steps more or fewer) padded on the left or on the right with their labels -100,
 `use_cache` left at the default or False, dropout on in some single-process runs, Hugging Face's gradient
-checkpointing on in some. Three steps of SGD or AdamW are compared with eager on each rank's part (DDP's
-semantics: each rank's mean loss, the gradients averaged): the losses, the eval logits, then every parameter,
-within what rounding makes (eager in float64 beside it is the yardstick, in float32 for bf16 runs; as in
-tests/fuzz.py).
+checkpointing on in some (enabled before compile, or after it as Trainer does). Three steps of SGD or AdamW
+are compared with eager on each rank's part (DDP's semantics: each rank's mean loss, the gradients averaged):
+the losses, the eval logits, then every parameter, within what rounding makes (eager in float64 beside it is
+the yardstick, in float32 for bf16 runs; as in tests/fuzz.py).
 """
 
 from __future__ import annotations
@@ -86,6 +86,20 @@ def _checkpointing(model: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
+def _compiled(ref: torch.nn.Module, seed: int, options: dict[str, Any]) -> tuple[torch.nn.Module, bool]:
+    """fbmt's model of a copy of `ref`, and whether Hugging Face's checkpointing was enabled on it after
+    compile, as Trainer enables it (on half of the seeds that have it: drawn apart from `build`'s, so a
+    seed's model and loop stay what they were)."""
+    model = copy.deepcopy(ref)
+    if not _checkpointing(ref) or random.Random(-1 - seed).random() < 0.5:
+        return fbmt.compile(model, **options), False
+    func = next(m._gradient_checkpointing_func for m in ref.modules() if getattr(m, "gradient_checkpointing", False))
+    model.gradient_checkpointing_disable()
+    model = fbmt.compile(model, **options)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(func.keywords))
+    return model, True
+
+
 def _batch(kind: str, rnd: random.Random, rows: int, length: int, device: str) -> dict[str, torch.Tensor]:
     """One step's call as a collator pads it: every row its own count of pads, on the side `rnd` draws."""
     g = torch.Generator().manual_seed(rnd.randrange(2**31))
@@ -141,13 +155,14 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, how: fuzz.How = PLAIN) -> 
     rows = [rnd.choice([2, 2, 3] if loop == "accumulate" else [2, 2, 3, 1]) for _ in lengths]
     calls = [_batch(kind, rnd, b * ranks, n, how.device) for b, n in zip(rows, lengths)]
     extra = {} if use_cache is None else {"use_cache": use_cache}
+    model, after = _compiled(ref, seed, options)
+    checkpointing = f" (gradient checkpointing{' enabled after compile' if after else ''})"
     said = (
-        f"seed {seed}: {type(ref).__name__}{' (gradient checkpointing)' if _checkpointing(ref) else ''}, "
+        f"seed {seed}: {type(ref).__name__}{checkpointing if _checkpointing(ref) else ''}, "
         f"{options}, {'AdamW' if adamw else 'SGD'}, loop {loop} {then}, use_cache {use_cache}, lengths {lengths}, "
         f"rows a rank {rows}"
     )
     fresh = copy.deepcopy(ref) if then == "reload" else None
-    model = fbmt.compile(copy.deepcopy(ref), **options)
     # where rounding alone makes eager and fbmt part: eager in float64, or in float32 against bf16's rounding
     exact = copy.deepcopy(ref).double() if dtype is None else copy.deepcopy(ref)
     try:

@@ -84,6 +84,45 @@ def test_dropout_of_a_tensor_laid_out_otherwise_draws_eagers_mask(writes):
         torch.testing.assert_close(full[n], p.detach(), msg=n)
 
 
+class LayerDrop(nn.Module):
+    """Layers skipped at random as transformers before 5.24 writes it (BART's encoder): a draw in every
+    training call, compared in Python with the drop probability even where that is 0."""
+
+    def __init__(self, layerdrop: float):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:  # skip the layer
+                    continue
+            x = F.dropout(torch.tanh(layer(x)), 0.2, self.training)
+        return x
+
+
+def test_a_layer_drop_draw_that_cannot_drop_trains_as_eager():
+    """NOTE: [Draws compared with a bound]: `torch.rand([]) < 0` in Python failed the trace (transformers
+    5.17's BART family could not train); it is false whatever is drawn, and the draws stay in the program,
+    so the dropouts after them draw eager's masks. A probability above 0 is still refused, named."""
+    ref, model = _pair(lambda: LayerDrop(0.0))
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for m in (ref, model):
+            torch.manual_seed(step)
+            outs.append((m(x).square().mean(), torch.rand(4)))  # the generator as each call leaves it
+            outs[-1][0].backward()
+        torch.testing.assert_close(outs[1], outs[0], msg=f"step {step}")
+    grads = model.full_gradients()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, msg=n)
+    with pytest.raises(fbmt.TraceError, match=r"if dropout_probability < self.layerdrop"):
+        fbmt.compile(LayerDrop(0.3))(torch.randn(4, 8))
+
+
 def test_a_gradient_penalty_through_the_compiled_backward_is_refused():
     """`torch.autograd.grad(out, x, create_graph=True)` (a gradient penalty, WGAN-GP's) differentiates the
     backward: the compiled backward is not differentiable, and it gave wrong parameter gradients, silently

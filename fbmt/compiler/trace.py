@@ -34,7 +34,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot, make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fbmt import flags, logs
 from fbmt.compiler import masks, meta, objects, sizes, stamp
@@ -153,6 +155,55 @@ class _Decompose(TorchDispatchMode):
         decomposition = self.table.get(func)
         out = decomposition(*args, **(kwargs or {})) if decomposition else NotImplemented
         return func(*args, **(kwargs or {})) if out is NotImplemented else out
+
+
+# NOTE: [Draws compared with a bound]
+# LayerDrop in transformers before 5.24 (BART, mBART, Marian, Pegasus, Whisper, ...) draws `torch.rand([])`
+# for each layer in every training call and compares it in Python with the drop probability, even where
+# that is 0: an `if` on a value no trace has, so those models could not be traced for training. A draw of
+# `rand` lies in [0, 1), and its comparison with a number at or beyond those bounds has one answer
+# whatever is drawn (`draw < 0` is false). While tracing, that answer is known, and `bool()` of the
+# comparison gives it. The draw stays in the program (a random op is never dead), so the generator
+# advances as in eager and a dropout after it draws eager's mask. A comparison that depends on the draw
+# (a drop probability of 0.3) still fails, named, with the hint to set the probability to 0.
+_DRAW_DTYPES = (torch.float32, torch.float64)  # a narrower float may round a draw up to 1
+_COMPARISONS = {  # the comparison -> (all true, all false) of a draw in [0, 1) against a number c
+    "lt": (lambda c: c >= 1, lambda c: c <= 0),
+    "le": (lambda c: c >= 1, lambda c: c < 0),
+    "gt": (lambda c: c < 0, lambda c: c >= 1),
+    "ge": (lambda c: c <= 0, lambda c: c >= 1),
+}
+_COMPARED = {
+    f: name
+    for name in _COMPARISONS
+    for f in (getattr(torch, name), getattr(torch.Tensor, name), getattr(torch.Tensor, f"__{name}__"))
+}
+
+
+class _DecidedDraws(TorchFunctionMode):
+    """Within a trace: `bool()` of a comparison of a `rand` draw that has one answer gives it (NOTE:
+    [Draws compared with a bound])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws = WeakTensorKeyDictionary()  # tensors drawn by rand: each value in [0, 1)
+        self.decided = WeakTensorKeyDictionary()  # comparisons of a draw whose answer is known
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.__bool__ and args[0] in self.decided:
+            return self.decided[args[0]]
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.rand, torch.rand_like) and out.dtype in _DRAW_DTYPES:
+            self.draws[out] = True
+        elif func in _COMPARED and len(args) == 2 and args[0] in self.draws and _is_number(args[1]):
+            always, never = _COMPARISONS[_COMPARED[func]]
+            if always(args[1]) or never(args[1]):
+                self.decided[out] = bool(always(args[1]))
+        return out
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
 
 
 _fakes_registered = False
@@ -349,7 +400,8 @@ def trace(
         given = {k: tensors[k] for k in names[len(ps) :]}  # the buffers, whose reassignment is written back
         root = _Entry(module, entry, given)
         tensors = {f"root.{k}": v for k, v in tensors.items()}
-        with sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext(), masks.CausalMasks(decided, checks):
+        keeping = sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext()
+        with keeping, masks.CausalMasks(decided, checks), _DecidedDraws():
             return _functional_call(root, tensors, a, kw), copies, root.assigned
 
     writes = _ModuleWrites(module)  # NOTE: [What a forward keeps on its modules]
@@ -558,7 +610,7 @@ def _trace_kind(
             # as the model's trace calls it (`trace.call`): a symbolic one keeps its products' sizes, and
             # proves its rewritten masks again at each size it admits
             keeping = sizes.matmul_keeping_sizes() if checks is not None else contextlib.nullcontext()
-            with keeping, masks.CausalMasks(decided, checks, known=known):
+            with keeping, masks.CausalMasks(decided, checks, known=known), _DecidedDraws():
                 out = _functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
         tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
         written = _written(kind, copies, before)

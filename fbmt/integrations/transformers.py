@@ -379,8 +379,8 @@ register_trace_hint(_experts_hint)
 def _layerdrop_hint(module: nn.Module, kind: str) -> str | None:
     """LayerDrop (BART, mBART, Pegasus, Marian, Whisper, ...) skips a layer where `torch.rand([])` falls
     under the layer's drop probability, a Python `if` on a value no trace has. Transformers 5.17 draws
-    and compares in every training call, even where the probability is 0; later versions (5.24) only
-    where it is above 0."""
+    and compares in every training call, even where the probability is 0, which the trace decides (NOTE:
+    [Draws compared with a bound]); later versions (5.24) only where it is above 0."""
     drops = [m.layerdrop for m in module.modules() if isinstance(getattr(m, "layerdrop", None), (int, float))]
     if kind != "DataDependentOutputException" or not drops:
         return None
@@ -392,9 +392,9 @@ def _layerdrop_hint(module: nn.Module, kind: str) -> str | None:
             "layerdrop) to 0 before building the model"
         )
     return (
-        "this transformers version draws each layer's LayerDrop probability and compares it in Python in "
-        "every training call, though the drop probability is 0; a newer transformers (5.24) skips the draw "
-        "where it is 0, and fbmt traces that"
+        "this transformers version draws each layer's LayerDrop probability in every training call, though "
+        "the drop probability is 0, and compares it in a way the trace cannot decide (it decides "
+        "`torch.rand([]) < 0`); a newer transformers (5.24) skips the draw where it is 0"
     )
 
 
