@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 import fbmt
 from fbmt.compiler import meta
 from tests.models.reference import MLP, Buffered, batch, gpt, loss_of
+from tests.workers import step_matches
 
 
 def _pair(build, **cfg):
@@ -121,6 +124,48 @@ def test_a_layer_drop_draw_that_cannot_drop_trains_as_eager():
         torch.testing.assert_close(grads[n], p.grad, msg=n)
     with pytest.raises(fbmt.TraceError, match=r"if dropout_probability < self.layerdrop"):
         fbmt.compile(LayerDrop(0.3))(torch.randn(4, 8))
+
+
+class HostDraws(nn.Module):
+    """Numbers drawn on the host in the forward: `how` says from which generator, and whether seeded."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin, self.how = nn.Linear(4, 4), how
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x):
+        if self.how == "python":
+            scale = random.uniform(0.5, 1.5)
+        elif self.how == "held":
+            scale = float(self.rng.random())
+        else:
+            if self.how == "seeded":
+                np.random.seed(3)  # BigBird's random attention: the same draws at every call
+            scale = float(np.random.rand())
+        return (self.lin(x) * scale).sum()
+
+
+@pytest.mark.parametrize(
+    "how, said",
+    [
+        ("python", r"calls random.uniform\(\)\n  at .*test_behaviours.py:\d+: scale = random.uniform"),
+        ("numpy", r"calls numpy.random.rand\(\)\n  at .*test_behaviours.py:\d+: scale = float\(np.random.rand"),
+        ("held", r"draws from rng \(Generator\)"),
+    ],
+)
+def test_a_number_drawn_on_the_host_is_refused_where_eager_draws_anew(how, said):
+    """NOTE: [Host draws]: `random.uniform()` or `np.random.rand()` in a forward became a constant of the
+    program, which gave the first trace's draw at every call where eager draws anew: another loss at every
+    step, silently. It is refused, naming the line; a generator seeded in the forward traces as eager."""
+    x = torch.randn(2, 4)
+    with pytest.raises(fbmt.TraceError, match=rf"'<root>' \(HostDraws\): it {said}(.|\n)*torch.rand"):
+        fbmt.compile(HostDraws(how))(x)
+    ref, model = _pair(lambda: HostDraws("seeded"))
+    for step in range(2):
+        step_matches(model, ref, x, msg=f"step {step}")
+        ref.zero_grad()
+        model.zero_grad()
 
 
 def test_a_gradient_penalty_through_the_compiled_backward_is_refused():

@@ -150,6 +150,17 @@ def _calls(kind: str, g: torch.Generator) -> list[dict[str, torch.Tensor]]:
         if kind == "image":
             calls.append(dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g), labels=torch.tensor([0, 2])))
             continue
+        if kind == "audio":
+            calls.append(dict(input_values=torch.randn(2, 400 + 40 * step, generator=g), labels=torch.tensor([0, 2])))
+            continue
+        if kind == "speech":
+            features = torch.randn(2, 16, 32, generator=g)
+            calls.append(dict(input_features=features, labels=torch.randint(3, VOCAB, (2, 5 + 2 * step), generator=g)))
+            continue
+        if kind == "long":  # a masked language model of sparse attention: blocks enough to draw from
+            ids = torch.randint(3, VOCAB, (2, 32), generator=g)
+            calls.append(dict(input_ids=ids, labels=ids))
+            continue
         ids = torch.randint(3, VOCAB, (3, 12), generator=g)
         mask = _padded(ids) if step else torch.ones_like(ids)
         if kind == "causal":
@@ -234,6 +245,68 @@ def test_an_image_classifier_of_this_family_trains_as_in_eager(model_type):
 @pytest.mark.parametrize("model_type", CLASSIFIERS)
 def test_a_sequence_classifier_of_this_family_trains_as_in_eager(model_type):
     _trains_like_eager(_model(model_type, transformers.AutoModelForSequenceClassification), "classifier")
+
+
+AUDIO = dict(
+    vocab_size=32,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    conv_dim=(16, 16),
+    conv_stride=(5, 2),
+    conv_kernel=(10, 3),
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=4,
+    num_labels=3,
+    **dict.fromkeys(["hidden_dropout", "attention_dropout", "activation_dropout", "feat_proj_dropout"], 0.0),
+    layerdrop=0.0,
+)
+
+
+def test_an_audio_classifier_trains_as_in_eager_and_its_spec_augment_is_named():
+    """NOTE: [Host draws]: wav2vec2's SpecAugment (on in training by default: mask_time_prob=0.05) draws its
+    masks with numpy, which a trace takes as constants: refused, naming the line and the setting; without
+    it the model trains as eager."""
+    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO)
+    torch.manual_seed(0)
+    spec = fbmt.compile(transformers.AutoModelForAudioClassification.from_config(config), cache_dir=False)
+    call = dict(input_values=torch.randn(2, 400), labels=torch.tensor([0, 2]))
+    with pytest.raises(
+        fbmt.TraceError, match=r"numpy.random.rand\(\)\n  at .*modeling_wav2vec2.py(.|\n)*mask_time_prob"
+    ):
+        spec(**call)
+    config.mask_time_prob = 0.0
+    torch.manual_seed(0)
+    _trains_like_eager(transformers.AutoModelForAudioClassification.from_config(config), "audio")
+
+
+def test_whisper_trains_as_in_eager():
+    """Speech recognition's sequence-to-sequence model: log-mel features into convolutions, the decoder
+    given labels of two lengths."""
+    config = transformers.AutoConfig.for_model(
+        "whisper",
+        **{**ENCODER_DECODER, **NO_DRAWS, "decoder_start_token_id": 1},
+        vocab_size=VOCAB,
+        num_mel_bins=16,
+        max_source_positions=16,
+        max_target_positions=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    _trains_like_eager(transformers.AutoModelForSpeechSeq2Seq.from_config(config), "speech")
+
+
+def test_big_birds_random_attention_seeded_in_its_forward_trains_as_in_eager():
+    """NOTE: [Host draws]: BigBird's block-sparse attention seeds numpy with the layer's index and draws its
+    random blocks in every training call: the same blocks each call, constants a program can hold."""
+    config = transformers.AutoConfig.for_model(
+        "big_bird", **{**SMALL, **NO_DRAWS}, attention_type="block_sparse", block_size=2, num_random_blocks=2
+    )
+    torch.manual_seed(0)
+    _trains_like_eager(transformers.AutoModelForMaskedLM.from_config(config), "long")
 
 
 def test_a_router_that_reads_values_is_named_without_a_setting_it_lacks():

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fbmt import flags, logs
-from fbmt.compiler import masks, meta, objects, sizes, stamp
+from fbmt.compiler import host_draws, masks, meta, objects, sizes, stamp
 from fbmt.compiler.layout import Layout
 from fbmt.compiler.ops import record
 from fbmt.compiler.ops.graph import fake_value
@@ -412,7 +412,8 @@ def trace(
         stamper = stamp.Stamper.for_module(module) if flags.STAMP.get() else None  # NOTE: [Stamped blocks]
         recording = stamper.recording() if stamper is not None else contextlib.nullcontext()
         with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode, probe_ops, recording:
-            with torch.enable_grad() if needs_grad else torch.no_grad():
+            draws = host_draws.refused(module, lambda: tagger.current, TraceError)  # NOTE: [Host draws]
+            with draws, torch.enable_grad() if needs_grad else torch.no_grad():
                 probe_ps = [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)]
                 probe_bs = [b.clone() for b in fake_buffers]
                 probe, copies, assigned = call(
