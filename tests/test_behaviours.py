@@ -405,6 +405,43 @@ class DataDependent(nn.Module):
         return x
 
 
+class Checks(nn.Module):
+    """Checks of values in the forward whose other branch raises, in the ways code writes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, labels):
+        if labels is not None and labels.max() >= 4:
+            raise ValueError("labels must be below 4")
+        assert (x.abs() < 100).all(), "an input past 100"
+        if not torch.isfinite(x).all():
+            raise ValueError("an input not finite")
+        return self.lin(x).gather(1, labels[:, None]).sum()
+
+
+def test_a_check_that_raises_is_traced_past_and_raises_at_a_call_that_fails_it():
+    """NOTE: [Checks that raise]: `if labels.max() >= 4: raise`, `assert (...).all()` and `if not ...: raise`
+    failed the trace; a call takes the branch that does not raise, so the program does, and checks each at
+    every call: values eager refuses raise there too, naming the line."""
+    ref, model = _pair(Checks)
+    x = torch.randn(3, 4)
+    for labels in (torch.tensor([0, 1, 3]), torch.tensor([2, 2, 1])):
+        step_matches(model, ref, x, labels, msg=f"labels {labels.tolist()}")
+    checks = [n for n in model.program.graph.nodes if n.target is torch.ops.aten._assert_async.msg]
+    assert len(checks) == 3, model.program
+    for bad, line in (
+        ((x, torch.tensor([0, 4, 1])), "if labels is not None and labels.max"),
+        ((x * 1000, torch.tensor([0, 1, 1])), "assert"),
+        ((x / 0, torch.tensor([0, 1, 1])), "assert"),  # inf and nan: the assert first, as in eager
+    ):
+        with pytest.raises((ValueError, AssertionError)):
+            ref(*bad)
+        with pytest.raises(RuntimeError, match=rf"raises in eager at .*test_behaviours.py:\d+: {line}"):
+            model(*bad)
+
+
 def test_untraceable_code_names_module_op_and_line():
     model = fbmt.compile(DataDependent())
     with pytest.raises(fbmt.TraceError) as err:

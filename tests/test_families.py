@@ -153,6 +153,11 @@ def _calls(kind: str, g: torch.Generator) -> list[dict[str, torch.Tensor]]:
         if kind == "audio":
             calls.append(dict(input_values=torch.randn(2, 400 + 40 * step, generator=g), labels=torch.tensor([0, 2])))
             continue
+        if kind == "ctc":  # a transcript a row, the shorter padded with -100 (as the CTC collators pad)
+            labels = torch.randint(1, AUDIO["vocab_size"], (2, 6), generator=g)
+            labels[1, 4 - step :] = -100
+            calls.append(dict(input_values=torch.randn(2, 400 + 40 * step, generator=g), labels=labels))
+            continue
         if kind == "speech":
             features = torch.randn(2, 16, 32, generator=g)
             calls.append(dict(input_features=features, labels=torch.randint(3, VOCAB, (2, 5 + 2 * step), generator=g)))
@@ -279,6 +284,22 @@ def test_an_audio_classifier_trains_as_in_eager_and_its_spec_augment_is_named():
     config.mask_time_prob = 0.0
     torch.manual_seed(0)
     _trains_like_eager(transformers.AutoModelForAudioClassification.from_config(config), "audio")
+
+
+def test_a_ctc_head_trains_as_in_eager_and_checks_its_labels_at_every_call():
+    """wav2vec2's CTC head could not be traced: it checks `labels.max() >= vocab_size` in Python (NOTE:
+    [Checks that raise]) and gathers its targets with `masked_select` (NOTE: [CTC's selected targets]).
+    It trains as eager; labels past the vocabulary raise at the call, as eager raises."""
+    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO, mask_time_prob=0.0)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCTC.from_config(config)
+    _trains_like_eager(ref, "ctc")
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    bad = dict(input_values=torch.randn(2, 400), labels=torch.tensor([[1, 2], [3, AUDIO["vocab_size"]]]))
+    with pytest.raises(ValueError, match="Label values must be"):
+        ref(**bad)
+    with pytest.raises(RuntimeError, match=r"raises in eager at .*modeling_wav2vec2.py:\d+: if labels is not None"):
+        model(**bad)
 
 
 def test_whisper_trains_as_in_eager():

@@ -30,18 +30,22 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot, make_fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fbmt import flags, logs
-from fbmt.compiler import host_draws, masks, meta, objects, sizes, stamp
+from fbmt.compiler import assertions, host_draws, masks, meta, objects, sizes, stamp
 from fbmt.compiler.layout import Layout
-from fbmt.compiler.ops import record
+from fbmt.compiler.ops import ctc, record
 from fbmt.compiler.ops.graph import fake_value
 from fbmt.compiler.program import BWD, FWD, Program, Results, Role
 from fbmt.logs import user_line
@@ -180,9 +184,55 @@ _COMPARED = {
 }
 
 
-class _DecidedDraws(TorchFunctionMode):
-    """Within a trace: `bool()` of a comparison of a `rand` draw that has one answer gives it (NOTE:
-    [Draws compared with a bound])."""
+# NOTE: [CTC's selected targets]
+# CTC heads (wav2vec2, HuBERT, WavLM: transformers' CTC loss) gather their targets with `labels.masked_select(
+# mask)`, a tensor whose length is the labels' count, a value, and hand it to `F.ctc_loss` with each row's
+# count (`mask.sum(-1)`): a trace cannot hold the selection, and ctc_loss's sizes would read the longest row
+# too. `ctc_loss` takes the same targets as rows as well (row b's first `target_lengths[b]`), and computes
+# the same from them. So while tracing, a selection from a matrix of integers is held as the matrix and
+# its mask (`_Selected`, no tensor: any other use of it fails the trace, named), and ctc_loss
+# given it reads the matrix with each row's selected entries moved to its front, in order (a stable sort
+# of the mask). The two agree where each row's count is its own: the program checks that at every call
+# (NOTE: [Checks that raise]), and a call that counts otherwise raises.
+class _Selected:
+    """`values.masked_select(mask)` of a 2-d `values` while tracing: held for `F.ctc_loss` (NOTE: [CTC's
+    selected targets])."""
+
+    def __init__(self, values: torch.Tensor, mask: torch.Tensor) -> None:
+        self.values, self.mask = values, mask
+
+    def rows(self) -> torch.Tensor:
+        """Each row's selected entries first, in order; what follows them is never read."""
+        moved = torch.sort(self.mask.logical_not().to(torch.uint8), dim=1, stable=True).indices
+        return self.values.gather(1, moved)
+
+
+def _ctc_of_selected(args: tuple, kwargs: dict) -> Any:
+    """`F.ctc_loss(log_probs, selected, input_lengths, target_lengths, ...)` on the selection's rows."""
+    log_probs, selected, input_lengths, target_lengths, *rest = args
+    options = {**dict(zip(("blank", "reduction", "zero_infinity"), rest)), **kwargs}
+    if log_probs.dim() != 3 or not isinstance(target_lengths, torch.Tensor):
+        raise TraceError(
+            "ctc_loss of targets selected with masked_select is traced for batched log_probs (T, N, C) and "
+            "target_lengths as a tensor only (NOTE: [CTC's selected targets])"
+        )
+    counts = selected.mask.sum(-1)
+    torch._assert_async(
+        (target_lengths.to(counts.dtype) == counts).all(),
+        "fbmt: ctc_loss's target_lengths are not the counts of each row's selected targets, which the "
+        "program assumes (NOTE: [CTC's selected targets])",
+    )
+    input_lengths = torch.as_tensor(input_lengths, device=log_probs.device)
+    return ctc.ctc_loss(log_probs, selected.rows(), input_lengths, target_lengths, **options)
+
+
+_MASKED_SELECT = (torch.masked_select, torch.Tensor.masked_select)
+
+
+class _Decided(TorchFunctionMode):
+    """Within a trace: `bool()` of a traced tensor where the answer is known: a comparison of a `rand` draw
+    that has one answer (NOTE: [Draws compared with a bound]), a test whose other branch only raises,
+    checked at every call (NOTE: [Checks that raise])."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -190,8 +240,23 @@ class _DecidedDraws(TorchFunctionMode):
         self.decided = WeakTensorKeyDictionary()  # comparisons of a draw whose answer is known
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.Tensor.__bool__ and args[0] in self.decided:
-            return self.decided[args[0]]
+        if func is torch.Tensor.__bool__:
+            if args[0] in self.decided:
+                return self.decided[args[0]]
+            try:
+                return func(*args, **(kwargs or {}))
+            except (DataDependentOutputException, GuardOnDataDependentSymNode):  # a value the trace has not
+                found = assertions.passing_answer()
+                if found is None:
+                    raise
+                assertions.check(args[0], *found)
+                return found[0]
+        if func is torch.nn.functional.ctc_loss and len(args) >= 4 and isinstance(args[1], _Selected):
+            return _ctc_of_selected(args, kwargs or {})
+        if func in _MASKED_SELECT and len(args) == 2 and not kwargs:
+            values, mask = args
+            if values.dim() == 2 and mask.shape == values.shape and not values.is_floating_point():
+                return _Selected(values, mask)  # targets (a symbolic trace would give them a size of a value)
         out = func(*args, **(kwargs or {}))
         if func in (torch.rand, torch.rand_like) and out.dtype in _DRAW_DTYPES:
             self.draws[out] = True
@@ -401,7 +466,7 @@ def trace(
         root = _Entry(module, entry, given)
         tensors = {f"root.{k}": v for k, v in tensors.items()}
         keeping = sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext()
-        with keeping, masks.CausalMasks(decided, checks), _DecidedDraws():
+        with keeping, masks.CausalMasks(decided, checks), _Decided():
             return _functional_call(root, tensors, a, kw), copies, root.assigned
 
     writes = _ModuleWrites(module)  # NOTE: [What a forward keeps on its modules]
@@ -611,7 +676,7 @@ def _trace_kind(
             # as the model's trace calls it (`trace.call`): a symbolic one keeps its products' sizes, and
             # proves its rewritten masks again at each size it admits
             keeping = sizes.matmul_keeping_sizes() if checks is not None else contextlib.nullcontext()
-            with keeping, masks.CausalMasks(decided, checks, known=known), _DecidedDraws():
+            with keeping, masks.CausalMasks(decided, checks, known=known), _Decided():
                 out = _functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
         tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
         written = _written(kind, copies, before)

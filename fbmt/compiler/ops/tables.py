@@ -90,8 +90,9 @@ def view_base(node: fx.Node) -> fx.Node:
 # ---- effects -------------------------------------------------------------------------------
 
 # Node targets with effects beyond their result: never dropped when unused, never recomputed, and a
-# compiled region ends before each: communication (every kind of the collectives' table) and these.
-EFFECTFUL = record.OPS
+# compiled region ends before each: communication (every kind of the collectives' table) and these:
+# recording, and a check that raises where eager would (NOTE: [Checks that raise] in compiler/assertions.py).
+EFFECTFUL = record.OPS | {aten._assert_async.msg}
 
 
 def effectful(target: Any) -> bool:

@@ -1,0 +1,123 @@
+"""Python tests of a traced tensor whose other branch raises (NOTE: [Checks that raise]).
+
+NOTE: [Checks that raise]
+A forward may check its inputs with a test on their values: wav2vec2's CTC head runs `if labels.max()
+>= self.config.vocab_size: raise ValueError(...)`, research code `assert torch.isfinite(x).all()`. A
+trace has no values to decide the `if`, so such models could not be traced. But one branch of such a
+test only raises: a call that computes anything takes the other. So where `bool()` of a traced tensor
+fails, the statement it decides is read from the source (the instruction's position in the line, as
+Python 3.11 records it): an `if` whose body ends in `raise` (nothing before it but calls, no `else`),
+or an `assert`, with the tensor the whole test or inside `and`/`or`/`not` of it. Then the trace takes the
+branch that does not raise and the program checks the tensor at every call (`aten._assert_async`, a
+side effect no pass removes): a call whose values would raise in eager raises there too (on a GPU as a
+device-side assert), naming the line. Any other test of a value still fails the trace, named.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import types
+from typing import Any
+
+from fbmt.logs import _LIBRARY_DIRS
+
+_parsed: dict[str, tuple[int, ast.Module, dict[ast.AST, ast.AST]]] = {}  # file -> (lines, tree, parents)
+
+
+def _user_frame() -> types.FrameType | None:
+    """The innermost frame outside torch and fbmt: the model's line that asked for a tensor's truth."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        f = f.f_back
+    return f
+
+
+def _tree(filename: str) -> tuple[ast.Module, dict[ast.AST, ast.AST]] | None:
+    lines = linecache.getlines(filename)
+    if not lines:
+        return None
+    held = _parsed.get(filename)
+    if held is None or held[0] != len(lines):
+        try:
+            tree = ast.parse("".join(lines))
+        except SyntaxError:
+            return None
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        held = _parsed[filename] = (len(lines), tree, parents)
+    return held[1], held[2]
+
+
+def _raises(statement: ast.AST) -> bool:
+    """An `if` whose body only raises (after calls, such as a warning), with no `else`."""
+    if not isinstance(statement, ast.If) or statement.orelse or not isinstance(statement.body[-1], ast.Raise):
+        return False
+    return all(isinstance(s, ast.Expr) for s in statement.body[:-1])
+
+
+def passing_answer() -> tuple[bool, str] | None:
+    """Where the caller's caller is `bool()` of a traced tensor: the answer that does not raise, and the
+    statement's `file:line: source`; None where the test is not such a check."""
+    frame = _user_frame()
+    if frame is None:
+        return None
+    filename = frame.f_code.co_filename
+    found = _tree(filename)
+    positions = list(frame.f_code.co_positions())
+    at = frame.f_lasti // 2
+    if found is None or at >= len(positions) or None in positions[at]:
+        return None
+    tree, parents = found
+    line, end_line, col, end_col = positions[at]
+    node = next(
+        (
+            n
+            for n in ast.walk(tree)
+            if (getattr(n, "lineno", None), getattr(n, "end_lineno", None)) == (line, end_line)
+            and (getattr(n, "col_offset", None), getattr(n, "end_col_offset", None)) == (col, end_col)
+        ),
+        None,
+    )
+    if node is None:
+        return None
+    flips = 0
+    if isinstance(node, (ast.If, ast.Assert)):  # the jump is the statement's own: its test, less its `not`s
+        statement, test = node, node.test
+        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            flips, test = flips + 1, test.operand
+        if isinstance(test, ast.BoolOp):  # which operand asked is not known from here
+            return None
+    else:
+        statement = node
+        while statement is not None and not isinstance(statement, (ast.If, ast.Assert)):
+            parent = parents.get(statement)
+            if not isinstance(parent, (ast.BoolOp, ast.UnaryOp, ast.If, ast.Assert)):
+                return None
+            if isinstance(parent, ast.UnaryOp):
+                if not isinstance(parent.op, ast.Not):
+                    return None
+                flips += 1
+            if isinstance(parent, (ast.If, ast.Assert)) and statement is not parent.test:
+                return None
+            statement = parent
+    if isinstance(statement, ast.Assert):
+        passing = True
+    elif _raises(statement):
+        passing = False
+    else:
+        return None
+    source = linecache.getline(filename, statement.lineno).strip()
+    return passing ^ (flips % 2 == 1), f"{filename}:{statement.lineno}: {source}"
+
+
+def check(tensor: Any, passing: bool, where: str) -> None:
+    """Record in the program being traced: `bool(tensor)` is `passing` at every call, or the call raises."""
+    import torch
+
+    value = tensor != 0 if tensor.dtype != torch.bool else tensor
+    torch._assert_async(
+        value if passing else value.logical_not(),
+        f"fbmt: this call's values take the branch that raises in eager at {where} (the program was traced "
+        "past it: NOTE: [Checks that raise])",
+    )
