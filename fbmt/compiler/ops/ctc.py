@@ -45,9 +45,15 @@ def ctc_nll_backward(
     zero_infinity: bool,
 ) -> torch.Tensor:
     _, log_alpha = aten._ctc_loss.Tensor(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
-    return aten._ctc_loss_backward.Tensor(
+    grad_log_probs = aten._ctc_loss_backward.Tensor(
         grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank, zero_infinity
     )
+    # laid out as `log_probs` (the fake says so): aten's kernels choose their own layout, and a transposed
+    # `log_probs` (transformers') then gives its producer's backward a contiguous gradient, the layout the
+    # trace's views of it were recorded for
+    if grad_log_probs.stride() == log_probs.stride():
+        return grad_log_probs
+    return torch.empty_like(log_probs).copy_(grad_log_probs)
 
 
 @ctc_nll_backward.register_fake
