@@ -442,6 +442,67 @@ def test_a_check_that_raises_is_traced_past_and_raises_at_a_call_that_fails_it()
             model(*bad)
 
 
+def _last_of_and(y):
+    if y.shape[0] > 0 and (y > 1e6).any():
+        raise ValueError("huge")
+    return y.sum()
+
+
+def _first_of_and(y):  # false with its first operand true and the second false: either answer may be eager's
+    if (y > 1e6).any() and y.shape[0] > 0:
+        raise ValueError("huge")
+    return y.sum()
+
+
+def _first_of_assert_or(y):
+    assert (y < 1e6).all() or y.shape[0] > 0
+    return y.sum()
+
+
+def _negated_and(y):
+    if not ((y < 1e6).all() and y.shape[0] > 0):
+        raise ValueError("huge")
+    return y.sum()
+
+
+def _no_raise(y):
+    if (y > 0).any():
+        y = -y
+    return y.sum()
+
+
+class _Tested(nn.Module):
+    def __init__(self, test):
+        super().__init__()
+        self.lin, self.test = nn.Linear(4, 4), test
+
+    def forward(self, x):
+        return self.test(self.lin(x))
+
+
+@pytest.mark.parametrize(
+    "test, traced",
+    [
+        (_last_of_and, True),
+        (_first_of_and, False),
+        (_first_of_assert_or, False),
+        (_negated_and, True),
+        (_no_raise, False),
+    ],
+)
+def test_a_check_is_traced_past_only_where_its_answer_alone_keeps_eager_from_raising(test, traced):
+    """NOTE: [Checks that raise]: in `if a and t: raise` the tensor t's answer that does not raise is False
+    only where it comes last; before `a` it may be True too, and a program checking `not t` would refuse
+    calls eager takes. Those, and an `if` that does not raise, stay trace errors."""
+    ref, model = _pair(lambda: _Tested(test))
+    x = torch.randn(2, 4)
+    if traced:
+        step_matches(model, ref, x)
+    else:
+        with pytest.raises(fbmt.TraceError, match=r"if|assert"):
+            model(x)
+
+
 def test_untraceable_code_names_module_op_and_line():
     model = fbmt.compile(DataDependent())
     with pytest.raises(fbmt.TraceError) as err:

@@ -5,9 +5,10 @@ A forward may check its inputs with a test on their values: wav2vec2's CTC head 
 >= self.config.vocab_size: raise ValueError(...)`, research code `assert torch.isfinite(x).all()`. A
 trace has no values to decide the `if`, so such models could not be traced. But one branch of such a
 test only raises: a call that computes anything takes the other. So where `bool()` of a traced tensor
-fails, the statement it decides is read from the source (the instruction's position in the line, as
-Python 3.11 records it): an `if` whose body ends in `raise` (nothing before it but calls, no `else`),
-or an `assert`, with the tensor the whole test or inside `and`/`or`/`not` of it. Then the trace takes the
+fails, the statement it decides is read from the source (the tested expression's position in the line,
+as Python 3.11 records it): an `if` whose body ends in `raise` (nothing before it but calls, no `else`),
+or an `assert`, with the tensor the whole test or inside `and`/`or`/`not` of it where its answer alone
+decides (the last of an `and` that must be false, say). Then the trace takes the
 branch that does not raise and the program checks the tensor at every call (`aten._assert_async`, a
 side effect no pass removes): a call whose values would raise in eager raises there too (on a GPU as a
 device-side assert), naming the line. Any other test of a value still fails the trace, named.
@@ -64,9 +65,11 @@ def passing_answer() -> tuple[bool, str] | None:
         return None
     filename = frame.f_code.co_filename
     found = _tree(filename)
+    # the expression tested is the one computed by the instruction before the jump that asks for its truth
+    # (the jump's own position is not it: Python 3.11 gives a chain's later jumps the first operand's)
     positions = list(frame.f_code.co_positions())
-    at = frame.f_lasti // 2
-    if found is None or at >= len(positions) or None in positions[at]:
+    at = frame.f_lasti // 2 - 1
+    if found is None or not 0 <= at < len(positions) or None in positions[at]:
         return None
     tree, parents = found
     line, end_line, col, end_col = positions[at]
@@ -81,34 +84,41 @@ def passing_answer() -> tuple[bool, str] | None:
     )
     if node is None:
         return None
-    flips = 0
+    path = []  # (expression, the one of its operands the answer is asked of), the test's outermost first
     if isinstance(node, (ast.If, ast.Assert)):  # the jump is the statement's own: its test, less its `not`s
-        statement, test = node, node.test
-        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            flips, test = flips + 1, test.operand
-        if isinstance(test, ast.BoolOp):  # which operand asked is not known from here
+        statement, asked = node, node.test
+        while isinstance(asked, ast.UnaryOp) and isinstance(asked.op, ast.Not):
+            path.append((asked, asked.operand))
+            asked = asked.operand
+        if isinstance(asked, ast.BoolOp):  # which operand asked is not known from here
             return None
     else:
         statement = node
-        while statement is not None and not isinstance(statement, (ast.If, ast.Assert)):
+        while not isinstance(statement, (ast.If, ast.Assert)):
             parent = parents.get(statement)
-            if not isinstance(parent, (ast.BoolOp, ast.UnaryOp, ast.If, ast.Assert)):
+            negation = isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)
+            if not (negation or isinstance(parent, ast.BoolOp) or isinstance(parent, (ast.If, ast.Assert))):
                 return None
-            if isinstance(parent, ast.UnaryOp):
-                if not isinstance(parent.op, ast.Not):
-                    return None
-                flips += 1
             if isinstance(parent, (ast.If, ast.Assert)) and statement is not parent.test:
                 return None
+            if not isinstance(parent, (ast.If, ast.Assert)):
+                path.insert(0, (parent, statement))
             statement = parent
     if isinstance(statement, ast.Assert):
-        passing = True
+        needed = True
     elif _raises(statement):
-        passing = False
+        needed = False
     else:
         return None
+    for expression, operand in path:  # what each part must be for the statement not to raise
+        if isinstance(expression, ast.UnaryOp):
+            needed = not needed
+        elif isinstance(expression.op, ast.And) != needed and operand is not expression.values[-1]:
+            # `a and b` false, or `a or b` true, asks one operand only where it is the last: before it,
+            # the answer that does not raise may be either
+            return None
     source = linecache.getline(filename, statement.lineno).strip()
-    return passing ^ (flips % 2 == 1), f"{filename}:{statement.lineno}: {source}"
+    return needed, f"{filename}:{statement.lineno}: {source}"
 
 
 def check(tensor: Any, passing: bool, where: str) -> None:
