@@ -11,7 +11,9 @@ or an `assert`, with the tensor the whole test or inside `and`/`or`/`not` of it 
 decides (the last of an `and` that must be false, say). Then the trace takes the
 branch that does not raise and the program checks the tensor at every call (`aten._assert_async`, a
 side effect no pass removes): a call whose values would raise in eager raises there too (on a GPU as a
-device-side assert), naming the line. Any other test of a value still fails the trace, named.
+device-side assert), naming the line; the read of the value the failed attempt recorded is erased (a
+later run of the graph, under functionalization, would fail on it). Any other test of a value still
+fails the trace, named.
 """
 
 from __future__ import annotations

@@ -243,12 +243,17 @@ class _Decided(TorchFunctionMode):
         if func is torch.Tensor.__bool__:
             if args[0] in self.decided:
                 return self.decided[args[0]]
+            mode = get_proxy_mode()
+            last = mode.tracer.graph._root.prev if mode is not None else None
             try:
                 return func(*args, **(kwargs or {}))
             except (DataDependentOutputException, GuardOnDataDependentSymNode):  # a value the trace has not
                 found = assertions.passing_answer()
                 if found is None:
                     raise
+                if last is not None:  # the read the failed attempt recorded: a later run of the graph fails on it
+                    while (n := mode.tracer.graph._root.prev) is not last and not n.users:
+                        mode.tracer.graph.erase_node(n)
                 assertions.check(args[0], *found)
                 return found[0]
         if func is torch.nn.functional.ctc_loss and len(args) >= 4 and isinstance(args[1], _Selected):
