@@ -6,6 +6,8 @@ import contextlib
 import copy
 import logging
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -139,9 +141,11 @@ class HostDraws(nn.Module):
             scale = random.uniform(0.5, 1.5)
         elif self.how == "held":
             scale = float(self.rng.random())
+        elif self.how == "seeded":  # BigBird's random attention: the same draws at every call
+            np.random.seed(3)
+            random.seed(3)
+            scale = float(np.random.rand()) + random.random()
         else:
-            if self.how == "seeded":
-                np.random.seed(3)  # BigBird's random attention: the same draws at every call
             scale = float(np.random.rand())
         return (self.lin(x) * scale).sum()
 
@@ -166,6 +170,35 @@ def test_a_number_drawn_on_the_host_is_refused_where_eager_draws_anew(how, said)
         step_matches(model, ref, x, msg=f"step {step}")
         ref.zero_grad()
         model.zero_grad()
+
+
+class Waits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        time.sleep(0.02)  # another thread runs meanwhile
+        return self.lin(x).sum()
+
+
+def test_draws_of_another_thread_while_tracing_are_not_the_models():
+    """NOTE: [Host draws]: a thread drawing from Python's random while the forward is traced (a data
+    pipeline's) changed the generator's state, which was taken for the model's draw."""
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            random.random()
+
+    thread = threading.Thread(target=draw)
+    thread.start()
+    try:
+        ref, model = _pair(Waits)
+        step_matches(model, ref, torch.randn(2, 4))
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_a_gradient_penalty_through_the_compiled_backward_is_refused():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,7 +52,7 @@ def _generators(module: nn.Module) -> list[tuple[str, Any]]:
     """The global generators and those the modules hold, each with the name a message gives it."""
     np = _numpy()
     kinds: tuple[type, ...] = (random.Random,)
-    found = [("Python's random", random._inst)]  # type: ignore[attr-defined]
+    found = [("random", random._inst)]  # type: ignore[attr-defined]  # named as _Watch names them
     if np is not None:
         kinds += (np.random.RandomState, np.random.Generator)
         found.append(("numpy.random", np.random.mtrand._rand))
@@ -68,13 +69,17 @@ class _Watch:
 
     def __init__(self, where: Callable[[], str | None]) -> None:
         self.where = where
+        self.thread = threading.get_ident()  # the forward's; another thread's calls are not the model's
         self.seeded: set[str] = set()
         self.drawn: set[str] = set()
+        self.elsewhere: set[str] = set()  # generators another thread called meanwhile
         self.unseeded: tuple[str, str, str] | None = None  # (generator, module, line) of the first such draw
 
     def wrap(self, gen: str, name: str, f: Callable[..., Any], seeds: bool) -> Callable[..., Any]:
         def watched(*args: Any, **kwargs: Any) -> Any:
-            if seeds:
+            if threading.get_ident() != self.thread:
+                self.elsewhere.add(gen)
+            elif seeds:
                 value = args[0] if args else next(iter(kwargs.values()), None)
                 if gen not in self.drawn and value is not None:
                     self.seeded.add(gen)  # a seed of its own (none seeds from the OS: not the same each call)
@@ -82,7 +87,7 @@ class _Watch:
                 where = self.where()
                 line = user_line(traceback.extract_stack()[:-1])
                 self.unseeded = (f"{gen}.{name}()", "<root>" if where == "" else where or "<unknown>", line)
-            if not seeds:
+            if not seeds and threading.get_ident() == self.thread:
                 self.drawn.add(gen)
             return f(*args, **kwargs)
 
@@ -112,19 +117,21 @@ def refused(module: nn.Module, where: Callable[[], str | None], error: type[Exce
     """Within (the fake forward): raises `error` where the forward drew from a host generator it had not
     seeded (NOTE: [Host draws]); `where()` is the path of the module running."""
     generators = _generators(module)
-    before = [_state(g) for _, g in generators]
     watch = _Watch(where)
-    with watch.installed():
+    with watch.installed():  # the states read while watched: another thread's calls between are seen
+        before = [_state(g) for _, g in generators]
         yield
-    changed = [name for (name, g), s in zip(generators, before) if _state(g) != s]
-    changed = [name for name in changed if name not in watch.seeded]
+        changed = [name for (name, g), s in zip(generators, before) if _state(g) != s]
+    # a state another thread's calls changed is not the forward's to answer for
+    changed = [name for name in changed if name not in watch.seeded and name not in watch.elsewhere]
     if not changed and watch.unseeded is None:
         return
     if watch.unseeded is not None:
         what, path, line = watch.unseeded
         said = f"'{path}' ({_class(module, path)}): it calls {what}" + (f"\n  at {line}" if line else "")
     else:
-        said = f"'<root>' ({type(module).__name__}): it draws from {', '.join(changed)}"
+        names = ", ".join("Python's random" if name == "random" else name for name in changed)
+        said = f"'<root>' ({type(module).__name__}): it draws from {names}"
     raise error(
         f"fbmt.compile could not trace module {said}\n  why: a number drawn on the host is a constant of "
         "the traced program, which would use this trace's draw at every call where eager draws anew. Draw "
