@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_suite.sh STAGE OUT_DIR
 # Stages:
 #   checks       tests/gpu/: the GPT and Llama equivalence on CUDA (every GPU), the copy kernels, the offload Adam,
-#                a model compiled with offload=True against the same without
+#                a model compiled with offload=True against the same without, wav2vec2's CTC head and Whisper
 #   offload      one GPU: Llama of width 4096 at two sizes (benchmarks/offload.py --sweep), fbmt and FSDP2, each with
 #                and without offload (CPUOffloadPolicy): memory per layer; SIZES="L1,L2" and BACKEND override
 #   kernels      one GPU: what merging products saves (gemm_merge.py), fbmt's kernels against torch's
@@ -58,6 +58,7 @@ checks() {
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 tests/gpu/writes_on_gpu.py 2>&1 | tail -4
   run offload_model_on_gpu 240 tests/gpu/offload_model_on_gpu.py
   run hf_on_gpu 300 tests/gpu/hf_on_gpu.py
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tests/gpu/speech_on_gpu.py 2>&1 | grep -v Warn | tail -5
 }
 b136="--config 1.36b --batch 8 --seq 2048 --loss-in-model"
 case $stage in

@@ -1,0 +1,96 @@
+"""Speech models on CUDA, compiled by fbmt, against eager on the same GPU (one process).
+
+    python tests/gpu/speech_on_gpu.py
+
+wav2vec2's CTC head (its label check kept as a device-side check, NOTE: [Checks that raise]; its targets
+read as rows by fbmt::ctc_nll, NOTE: [CTC's selected targets]) with fbmt's executor and with Inductor, and
+Whisper: the losses and the parameters after 3 SGD steps at three input lengths, dropout off. Exits
+non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import fbmt  # noqa: E402
+from tests.test_families import AUDIO, ENCODER_DECODER, NO_DRAWS, VOCAB  # noqa: E402
+
+
+def _calls(kind: str, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for step in range(3):
+        if kind == "ctc":
+            labels = torch.randint(1, AUDIO["vocab_size"], (2, 6), generator=g)
+            labels[1, 4 - step :] = -100
+            call = dict(input_values=torch.randn(2, 400 + 40 * step, generator=g), labels=labels)
+        else:
+            call = dict(
+                input_features=torch.randn(2, 16, 32, generator=g),
+                labels=torch.randint(3, VOCAB, (2, 5 + step), generator=g),
+            )
+        calls.append({k: v.to(device) for k, v in call.items()})
+    return calls
+
+
+def train(ref: torch.nn.Module, kind: str, device: torch.device, **options) -> float:
+    """The worst relative error of the losses and of the parameters after 3 SGD steps."""
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False, **options)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    worst = 0.0
+    for call in _calls(kind, device):
+        want, got = ref(**call).loss, model(**call).loss
+        worst = max(worst, float((got - want).abs() / want.abs().clamp_min(1e-6)))
+        for loss, opt in zip((want, got), opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    full = model.full_parameters()
+    for name, p in ref.named_parameters():
+        scale = p.detach().abs().max().clamp_min(1e-6)
+        worst = max(worst, float((full[name] - p.detach()).abs().max() / scale))
+    return worst
+
+
+def main() -> None:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO, mask_time_prob=0.0, final_dropout=0.0)
+    failed = []
+    for backend in ("eager", "inductor"):
+        torch.manual_seed(0)
+        ref = transformers.AutoModelForCTC.from_config(config).to(device)
+        err = train(ref, "ctc", device, backend=backend, background_compile=False)
+        print(f"wav2vec2 CTC, {backend}: worst relative error {err:.2e}", flush=True)
+        if err > 1e-3:
+            failed.append(f"wav2vec2 CTC {backend}")
+    whisper = transformers.AutoConfig.for_model(
+        "whisper",
+        **{**ENCODER_DECODER, **NO_DRAWS, "decoder_start_token_id": 1},
+        vocab_size=VOCAB,
+        num_mel_bins=16,
+        max_source_positions=16,
+        max_target_positions=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    err = train(transformers.AutoModelForSpeechSeq2Seq.from_config(whisper).to(device), "speech", device)
+    print(f"whisper: worst relative error {err:.2e}", flush=True)
+    if err > 1e-3:
+        failed.append("whisper")
+    if failed:
+        raise SystemExit(f"FAILED: {failed}")
+    print("PASSED")
+
+
+if __name__ == "__main__":
+    main()
