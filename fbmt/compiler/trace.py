@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
 )
@@ -201,6 +202,9 @@ class _Selected:
     def __init__(self, values: torch.Tensor, mask: torch.Tensor) -> None:
         self.values, self.mask = values, mask
 
+    def __getattr__(self, name: str) -> Any:
+        raise DynamicOutputShapeException(aten.masked_select.default)  # any use but ctc_loss's: named
+
     def rows(self) -> torch.Tensor:
         """Each row's selected entries first, in order; what follows them is never read."""
         moved = torch.sort(self.mask.logical_not().to(torch.uint8), dim=1, stable=True).indices
@@ -232,12 +236,14 @@ _MASKED_SELECT = (torch.masked_select, torch.Tensor.masked_select)
 class _Decided(TorchFunctionMode):
     """Within a trace: `bool()` of a traced tensor where the answer is known: a comparison of a `rand` draw
     that has one answer (NOTE: [Draws compared with a bound]), a test whose other branch only raises,
-    checked at every call (NOTE: [Checks that raise])."""
+    checked at every call (NOTE: [Checks that raise]); and CTC's targets selected from a matrix (NOTE:
+    [CTC's selected targets])."""
 
     def __init__(self) -> None:
         super().__init__()
         self.draws = WeakTensorKeyDictionary()  # tensors drawn by rand: each value in [0, 1)
         self.decided = WeakTensorKeyDictionary()  # comparisons of a draw whose answer is known
+        self.selected = False  # a `_Selected` was made: every call's arguments are looked at for one
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is torch.Tensor.__bool__:
@@ -256,11 +262,14 @@ class _Decided(TorchFunctionMode):
                         mode.tracer.graph.erase_node(n)
                 assertions.check(args[0], *found)
                 return found[0]
-        if func is torch.nn.functional.ctc_loss and len(args) >= 4 and isinstance(args[1], _Selected):
-            return _ctc_of_selected(args, kwargs or {})
+        if self.selected and any(isinstance(a, _Selected) for a in (*args, *(kwargs or {}).values())):
+            if func is torch.nn.functional.ctc_loss and len(args) >= 4 and isinstance(args[1], _Selected):
+                return _ctc_of_selected(args, kwargs or {})
+            raise DynamicOutputShapeException(aten.masked_select.default)  # any use but ctc_loss's: named
         if func in _MASKED_SELECT and len(args) == 2 and not kwargs:
             values, mask = args
             if values.dim() == 2 and mask.shape == values.shape and not values.is_floating_point():
+                self.selected = True
                 return _Selected(values, mask)  # targets (a symbolic trace would give them a size of a value)
         out = func(*args, **(kwargs or {}))
         if func in (torch.rand, torch.rand_like) and out.dtype in _DRAW_DTYPES:
