@@ -269,6 +269,18 @@ AUDIO = dict(
 )
 
 
+WHISPER = dict(
+    {**ENCODER_DECODER, **NO_DRAWS, "decoder_start_token_id": 1},
+    vocab_size=VOCAB,
+    num_mel_bins=16,
+    max_source_positions=16,
+    max_target_positions=32,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def test_an_audio_classifier_trains_as_in_eager_and_its_spec_augment_is_named():
     """NOTE: [Host draws]: wav2vec2's SpecAugment (on in training by default: mask_time_prob=0.05) draws its
     masks with numpy, which a trace takes as constants: refused, naming the line and the setting; without
@@ -314,17 +326,7 @@ def test_a_ctc_head_of_this_family_trains_as_in_eager(model_type):
 def test_whisper_trains_as_in_eager():
     """Speech recognition's sequence-to-sequence model: log-mel features into convolutions, the decoder
     given labels of two lengths."""
-    config = transformers.AutoConfig.for_model(
-        "whisper",
-        **{**ENCODER_DECODER, **NO_DRAWS, "decoder_start_token_id": 1},
-        vocab_size=VOCAB,
-        num_mel_bins=16,
-        max_source_positions=16,
-        max_target_positions=32,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = transformers.AutoConfig.for_model("whisper", **WHISPER)
     torch.manual_seed(0)
     _trains_like_eager(transformers.AutoModelForSpeechSeq2Seq.from_config(config), "speech")
 

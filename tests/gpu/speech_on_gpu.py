@@ -20,7 +20,7 @@ import transformers
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import fbmt  # noqa: E402
-from tests.test_families import AUDIO, ENCODER_DECODER, NO_DRAWS, VOCAB  # noqa: E402
+from tests.test_families import AUDIO, VOCAB, WHISPER  # noqa: E402
 
 
 def _calls(kind: str, device: torch.device) -> list[dict[str, torch.Tensor]]:
@@ -71,17 +71,7 @@ def main() -> None:
         print(f"wav2vec2 CTC, {backend}: worst relative error {err:.2e}", flush=True)
         if err > 1e-3:
             failed.append(f"wav2vec2 CTC {backend}")
-    whisper = transformers.AutoConfig.for_model(
-        "whisper",
-        **{**ENCODER_DECODER, **NO_DRAWS, "decoder_start_token_id": 1},
-        vocab_size=VOCAB,
-        num_mel_bins=16,
-        max_source_positions=16,
-        max_target_positions=32,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    whisper = transformers.AutoConfig.for_model("whisper", **WHISPER)
     torch.manual_seed(0)
     err = train(transformers.AutoModelForSpeechSeq2Seq.from_config(whisper).to(device), "speech", device)
     print(f"whisper: worst relative error {err:.2e}", flush=True)
