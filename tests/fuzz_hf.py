@@ -6,15 +6,15 @@ training loops and batches for the run fbmt gets wrong.
     python -m tests.fuzz_hf --seeds 0:40 --bf16       # param_dtype=torch.bfloat16, against eager's bf16 copies
 
 Each seed draws a tiny family from tests/test_families.py's tables (causal, masked and sequence-to-sequence
-language models, sequence classifiers; `from_config`, nothing downloaded), one of tests/fuzz.py's option sets
-and training loops (plain; accumulation under `no_sync()`; eval calls between steps; a `no_grad()` call first;
-then clipping or a reload from the state_dict), and its batches as data collators make them: a length of its own
-at each step, rows (some steps more or fewer) padded on the left or on the right with their labels -100,
-`use_cache` left at the default or False, dropout on in some single-process runs, Hugging Face's gradient
-checkpointing on in some (enabled before compile, or after it as Trainer does). Three steps of SGD or AdamW
-are compared with eager on each rank's part (DDP's semantics: each rank's mean loss, the gradients averaged):
-the losses, the eval logits, then every parameter, within what rounding makes (eager in float64 beside it is
-the yardstick, in float32 for bf16 runs; as in tests/fuzz.py).
+language models, sequence classifiers, speech models' CTC heads; `from_config`, nothing downloaded), one of
+tests/fuzz.py's option sets and training loops (plain; accumulation under `no_sync()`; eval calls between
+steps; a `no_grad()` call first; then clipping or a reload from the state_dict), and its batches as data
+collators make them: a length of its own at each step, rows (some steps more or fewer) padded on the left or
+on the right with their labels -100, `use_cache` left at the default or False, dropout on in some
+single-process runs, Hugging Face's gradient checkpointing on in some (enabled before compile, or after it as
+Trainer does). Three steps of SGD or AdamW are compared with eager on each rank's part (DDP's semantics: each
+rank's mean loss, the gradients averaged): the losses, the eval logits, then every parameter, within what
+rounding makes (eager in float64 beside it is the yardstick, in float32 for bf16 runs; as in tests/fuzz.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ KINDS = {  # a family (and its head, after a slash) -> the kind of call
     **{name: "seq2seq" for name in [*fam.SEQ2SEQ, "t5"]},
     **{f"{name}/classifier": "classifier" for name in fam.CLASSIFIERS},
 }
+# CTC heads of speech models, drawn apart from KINDS (on one seed in 8) so that each seed's other draws
+# stay what they were
+SPEECH = {f"{name}/ctc": "ctc" for name in ["wav2vec2", "hubert", "wavlm"]}
 AUTO = {
+    "ctc": transformers.AutoModelForCTC,
     "classifier": transformers.AutoModelForSequenceClassification,
     "causal": transformers.AutoModelForCausalLM,
     "masked": transformers.AutoModelForMaskedLM,
@@ -60,16 +64,23 @@ def build(
     """The model of `seed`, its family, fbmt's options for it, and the generator that drew them."""
     rnd = random.Random(seed)
     name = rnd.choice(sorted(KINDS))
-    kind, family = KINDS[name], name.split("/")[0]
+    apart = random.Random(-2 - seed)
+    if apart.random() < 1 / 8:
+        name = apart.choice(sorted(SPEECH))
+    kind, family = {**KINDS, **SPEECH}[name], name.split("/")[0]
     draws = rnd.random() < 0.3 and ranks == 1 and how.backend is None  # Inductor draws its own numbers
     extra = fam.ENCODER_DECODER if kind in ("seq2seq", "classifier") else {}  # (num_labels=3)
     if family == "t5":
         extra = dict(d_ff=128, d_kv=16, decoder_start_token_id=0)
     no_draws = {k: (DROPOUT if draws else 0.0) for k in fam.NO_DRAWS}
     no_draws["router_jitter_noise"] = no_draws["input_jitter_noise"] = 0.0  # noise a router adds: not a mask
-    config = transformers.AutoConfig.for_model(
-        family, **{**fam.SMALL, **no_draws, **extra, **fam.CAUSAL.get(family, {})}
-    )
+    if kind == "ctc":  # SpecAugment off: it draws with numpy (NOTE: [Host draws])
+        speech = {"mask_time_prob": 0.0, "final_dropout": DROPOUT if draws else 0.0}
+        config = transformers.AutoConfig.for_model(family, **{**fam.AUDIO, **speech})
+    else:
+        config = transformers.AutoConfig.for_model(
+            family, **{**fam.SMALL, **no_draws, **extra, **fam.CAUSAL.get(family, {})}
+        )
     torch.manual_seed(seed)
     try:
         model = AUTO[kind].from_config(config, attn_implementation="sdpa")
@@ -103,6 +114,12 @@ def _compiled(ref: torch.nn.Module, seed: int, options: dict[str, Any]) -> tuple
 def _batch(kind: str, rnd: random.Random, rows: int, length: int, device: str) -> dict[str, torch.Tensor]:
     """One step's call as a collator pads it: every row its own count of pads, on the side `rnd` draws."""
     g = torch.Generator().manual_seed(rnd.randrange(2**31))
+    if kind == "ctc":  # 40 samples of audio a token's length; transcripts padded with -100 on the right
+        labels = torch.randint(1, fam.AUDIO["vocab_size"], (rows, rnd.randint(3, 6)), generator=g)
+        for r in range(rows):
+            labels[r, labels.shape[1] - rnd.randrange(labels.shape[1] - 1) :] = -100
+        call = dict(input_values=torch.randn(rows, 40 * length, generator=g), labels=labels)
+        return {k: v.to(device) for k, v in call.items()}
     ids = torch.randint(3, fam.VOCAB, (rows, length), generator=g)
     mask = torch.ones_like(ids)
     side = rnd.choice(["none", "left", "right"])
@@ -223,7 +240,7 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, how: fuzz.How = PLAIN) -> 
             opts[i].step()
             opts[i].zero_grad()
         for k in range(micro):
-            got, want, wide = (losses[i, mine.start, k] for i in range(3))
+            want, got, wide = (losses[i, mine.start, k] for i in range(3))  # eager, fbmt, float64
             if not abs(want) < 1e6:
                 return None  # eager's loss overflowed, or eager itself fails
             first = want if first is None else first
