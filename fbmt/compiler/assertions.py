@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
 import sys
 import types
 from typing import Any
@@ -32,7 +33,8 @@ _parsed: dict[str, tuple[int, ast.Module, dict[ast.AST, ast.AST]]] = {}  # file 
 def _user_frame() -> types.FrameType | None:
     """The innermost frame outside torch and fbmt: the model's line that asked for a tensor's truth."""
     f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_LIBRARY_DIRS):
+    # by absolute path: a script that puts `tests/gpu/../..` on sys.path imports fbmt from a path with `..`
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_LIBRARY_DIRS):
         f = f.f_back
     return f
 
