@@ -63,7 +63,7 @@ def _raises(statement: ast.AST) -> bool:
 
 def passing_answer() -> tuple[bool, str] | None:
     """Where the caller's caller is `bool()` of a traced tensor: the answer that does not raise, and the
-    statement's `file:line: source`; None where the test is not such a check."""
+    statement's `file:line: source` (the file's name); None where the test is not such a check."""
     frame = _user_frame()
     if frame is None:
         return None
@@ -122,7 +122,7 @@ def passing_answer() -> tuple[bool, str] | None:
             # the answer that does not raise may be either
             return None
     source = linecache.getline(filename, statement.lineno).strip()
-    return needed, f"{filename}:{statement.lineno}: {source}"
+    return needed, f"{os.path.basename(filename)}:{statement.lineno}: {source}"
 
 
 def check(tensor: Any, passing: bool, where: str) -> None:
@@ -130,8 +130,6 @@ def check(tensor: Any, passing: bool, where: str) -> None:
     import torch
 
     value = tensor != 0 if tensor.dtype != torch.bool else tensor
-    torch._assert_async(
-        value if passing else value.logical_not(),
-        f"fbmt: this call's values take the branch that raises in eager at {where} (the program was traced "
-        "past it: NOTE: [Checks that raise])",
-    )
+    said = f"fbmt: this call's values take the branch that raises in eager at {where}"
+    # CUDA's kernel takes a message of under 255 characters
+    torch._assert_async(value if passing else value.logical_not(), said if len(said) < 255 else said[:251] + "...")
