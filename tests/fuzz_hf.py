@@ -26,6 +26,7 @@ import random
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 
@@ -74,9 +75,15 @@ def build(
         extra = dict(d_ff=128, d_kv=16, decoder_start_token_id=0)
     no_draws = {k: (DROPOUT if draws else 0.0) for k in fam.NO_DRAWS}
     no_draws["router_jitter_noise"] = no_draws["input_jitter_noise"] = 0.0  # noise a router adds: not a mask
-    if kind == "ctc":  # SpecAugment off: it draws with numpy (NOTE: [Host draws])
-        speech = {"mask_time_prob": 0.0, "final_dropout": DROPOUT if draws else 0.0}
+    if kind == "ctc":  # SpecAugment's spans drawn with numpy at every call (NOTE: [Host calls]), on 3 seeds in 4
+        spans = dict(mask_time_prob=0.2, mask_time_length=2, mask_feature_prob=0.1, mask_feature_length=4)
+        speech = {
+            **(spans if apart.random() < 0.75 else {"mask_time_prob": 0.0}),
+            "final_dropout": DROPOUT if draws else 0.0,
+        }
         config = transformers.AutoConfig.for_model(family, **{**fam.AUDIO, **speech})
+        if not hasattr(config, "mask_feature_min_masks"):  # WavLM's reads it, though its config lacks it
+            config.mask_feature_prob = 0.0
     else:
         config = transformers.AutoConfig.for_model(
             family, **{**fam.SMALL, **no_draws, **extra, **fam.CAUSAL.get(family, {})}
@@ -118,7 +125,11 @@ def _batch(kind: str, rnd: random.Random, rows: int, length: int, device: str) -
         labels = torch.randint(1, fam.AUDIO["vocab_size"], (rows, rnd.randint(3, 6)), generator=g)
         for r in range(rows):
             labels[r, labels.shape[1] - rnd.randrange(labels.shape[1] - 1) :] = -100
-        call = dict(input_values=torch.randn(rows, 40 * length, generator=g), labels=labels)
+        audio = torch.randn(rows, 40 * length, generator=g)
+        call = dict(input_values=audio, labels=labels)
+        if rows > 1:  # the last row's audio padded with zeros, as the feature extractor pads
+            audio[-1, 40 * length - 40 * int(torch.randint(0, length // 2, (), generator=g)) :] = 0
+            call["attention_mask"] = (audio != 0).long()
         return {k: v.to(device) for k, v in call.items()}
     ids = torch.randint(3, fam.VOCAB, (rows, length), generator=g)
     mask = torch.ones_like(ids)
@@ -203,6 +214,7 @@ def compare(seed: int, rank: int = 0, ranks: int = 1, how: fuzz.How = PLAIN) -> 
 
     def call(m: torch.nn.Module, c: dict[str, torch.Tensor], seed: int) -> Any:
         torch.manual_seed(seed)  # dropout draws eager's masks from the same seed
+        np.random.seed(seed)  # and SpecAugment eager's spans
         return m(**c, **extra)
 
     micro = 2 if loop == "accumulate" else 1  # a step's micro-batches: a rank's first row, then the rest

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import logging
 import random
+import sys
 import threading
 import time
 
@@ -16,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fbmt
-from fbmt.compiler import meta
+from fbmt.compiler import host_calls, meta
 from tests.models.reference import MLP, Buffered, batch, gpt, loss_of
 from tests.workers import step_matches
 
@@ -199,6 +200,128 @@ def test_draws_of_another_thread_while_tracing_are_not_the_models():
     finally:
         stop.set()
         thread.join()
+
+
+def _spans(shape: tuple[int, int], lengths: torch.Tensor, p: float) -> np.ndarray:
+    """Host work of SpecAugment's kind: each row's length read on the host, its spans drawn with numpy."""
+    out = np.zeros(shape, dtype=bool)
+    for row, n in enumerate(lengths.tolist()):
+        out[row, :n] = np.random.rand(n) < p
+    return out
+
+
+class Spans(nn.Module):
+    """A learned embedding put where `_spans` says, as wav2vec2's SpecAugment puts its `masked_spec_embed`."""
+
+    def __init__(self, misuse: str | None = None):
+        super().__init__()
+        self.lin, self.misuse = nn.Linear(4, 4), misuse
+        self.embed = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, mask):
+        h = self.lin(x)
+        spans = _spans(tuple(h.shape[:2]), mask.sum(-1), 0.5)
+        if self.misuse == "read":
+            spans = spans.any(axis=1)
+        if self.misuse == "dropped":
+            return (h * h).sum()
+        h[torch.tensor(spans, device=h.device, dtype=torch.bool)] = self.embed
+        return (h * h).sum()
+
+
+@pytest.fixture
+def spans_on_host(monkeypatch):
+    """`_spans` registered as a host call, as the Hugging Face integration registers SpecAugment's."""
+    found = [
+        host_calls.HostFunction(sys.modules[__name__], "_spans", lambda b: (tuple(b.arguments["shape"]), torch.bool))
+    ]
+    monkeypatch.setattr(host_calls, "_FINDERS", [*host_calls._FINDERS, lambda: found])
+
+
+def test_a_host_call_draws_eagers_numbers_at_every_call(spans_on_host):
+    """NOTE: [Host calls]: a registered function of the forward runs on the host at every call, on the
+    call's values (the rows' lengths, read with .tolist()), drawing from numpy as eager does: eager's
+    spans, losses and gradients, and numpy's generator left where eager leaves it, at lengths never traced."""
+    torch.manual_seed(0)
+    ref = Spans()
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    for step, length in enumerate([5, 7, 9, 6]):
+        x = torch.randn(2, length, 4)
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[1, length - 2 :] = 0
+        results = []
+        for m in (ref, model):
+            np.random.seed(step)
+            loss = m(x, mask)
+            loss.backward()
+            results.append((loss, np.random.get_state()[1].copy()))
+        (want, state), (got, after) = results
+        torch.testing.assert_close(got, want, msg=f"step {step}")
+        assert (after == state).all(), f"step {step}: numpy's generator is not where eager left it"
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=f"step {step}: {name}")
+        ref.zero_grad()
+        model.zero_grad()
+    assert len(model.programs) == 2  # the second length's symbolic program serves the others
+
+
+def test_a_program_with_a_host_call_loaded_from_the_cache_draws_eagers_numbers(spans_on_host, tmp_path):
+    """NOTE: [Host calls]: the call is one node of the saved program, which a second job loads and runs."""
+    torch.manual_seed(0)
+    ref = Spans()
+    x, mask = torch.randn(2, 5, 4), torch.ones(2, 5, dtype=torch.long)
+    np.random.seed(1)
+    want = ref(x, mask)
+    for job in ("saves", "loads"):
+        model = fbmt.compile(copy.deepcopy(ref), cache_dir=tmp_path)
+        np.random.seed(1)
+        torch.testing.assert_close(model(x, mask), want, msg=job)
+    assert model.program.origin.startswith("loaded from the compile cache")
+
+
+@pytest.mark.parametrize(
+    "misuse, said",
+    [
+        ("read", r"the result of _spans\(\), (.|\n)*is read for .any\n  at .*: spans = spans.any"),
+        ("dropped", r"the result of _spans\(\), (.|\n)*is never turned into a tensor\n  at .*: spans = _spans"),
+    ],
+)
+def test_a_host_calls_result_used_on_the_host_is_refused(spans_on_host, misuse, said):
+    """NOTE: [Host calls]: a result the program cannot compute again at every call: refused, naming the line."""
+    mask = torch.ones(2, 5, dtype=torch.long)
+    with pytest.raises(fbmt.TraceError, match=said):
+        fbmt.compile(Spans(misuse), cache_dir=False)(torch.randn(2, 5, 4), mask)
+
+
+def test_a_function_drawing_on_the_host_unregistered_is_refused():
+    """Without the registration `_spans` reads values no trace has, then draws from numpy."""
+    with pytest.raises(fbmt.TraceError, match=r"at .*: for row, n in enumerate\(lengths.tolist\(\)\)"):
+        fbmt.compile(Spans(), cache_dir=False)(torch.randn(2, 5, 4), torch.ones(2, 5, dtype=torch.long))
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fill = nn.Parameter(torch.randn(4))
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        h = self.lin(x)
+        h[x[..., 0] > 0] = self.fill  # one value for every selected row
+        h[x > 1] = self.scale  # one value for every selected element
+        return (h * h).sum()
+
+
+def test_a_differentiable_value_assigned_where_a_mask_is_true_trains_as_eager():
+    """NOTE: [Masked assignment]: `h[mask] = parameter` could not be traced: autograd's backward gathers
+    the gradient at the mask's true elements, a size of values."""
+    ref, model = _pair(Masked)
+    for step in range(2):
+        step_matches(model, ref, torch.randn(3, 5, 4), msg=f"step {step}")
+        ref.zero_grad()
+        model.zero_grad()
 
 
 def test_a_gradient_penalty_through_the_compiled_backward_is_refused():

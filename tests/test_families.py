@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,7 +157,12 @@ def _calls(kind: str, g: torch.Generator) -> list[dict[str, torch.Tensor]]:
         if kind == "ctc":  # a transcript a row, the shorter padded with -100 (as the CTC collators pad)
             labels = torch.randint(1, AUDIO["vocab_size"], (2, 6), generator=g)
             labels[1, 4 - step :] = -100
-            calls.append(dict(input_values=torch.randn(2, 400 + 40 * step, generator=g), labels=labels))
+            audio = torch.randn(2, 400 + 40 * step, generator=g)
+            call = dict(input_values=audio, labels=labels)
+            if step:  # the second row's audio padded with zeros, as the feature extractor pads
+                audio[1, 300:] = 0
+                call["attention_mask"] = (audio != 0).long()
+            calls.append(call)
             continue
         if kind == "speech":
             features = torch.randn(2, 16, 32, generator=g)
@@ -187,11 +193,14 @@ def _trains_like_eager(ref: torch.nn.Module, kind: str) -> None:
     model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
     for step, call in enumerate(_calls(kind, torch.Generator().manual_seed(1))):
-        losses = []
+        losses, drawn = [], []
         for m in (ref, model):
             torch.manual_seed(step)  # a model with dropout on draws eager's masks
+            np.random.seed(step)  # and one with SpecAugment on eager's spans (NOTE: [Host calls])
             losses.append(m(**call).loss)
+            drawn.append(np.random.get_state()[1].copy())
         want, got = losses
+        assert (drawn[0] == drawn[1]).all(), f"step {step}: numpy's generator is not where eager's call left it"
         want.backward()
         got.backward()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step}: the loss")
@@ -281,19 +290,12 @@ WHISPER = dict(
 )
 
 
-def test_an_audio_classifier_trains_as_in_eager_and_its_spec_augment_is_named():
-    """NOTE: [Host draws]: wav2vec2's SpecAugment (on in training by default: mask_time_prob=0.05) draws its
-    masks with numpy, which a trace takes as constants: refused, naming the line and the setting; without
-    it the model trains as eager."""
-    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO)
-    torch.manual_seed(0)
-    spec = fbmt.compile(transformers.AutoModelForAudioClassification.from_config(config), cache_dir=False)
-    call = dict(input_values=torch.randn(2, 400), labels=torch.tensor([0, 2]))
-    with pytest.raises(
-        fbmt.TraceError, match=r"numpy.random.rand\(\)\n  at .*modeling_wav2vec2.py(.|\n)*mask_time_prob"
-    ):
-        spec(**call)
-    config.mask_time_prob = 0.0
+def test_an_audio_classifier_trains_as_in_eager_with_spec_augment_on():
+    """wav2vec2's SpecAugment, on in training by default (mask_time_prob=0.05), draws its masked spans with
+    numpy: refused once (NOTE: [Host draws]), it now runs on the host at every call (NOTE: [Host calls]),
+    eager's spans given the same numpy seed; its learned embedding put where they fall (NOTE: [Masked
+    assignment]) gets eager's gradient. The spans along the features too."""
+    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO, mask_feature_prob=0.2, mask_feature_length=4)
     torch.manual_seed(0)
     _trains_like_eager(transformers.AutoModelForAudioClassification.from_config(config), "audio")
 
@@ -302,7 +304,7 @@ def test_a_ctc_head_trains_as_in_eager_and_checks_its_labels_at_every_call():
     """wav2vec2's CTC head could not be traced: it checks `labels.max() >= vocab_size` in Python (NOTE:
     [Checks that raise]) and gathers its targets with `masked_select` (NOTE: [CTC's selected targets]).
     It trains as eager; labels past the vocabulary raise at the call, as eager raises."""
-    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO, mask_time_prob=0.0)
+    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO)
     torch.manual_seed(0)
     ref = transformers.AutoModelForCTC.from_config(config)
     _trains_like_eager(ref, "ctc")
@@ -318,7 +320,7 @@ def test_a_ctc_head_trains_as_in_eager_and_checks_its_labels_at_every_call():
 def test_a_ctc_head_of_this_family_trains_as_in_eager(model_type):
     """The conformer writes its position table in place, so its trace is run again under functionalization:
     the label check's failed read, left in the first graph, failed that run (NOTE: [Checks that raise])."""
-    config = transformers.AutoConfig.for_model(model_type, **AUDIO, mask_time_prob=0.0)
+    config = transformers.AutoConfig.for_model(model_type, **AUDIO)
     torch.manual_seed(0)
     _trains_like_eager(transformers.AutoModelForCTC.from_config(config), "ctc")
 

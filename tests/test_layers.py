@@ -12,7 +12,7 @@ and never in a circle. Imports under `if TYPE_CHECKING:` serve annotations only 
 Inside the compiler:
 
     ir       meta, collectives/, ops/, layout, program, objects, decisions, owners      + base
-    trace    trace, masks, stamp, host_draws, assertions                                + ir
+    trace    trace, masks, stamp, host_draws, host_calls, assertions                    + ir
     passes   passes/                                                                    + ir
     runtime  runtime/                                                                   + ir (never passes)
     front    options, plan, pipeline, module, agreement, api, the package               + the compiler
@@ -54,6 +54,7 @@ GROUPS = [  # (module prefix, group); the longest matching prefix decides; a mod
     ("fbmt.compiler.masks", "compiler.trace"),
     ("fbmt.compiler.stamp", "compiler.trace"),
     ("fbmt.compiler.host_draws", "compiler.trace"),
+    ("fbmt.compiler.host_calls", "compiler.trace"),
     ("fbmt.compiler.assertions", "compiler.trace"),
     ("fbmt.compiler.passes", "compiler.passes"),
     ("fbmt.compiler.runtime", "compiler.runtime"),

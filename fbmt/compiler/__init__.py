@@ -28,6 +28,8 @@ from fbmt.compiler import cache as compile_cache
 from fbmt.compiler import collectives, meta, ops, passes
 from fbmt.compiler.api import compile_module
 from fbmt.compiler.decisions import Schedule
+from fbmt.compiler.host_calls import HostFunction
+from fbmt.compiler.host_calls import register as register_host_function
 from fbmt.compiler.layout import FlatGroup, Layout, ParamSlot, copy_into_shard, local_range, plan_layout
 from fbmt.compiler.meta import BWD, FWD
 from fbmt.compiler.module import CompiledModule
@@ -51,6 +53,7 @@ __all__ = [
     "CompiledModule",
     "Executable",
     "FlatGroup",
+    "HostFunction",
     "Layout",
     "Moved",
     "Note",
@@ -77,6 +80,7 @@ __all__ = [
     "passes",
     "pipeline_passes",
     "plan_layout",
+    "register_host_function",
     "register_trace_hint",
     "replaced",
     "take",

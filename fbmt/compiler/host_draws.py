@@ -1,17 +1,19 @@
 """Draws from the host's random generators in a traced forward (NOTE: [Host draws]).
 
 NOTE: [Host draws]
-A forward that draws from Python's `random` or numpy's generator (SpecAugment's masks, LayerDrop
-written with `np.random.random()`, an augmentation that picks its crop with `random.randint`) computes
-on numbers the trace sees as constants: a program would replay this trace's draws at every call, where
-eager draws anew, and train on other values, silently. So while the fake forward runs, the functions
-of `random` and `numpy.random` are watched (the first draw's module and line are kept), and the
+A forward that draws from Python's `random` or numpy's generator (LayerDrop written with
+`np.random.random()`, an augmentation that picks its crop with `random.randint`) computes on numbers
+the trace sees as constants: a program would replay this trace's draws at every call, where eager
+draws anew, and train on other values, silently. So while the fake forward runs, the functions of
+`random` and `numpy.random` are watched (the first draw's module and line are kept), and the
 generators' states, and those of the generator objects the modules hold (`self.rng`), are compared
 before and after. A forward that seeds a generator before it draws from it (BigBird's random
 attention runs `np.random.seed(layer)`) draws the same numbers at every call, which a program can
-hold (though eager leaves the generator where those draws took it, and a compiled call leaves it as it
-was); any other draw is refused, naming the module and the line, with what to do instead: torch's
-random functions, which a program runs at every call, or the draw made outside the model and passed in.
+hold; eager leaves the generator where those draws took it, and so does each call of the program
+(the state the trace's forward left it in, set again after the call: `leave`). Any other draw is
+refused, naming the module and the line, with what to do instead: torch's random functions, which a
+program runs at every call, or the draw made outside the model and passed in. (Functions registered
+as host calls, SpecAugment's among them, run at every call instead: NOTE: [Host calls].)
 """
 
 from __future__ import annotations
@@ -113,15 +115,20 @@ class _Watch:
 
 
 @contextmanager
-def refused(module: nn.Module, where: Callable[[], str | None], error: type[Exception]) -> Iterator[None]:
+def refused(
+    module: nn.Module, where: Callable[[], str | None], error: type[Exception]
+) -> Iterator[list[tuple[str, Any]]]:
     """Within (the fake forward): raises `error` where the forward drew from a host generator it had not
-    seeded (NOTE: [Host draws]); `where()` is the path of the module running."""
+    seeded (NOTE: [Host draws]); `where()` is the path of the module running. Gives a list that holds,
+    after, each global generator the forward seeded with the state it left it in (for `leave`)."""
     generators = _generators(module)
     watch = _Watch(where)
+    left: list[tuple[str, Any]] = []
     with watch.installed():  # the states read while watched: another thread's calls between are seen
         before = [_state(g) for _, g in generators]
-        yield
+        yield left
         changed = [name for (name, g), s in zip(generators, before) if _state(g) != s]
+        left.extend((name, _GETS[name]()) for name in sorted(watch.seeded - watch.elsewhere))
     # a state another thread's calls changed is not the forward's to answer for
     changed = [name for name in changed if name not in watch.seeded and name not in watch.elsewhere]
     if not changed and watch.unseeded is None:
@@ -140,6 +147,21 @@ def refused(module: nn.Module, where: Callable[[], str | None], error: type[Exce
     )
 
 
+# by the generators themselves: the modules' functions are watched while the forward runs
+_GETS = {"random": lambda: random._inst.getstate(), "numpy.random": lambda: _numpy().random.mtrand._rand.get_state()}
+_SETS = {
+    "random": lambda state: random._inst.setstate(state),
+    "numpy.random": lambda state: _numpy().random.mtrand._rand.set_state(state),
+}
+
+
+def leave(left: list[tuple[str, Any]]) -> None:
+    """Set the generators a forward seeded to where the traced forward left them, as eager's call leaves
+    them (NOTE: [Host draws])."""
+    for name, state in left:
+        _SETS[name](state)
+
+
 def _class(module: nn.Module, path: str) -> str:
     try:
         return type(module.get_submodule(path) if path not in ("<root>", "<unknown>") else module).__name__
@@ -148,14 +170,10 @@ def _class(module: nn.Module, path: str) -> str:
 
 
 def _hint(module: nn.Module) -> str:
-    """What a Hugging Face model's config turns off: SpecAugment (wav2vec2, HuBERT, WavLM, Whisper's
-    `apply_spec_augment`) and LayerDrop written with numpy."""
+    """What a Hugging Face model's config turns off: LayerDrop written with numpy (wav2vec2's adapter,
+    Data2Vec-Audio's)."""
     config = getattr(module, "config", None)
-    names = [
-        k
-        for k in ("mask_time_prob", "mask_feature_prob", "apply_spec_augment", "layerdrop")
-        if getattr(config, k, None) not in (None, 0, 0.0, False)
-    ]
+    names = [k for k in ("layerdrop",) if getattr(config, k, None) not in (None, 0, 0.0, False)]
     if not names:
         return ""
     return (

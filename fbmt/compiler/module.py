@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from fbmt import job
-from fbmt.compiler import cache, objects, owners, pipeline, trace
+from fbmt.compiler import cache, host_draws, objects, owners, pipeline, trace
 from fbmt.compiler.agreement import check_ranks_agree
 from fbmt.compiler.layout import Layout, copy_into_shard
 from fbmt.compiler.ops import record
@@ -514,11 +514,12 @@ class CompiledModule(nn.Module):
             with torch.no_grad():
                 outs = exe.run_forward(*feed)[0]
         else:
-            # recording ops report from the host, which a replayed graph does not run
-            graphed = self.options.cuda_graph and not exe.records
+            # recording ops and host calls run on the host, which a replayed graph does not
+            graphed = self.options.cuda_graph and not exe.on_host
             runner = self._graphs(key, exe) if graphed else exe
             sync = None if graphed else self._sync  # graphs replay their reductions (NOTE: [Accumulation without sync])
             outs = RunProgram.apply(exe, runner, self._routes(), sync, *feed, *self._view_arguments())
+        host_draws.leave(program.seeded)  # where eager's draws leave them (NOTE: [Host draws])
         flat = program.results.assemble(dict(zip(exe.output_keys, outs)), leaves, self._orig)
         return pytree.tree_unflatten(flat, program.out_spec)
 

@@ -162,6 +162,9 @@ class Program:
     # a program loaded from the compile cache sets them again; None: it did what the cache cannot do
     # again (NOTE: [What a forward keeps on its modules] in fbmt/compiler/trace.py)
     writes: list[tuple[str, str, Any]] | None = field(default_factory=list)
+    # (generator, state) of each host generator the forward seeded, as its draws left it: set again after
+    # every call, where eager's call leaves it (NOTE: [Host draws] in fbmt/compiler/host_draws.py)
+    seeded: list[tuple[str, Any]] = field(default_factory=list)
     # Not fields: set by the pass runner for one pass (`copy`). _owned: no one else holds this program
     # (the pass before made it), so the pass may write to it; _written: the pass did.
     _owned = False

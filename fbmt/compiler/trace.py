@@ -44,9 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fbmt import flags, logs
-from fbmt.compiler import assertions, host_draws, masks, meta, objects, sizes, stamp
+from fbmt.compiler import assertions, host_calls, host_draws, masks, meta, objects, sizes, stamp
 from fbmt.compiler.layout import Layout
-from fbmt.compiler.ops import ctc, record
+from fbmt.compiler.ops import ctc, masked_put, record
 from fbmt.compiler.ops.graph import fake_value
 from fbmt.compiler.program import BWD, FWD, Program, Results, Role
 from fbmt.logs import user_line
@@ -233,19 +233,42 @@ def _ctc_of_selected(args: tuple, kwargs: dict) -> Any:
 _MASKED_SELECT = (torch.masked_select, torch.Tensor.masked_select)
 
 
+_TENSOR_OF = (torch.tensor, torch.as_tensor, torch.from_numpy)
+
+
 class _Decided(TorchFunctionMode):
     """Within a trace: `bool()` of a traced tensor where the answer is known: a comparison of a `rand` draw
     that has one answer (NOTE: [Draws compared with a bound]), a test whose other branch only raises,
-    checked at every call (NOTE: [Checks that raise]); and CTC's targets selected from a matrix (NOTE:
-    [CTC's selected targets])."""
+    checked at every call (NOTE: [Checks that raise]); CTC's targets selected from a matrix (NOTE:
+    [CTC's selected targets]); the results of functions called on the host at every call (NOTE: [Host
+    calls]), and a differentiable value assigned where a mask is true (NOTE: [Masked assignment])."""
 
     def __init__(self) -> None:
         super().__init__()
         self.draws = WeakTensorKeyDictionary()  # tensors drawn by rand: each value in [0, 1)
         self.decided = WeakTensorKeyDictionary()  # comparisons of a draw whose answer is known
         self.selected = False  # a `_Selected` was made: every call's arguments are looked at for one
+        self.host = host_calls.Calls(TraceError)
+        self._host_installed: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> _Decided:
+        self._host_installed = contextlib.ExitStack()
+        self._host_installed.enter_context(self.host.installed())
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            installed, self._host_installed = self._host_installed, None
+            if installed is not None:
+                installed.__exit__(*exc)  # a host array never made a tensor: refused (NOTE: [Host calls])
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _TENSOR_OF and args and isinstance(args[0], host_calls.HostArray):
+            return args[0].tensor(*args[1:], **(kwargs or {}))
+        if func is torch.Tensor.__setitem__ and _masked_assignment(*args):
+            return None
         if func is torch.Tensor.__bool__:
             if args[0] in self.decided:
                 return self.decided[args[0]]
@@ -279,6 +302,29 @@ class _Decided(TorchFunctionMode):
             if always(args[1]) or never(args[1]):
                 self.decided[out] = bool(always(args[1]))
         return out
+
+
+# NOTE: [Masked assignment]
+# `x[mask] = value`, where `value` requires grad: autograd's backward of the assignment gathers the
+# gradient at the mask's true elements (`grad[mask]`), a size of values no trace has. Where `value` is the
+# same for every selected element (it broadcasts to one element's shape: SpecAugment's learned embedding,
+# a bias), the assignment is `x.copy_(fbmt::masked_put(x, mask, value))` (fbmt/compiler/ops/masked_put.py),
+# whose backward gathers inside an op, at run time, as eager's does: eager's values, to the bit.
+def _masked_assignment(x: Any, index: Any, value: Any) -> bool:
+    """Assign `value` to `x` where the boolean `index` is true, as above; False where it does not apply."""
+    if not (
+        isinstance(x, torch.Tensor)
+        and isinstance(index, torch.Tensor)
+        and index.dtype is torch.bool
+        and isinstance(value, torch.Tensor)
+        and value.requires_grad
+        and 0 < index.dim() <= x.dim()
+        and value.dim() <= x.dim() - index.dim()
+        and index.shape == x.shape[: index.dim()]
+    ):
+        return False
+    x.copy_(masked_put.masked_put(x, index, value.to(x.dtype)))
+    return True
 
 
 def _is_number(x: Any) -> bool:
@@ -492,7 +538,7 @@ def trace(
         recording = stamper.recording() if stamper is not None else contextlib.nullcontext()
         with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), fake_mode, probe_ops, recording:
             draws = host_draws.refused(module, lambda: tagger.current, TraceError)  # NOTE: [Host draws]
-            with draws, torch.enable_grad() if needs_grad else torch.no_grad():
+            with draws as seeded, torch.enable_grad() if needs_grad else torch.no_grad():
                 probe_ps = [p.detach().requires_grad_(rg) for p, rg in zip(fake_params, param_rg)]
                 probe_bs = [b.clone() for b in fake_buffers]
                 probe, copies, assigned = call(
@@ -644,6 +690,13 @@ def trace(
         writes.reset()  # a failed trace leaves the modules as the call found them
         raise
     program.writes = writes.done()
+    program.seeded = seeded
+    if seeded and any(n.target is torch.ops.fbmt.host_call.default for n in program.graph.nodes):
+        raise TraceError(
+            "fbmt.compile: the forward seeds " + ", ".join(name for name, _ in seeded) + " and calls a function "
+            "on the host at every call (NOTE: [Host calls]), which eager runs on the seeded generator and a "
+            "program on the generator as the call finds it; draw with torch's random functions instead"
+        )
     return program
 
 

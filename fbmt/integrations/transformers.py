@@ -27,12 +27,13 @@ import inspect
 import logging
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
 
-from fbmt.compiler import CompiledModule, register_trace_hint
+from fbmt.compiler import CompiledModule, HostFunction, register_host_function, register_trace_hint
 
 log = logging.getLogger("fbmt")
 
@@ -399,3 +400,19 @@ def _layerdrop_hint(module: nn.Module, kind: str) -> str | None:
 
 
 register_trace_hint(_layerdrop_hint)
+
+
+def _spec_augment() -> Iterator[HostFunction]:
+    """SpecAugment's draws of masked spans (wav2vec2, HuBERT, WavLM, Data2Vec-Audio, SEW, UniSpeech,
+    SpeechT5, Whisper, ...): `_compute_mask_indices(shape, ...)`, a boolean array of `shape`, wherever
+    a loaded modeling module defines or imports it, called on the host at every call (NOTE: [Host calls])."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformers.models.") and callable(getattr(module, "_compute_mask_indices", None)):
+            yield HostFunction(module, "_compute_mask_indices", _mask_shape)
+
+
+def _mask_shape(bound: inspect.BoundArguments) -> tuple[tuple, torch.dtype]:
+    return tuple(bound.arguments["shape"]), torch.bool
+
+
+register_host_function(_spec_augment)

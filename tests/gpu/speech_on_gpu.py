@@ -3,9 +3,10 @@
     python tests/gpu/speech_on_gpu.py
 
 wav2vec2's CTC head (its label check kept as a device-side check, NOTE: [Checks that raise]; its targets
-read as rows by fbmt::ctc_nll, NOTE: [CTC's selected targets]) with fbmt's executor and with Inductor, and
-Whisper: the losses and the parameters after 3 SGD steps at three input lengths, dropout off. Exits
-non-zero on a mismatch.
+read as rows by fbmt::ctc_nll, NOTE: [CTC's selected targets]; SpecAugment's spans drawn on the host at
+every call, NOTE: [Host calls], from padded rows' lengths) with fbmt's executor, with Inductor, and with
+cuda_graph=True (which such a program runs without), and Whisper: the losses and the parameters after 3
+SGD steps at three input lengths, dropout off, numpy seeded alike. Exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import copy
 import os
 import sys
 
+import numpy as np
 import torch
 import transformers
 
@@ -30,7 +32,9 @@ def _calls(kind: str, device: torch.device) -> list[dict[str, torch.Tensor]]:
         if kind == "ctc":
             labels = torch.randint(1, AUDIO["vocab_size"], (2, 6), generator=g)
             labels[1, 4 - step :] = -100
-            call = dict(input_values=torch.randn(2, 400 + 40 * step, generator=g), labels=labels)
+            audio = torch.randn(2, 400 + 40 * step, generator=g)
+            audio[1, 300:] = 0  # padded, as the feature extractor pads
+            call = dict(input_values=audio, attention_mask=(audio != 0).long(), labels=labels)
         else:
             call = dict(
                 input_features=torch.randn(2, 16, 32, generator=g),
@@ -45,8 +49,12 @@ def train(ref: torch.nn.Module, kind: str, device: torch.device, **options) -> f
     model = fbmt.compile(copy.deepcopy(ref), cache_dir=False, **options)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
     worst = 0.0
-    for call in _calls(kind, device):
-        want, got = ref(**call).loss, model(**call).loss
+    for step, call in enumerate(_calls(kind, device)):
+        losses = []
+        for m in (ref, model):
+            np.random.seed(step)  # SpecAugment's spans: eager's
+            losses.append(m(**call).loss)
+        want, got = losses
         worst = max(worst, float((got - want).abs() / want.abs().clamp_min(1e-6)))
         for loss, opt in zip((want, got), opts):
             loss.backward()
@@ -62,15 +70,16 @@ def train(ref: torch.nn.Module, kind: str, device: torch.device, **options) -> f
 def main() -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO, mask_time_prob=0.0, final_dropout=0.0)
+    spans = dict(mask_time_prob=0.3, mask_time_length=2, mask_feature_prob=0.2, mask_feature_length=4)
+    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO, **spans, final_dropout=0.0)
     failed = []
-    for backend in ("eager", "inductor"):
+    for how in (dict(backend="eager"), dict(backend="inductor"), dict(backend="eager", cuda_graph=True)):
         torch.manual_seed(0)
         ref = transformers.AutoModelForCTC.from_config(config).to(device)
-        err = train(ref, "ctc", device, backend=backend, background_compile=False)
-        print(f"wav2vec2 CTC, {backend}: worst relative error {err:.2e}", flush=True)
+        err = train(ref, "ctc", device, background_compile=False, **how)
+        print(f"wav2vec2 CTC with SpecAugment, {how}: worst relative error {err:.2e}", flush=True)
         if err > 1e-3:
-            failed.append(f"wav2vec2 CTC {backend}")
+            failed.append(f"wav2vec2 CTC {how}")
     whisper = transformers.AutoConfig.for_model("whisper", **WHISPER)
     torch.manual_seed(0)
     err = train(transformers.AutoModelForSpeechSeq2Seq.from_config(whisper).to(device), "speech", device)

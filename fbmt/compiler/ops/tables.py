@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from fbmt.compiler import collectives
-from fbmt.compiler.ops import record
+from fbmt.compiler.ops import host_call, record
 
 aten = torch.ops.aten
 
@@ -91,8 +91,9 @@ def view_base(node: fx.Node) -> fx.Node:
 
 # Node targets with effects beyond their result: never dropped when unused, never recomputed, and a
 # compiled region ends before each: communication (every kind of the collectives' table) and these:
-# recording, and a check that raises where eager would (NOTE: [Checks that raise] in compiler/assertions.py).
-EFFECTFUL = record.OPS | {aten._assert_async.msg}
+# recording, a check that raises where eager would (NOTE: [Checks that raise] in compiler/assertions.py), and
+# a function called on the host, which may draw (NOTE: [Host calls] in compiler/host_calls.py).
+EFFECTFUL = record.OPS | {aten._assert_async.msg, host_call.host_call._opoverload}
 
 
 def effectful(target: Any) -> bool:

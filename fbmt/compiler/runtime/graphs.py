@@ -10,7 +10,8 @@ well over a thousand, so the GPU no longer waits for launches between kernels. T
 step is many short kernels, and not where its kernels are long (BENCHMARKS.md).
 
 Programs traced under an active inspector (`fbmt.inspect`) run without graphs: their recording ops
-report from the host, which a replay does not run.
+report from the host, which a replay does not run. So do programs that call a function on the host at
+every call (SpecAugment's draws: NOTE: [Host calls] in fbmt/compiler/host_calls.py).
 
 A graph replays into the memory it was captured with, so:
 - the call's inputs are copied into the captured ones (parameters and buffers are the captured

@@ -32,7 +32,7 @@ import torch.fx as fx
 from fbmt.compiler import collectives as comm
 from fbmt.compiler import meta, ops
 from fbmt.compiler.collectives import torch_impl
-from fbmt.compiler.ops import record
+from fbmt.compiler.ops import host_call, record
 from fbmt.compiler.program import BWD, FWD, Program, Role
 from fbmt.compiler.runtime import unsynced
 
@@ -57,7 +57,9 @@ class Executable:
     grad_roles: list[Role]  # what each backward result is
     grad_slots: list[tuple[int, int]]  # (forward argument index, backward result index) of each gradient
     signature: str  # digest of the collective sequence, compared across ranks before the first run
-    records: bool  # its graphs report to a recorder from the host (NOTE in fbmt/compiler/ops/record.py)
+    # its graphs run Python on the host at every call, which a replayed CUDA graph would not: recording ops
+    # (NOTE in fbmt/compiler/ops/record.py) and host calls (NOTE: [Host calls] in fbmt/compiler/host_calls.py)
+    on_host: bool
     constants: dict[str, torch.Tensor]  # what to feed the inputs of kind "constant", by name
     updated_buffers: list[str]  # the buffers the forward writes (BatchNorm's running statistics)
     # the CUDA device whose copies to and from host memory must be done when a graph returns (NOTE:
@@ -170,7 +172,7 @@ def partition(program: Program, casts_where_read: bool = False) -> Executable:
         grad_roles=[r for r, _ in grad_out],
         grad_slots=grad_slots,
         signature=program.collective_signature(),
-        records=record.holds_records(g),
+        on_host=record.holds_records(g) or any(n.target is host_call.host_call._opoverload for n in g.nodes),
         constants=program.constants,
         updated_buffers=[roles[n].key for n in program.placeholders() if n in mutated and roles[n].kind == "buffer"],
         host_copies=(
