@@ -327,6 +327,15 @@ def _masked_assignment(x: Any, index: Any, value: Any) -> bool:
     return True
 
 
+def _forget_unbacked(fake_mode: FakeTensorMode) -> None:
+    """A value the fake forward read (a check that raises, decided: NOTE: [Checks that raise]) is a symbol of
+    a symbolic trace's shape environment that no graph binds; make_fx's first op would otherwise find it
+    pending and fail. The trace reads it again, and binds it there, or erases the read."""
+    pending = getattr(fake_mode.shape_env, "pending_fresh_unbacked_symbols", None)
+    if pending:
+        pending.clear()
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
 
@@ -544,6 +553,7 @@ def trace(
                 probe, copies, assigned = call(
                     probe_ps, probe_bs, [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)]
                 )
+        _forget_unbacked(fake_mode)
         kept = writes.observe({id(t) for t in (*probe_ps, *probe_bs)}, assigned)
         del probe_ps, probe_bs
         out_leaves, out_spec = pytree.tree_flatten(probe)
