@@ -692,6 +692,13 @@ def trace(
         if symbolic is not None and checks:
             symbolic.masks = checks  # admitted sizes are proved again (NOTE: [Causal masks])
         _canonicalize(program)
+        program.seeded = seeded  # NOTE: [Host draws]
+        if seeded and any(n.target is torch.ops.fbmt.host_call.default for n in program.graph.nodes):
+            raise TraceError(
+                "fbmt.compile: the forward seeds " + ", ".join(name for name, _ in seeded) + " and calls a "
+                "function on the host at every call (NOTE: [Host calls]), which eager runs on the seeded generator "
+                "and a program on the generator as the call finds it; draw with torch's random functions instead"
+            )
         said = (*results.plan.notes, *masks.CausalMasks.said(decided), *(stamper.said() if stamper else ()))
         stats = TraceStats(tuple(constants), said)
         if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself
@@ -700,13 +707,6 @@ def trace(
         writes.reset()  # a failed trace leaves the modules as the call found them
         raise
     program.writes = writes.done()
-    program.seeded = seeded
-    if seeded and any(n.target is torch.ops.fbmt.host_call.default for n in program.graph.nodes):
-        raise TraceError(
-            "fbmt.compile: the forward seeds " + ", ".join(name for name, _ in seeded) + " and calls a function "
-            "on the host at every call (NOTE: [Host calls]), which eager runs on the seeded generator and a "
-            "program on the generator as the call finds it; draw with torch's random functions instead"
-        )
     return program
 
 
