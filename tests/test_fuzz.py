@@ -30,8 +30,9 @@ def test_random_models_train_on_two_ranks_as_eager_on_the_whole_batch():
 
 # tests/fuzz_hf.py: Hugging Face families as users train them (batches padded to a new length, and of another size,
 # at each step; options, loops, SGD or AdamW). 547: Bloom (its ALiBi bias added by `baddbmm`) offloaded, dropout,
-# accumulation and clipping; 555: HuBERT's CTC head with Hugging Face's gradient checkpointing enabled after compile,
-# accumulation, clipping; 573: Llama with gradient checkpointing, offloaded, accumulation, a reload, AdamW
+# accumulation and clipping; 555: HuBERT's CTC head with SpecAugment (spans drawn on the host at every call) and
+# Hugging Face's gradient checkpointing enabled after compile, accumulation, clipping; 573: Llama with gradient
+# checkpointing, offloaded, accumulation, a reload, AdamW
 @pytest.mark.parametrize("seed", [547, 555, 573])
 def test_a_hugging_face_model_trains_as_eager_as_users_train_it(seed):
     assert fuzz_hf.caught(seed) is None
