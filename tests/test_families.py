@@ -10,6 +10,8 @@ differently."""
 from __future__ import annotations
 
 import copy
+import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -298,6 +300,23 @@ def test_an_audio_classifier_trains_as_in_eager_with_spec_augment_on():
     config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO, mask_feature_prob=0.2, mask_feature_length=4)
     torch.manual_seed(0)
     _trains_like_eager(transformers.AutoModelForAudioClassification.from_config(config), "audio")
+
+
+class _Lazy(types.ModuleType):
+    """A package of transformers' that imports its submodules when an attribute it lacks is read."""
+
+    def __getattr__(self, name):
+        raise ImportError(f"{self.__name__} imported its submodules for {name!r}")
+
+
+def test_host_calls_are_found_without_importing_transformers_lazy_packages(monkeypatch):
+    """NOTE: [Host calls]: looking for SpecAugment's function in every loaded modeling module read an
+    attribute of transformers' lazy packages, which then imported their submodules (transformers 5.17:
+    Aria's image processor, which needs torchvision): the trace failed."""
+    monkeypatch.setitem(sys.modules, "transformers.models.lazy_family", _Lazy("transformers.models.lazy_family"))
+    config = transformers.AutoConfig.for_model("wav2vec2", **AUDIO)
+    model = fbmt.compile(transformers.AutoModelForAudioClassification.from_config(config), cache_dir=False)
+    model(input_values=torch.randn(2, 400), labels=torch.tensor([0, 2])).loss.backward()
 
 
 def test_a_ctc_head_trains_as_in_eager_and_checks_its_labels_at_every_call():

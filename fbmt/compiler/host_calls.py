@@ -71,7 +71,7 @@ class Calls:
         saved = []
         for finder in _FINDERS:
             for h in finder():
-                f = getattr(h.namespace, h.name, None)
+                f = vars(h.namespace).get(h.name)  # its own names: a lazy module imports on a missing one
                 if f is None or isinstance(f, _StandIn):
                     continue
                 saved.append((h.namespace, h.name, f))

@@ -407,7 +407,10 @@ def _spec_augment() -> Iterator[HostFunction]:
     SpeechT5, Whisper, ...): `_compute_mask_indices(shape, ...)`, a boolean array of `shape`, wherever
     a loaded modeling module defines or imports it, called on the host at every call (NOTE: [Host calls])."""
     for name, module in list(sys.modules.items()):
-        if name.startswith("transformers.models.") and callable(getattr(module, "_compute_mask_indices", None)):
+        # read from the module's own names: transformers' lazy packages import on a missing attribute
+        if name.startswith("transformers.models.") and callable(
+            getattr(module, "__dict__", {}).get("_compute_mask_indices")
+        ):
             yield HostFunction(module, "_compute_mask_indices", _mask_shape)
 
 
