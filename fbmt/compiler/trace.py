@@ -308,8 +308,9 @@ class _Decided(TorchFunctionMode):
 # `x[mask] = value`, where `value` requires grad: autograd's backward of the assignment gathers the
 # gradient at the mask's true elements (`grad[mask]`), a size of values no trace has. Where `value` is the
 # same for every selected element (it broadcasts to one element's shape: SpecAugment's learned embedding,
-# a bias), the assignment is `x.copy_(fbmt::masked_put(x, mask, value))` (fbmt/compiler/ops/masked_put.py),
-# whose backward gathers inside an op, at run time, as eager's does: eager's values, to the bit.
+# a bias), the assignment is `x.copy_(masked_put(x, mask, value))` (fbmt/compiler/ops/masked_put.py), whose
+# backward gathers `value`'s gradient inside an op (`fbmt::masked_sum`), at run time, as eager's does:
+# eager's values, to the bit.
 def _masked_assignment(x: Any, index: Any, value: Any) -> bool:
     """Assign `value` to `x` where the boolean `index` is true, as above; False where it does not apply."""
     if not (

@@ -6,7 +6,8 @@ wav2vec2's CTC head (its label check kept as a device-side check, NOTE: [Checks 
 read as rows by fbmt::ctc_nll, NOTE: [CTC's selected targets]; SpecAugment's spans drawn on the host at
 every call, NOTE: [Host calls], from padded rows' lengths) with fbmt's executor, with Inductor, and with
 cuda_graph=True (which such a program runs without), and Whisper: the losses and the parameters after 3
-SGD steps at three input lengths, dropout off, numpy seeded alike. Exits non-zero on a mismatch.
+SGD steps at three input lengths (two programs), dropout off, numpy seeded alike. Exits non-zero on a
+mismatch.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def train(ref: torch.nn.Module, kind: str, device: torch.device, **options) -> f
     for name, p in ref.named_parameters():
         scale = p.detach().abs().max().clamp_min(1e-6)
         worst = max(worst, float((full[name] - p.detach()).abs().max() / scale))
+    if len(model.programs) > 2:  # the second length's program, of symbolic sizes, takes the third
+        print(f"{len(model.programs)} programs for 3 lengths", flush=True)
+        return float("inf")
     return worst
 
 
