@@ -662,6 +662,65 @@ def test_a_check_is_traced_past_only_where_its_answer_alone_keeps_eager_from_rai
             model(x)
 
 
+def _guarded_write(h, x):
+    big = x > 1
+    if big.any():
+        h[big] = 0.0
+    return h
+
+
+def _guarded_write_torch_any(h, x):
+    big = x > 1
+    if torch.any(big):
+        h[big] = -1.0
+        h[:][big] = 2.0  # a second write where the mask is true, through a view
+    return h
+
+
+def _guarded_other(h, x):
+    big = x > 1
+    if big.any():
+        h = h * 2  # not a write where the mask is true: the answer matters
+    return h
+
+
+def _guarded_write_else(h, x):
+    big = x > 1
+    if big.any():
+        h[big] = 0.0
+    else:
+        h = h * 2
+    return h
+
+
+class _Guarded(nn.Module):
+    def __init__(self, guard):
+        super().__init__()
+        self.lin, self.guard = nn.Linear(4, 4), guard
+
+    def forward(self, x):
+        return (self.guard(self.lin(x), x) ** 2).sum()
+
+
+@pytest.mark.parametrize(
+    "guard, traced",
+    [(_guarded_write, True), (_guarded_write_torch_any, True), (_guarded_other, False), (_guarded_write_else, False)],
+)
+def test_an_if_on_any_of_a_mask_guarding_writes_where_it_is_true_is_traced_past(guard, traced):
+    """NOTE: [Guards of masked writes]: `if mask.any(): x[mask] = v` computes the same with either answer,
+    so the trace takes the body (wav2vec2's pretraining loss); where the answer matters, a trace error."""
+    ref, model = _pair(lambda: _Guarded(guard))
+    x = torch.randn(3, 4)
+    if not traced:
+        with pytest.raises(fbmt.TraceError, match=r"if big.any\(\)|if torch.any\(big\)"):
+            model(x)
+        return
+    for step, scale in enumerate([3.0, 0.1]):  # some elements above 1, then none
+        step_matches(model, ref, x * scale, msg=f"step {step}")
+        ref.zero_grad()
+        model.zero_grad()
+
+
 def test_untraceable_code_names_module_op_and_line():
     model = fbmt.compile(DataDependent())
     with pytest.raises(fbmt.TraceError) as err:

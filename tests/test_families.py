@@ -365,6 +365,44 @@ def test_a_ctc_head_given_attention_masks_takes_one_program_for_every_length():
     assert len(model.programs) == 2
 
 
+def test_wav2vec2_pretraining_trains_as_in_eager_as_its_documentation_calls_it():
+    """Self-supervised pretraining as transformers documents it: the masked spans and the sampled negatives
+    drawn with numpy outside the model and passed in; inside, the spans get the learned embedding (NOTE:
+    [Masked assignment]), the quantizer draws Gumbel noise (torch's: eager's, seeded alike) and the loss
+    sets negatives equal to their positive to -inf under `if neg_is_pos.any()` (NOTE: [Guards of masked
+    writes]). Losses and gradients as eager's, two steps."""
+    from transformers.models.wav2vec2.modeling_wav2vec2 import _compute_mask_indices, _sample_negative_indices
+
+    config = transformers.AutoConfig.for_model(
+        "wav2vec2", **AUDIO, num_codevectors_per_group=8, codevector_dim=16, proj_codevector_dim=16, num_negatives=4
+    )
+    torch.manual_seed(0)
+    ref = transformers.Wav2Vec2ForPreTraining(config)
+    model = fbmt.compile(copy.deepcopy(ref), cache_dir=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    np.random.seed(0)
+    for step in range(2):
+        audio = torch.randn(2, 400)
+        frames = int(ref._get_feat_extract_output_lengths(400))
+        spans = _compute_mask_indices((2, frames), mask_prob=0.3, mask_length=2, min_masks=2)
+        negatives = torch.tensor(_sample_negative_indices((2, frames), 4, spans))
+        spans = torch.tensor(spans, dtype=torch.bool)
+        losses = []
+        for m in (ref, model):
+            torch.manual_seed(step)
+            losses.append(m(audio, mask_time_indices=spans, sampled_negative_indices=negatives).loss)
+        torch.testing.assert_close(losses[1], losses[0], msg=f"step {step}: the loss")
+        for loss in losses:
+            loss.backward()
+        grads = model.full_gradients()
+        for name, p in ref.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
 def test_whisper_trains_as_in_eager():
     """Speech recognition's sequence-to-sequence model: log-mel features into convolutions, the decoder
     given labels of two lengths."""

@@ -61,9 +61,10 @@ def _raises(statement: ast.AST) -> bool:
     return all(isinstance(s, ast.Expr) for s in statement.body[:-1])
 
 
-def passing_answer() -> tuple[bool, str] | None:
-    """Where the caller's caller is `bool()` of a traced tensor: the answer that does not raise, and the
-    statement's `file:line: source` (the file's name); None where the test is not such a check."""
+def _asked() -> tuple[ast.AST, list[tuple[ast.AST, ast.AST]], str] | None:
+    """Where `bool()` of a traced tensor is asked: the `if` or `assert` statement whose test asks it, the
+    path from its test to the tensor's expression ((expression, the operand asked), outermost first), and
+    the file; None where it is asked elsewhere or cannot be read."""
     frame = _user_frame()
     if frame is None:
         return None
@@ -108,6 +109,16 @@ def passing_answer() -> tuple[bool, str] | None:
             if not isinstance(parent, (ast.If, ast.Assert)):
                 path.insert(0, (parent, statement))
             statement = parent
+    return statement, path, filename
+
+
+def passing_answer() -> tuple[bool, str] | None:
+    """Where the caller's caller is `bool()` of a traced tensor: the answer that does not raise, and the
+    statement's `file:line: source` (the file's name); None where the test is not such a check."""
+    asked = _asked()
+    if asked is None:
+        return None
+    statement, path, filename = asked
     if isinstance(statement, ast.Assert):
         needed = True
     elif _raises(statement):
@@ -133,3 +144,51 @@ def check(tensor: Any, passing: bool, where: str) -> None:
     said = f"fbmt: this call's values take the branch that raises in eager at {where}"
     # CUDA's kernel takes a message of under 255 characters
     torch._assert_async(value if passing else value.logical_not(), said if len(said) < 255 else said[:251] + "...")
+
+
+# NOTE: [Guards of masked writes]
+# `if mask.any(): x[mask] = value` (wav2vec2's pretraining loss sets to -inf the logits of sampled
+# negatives equal to their positive) asks a value no trace has, but the answer changes nothing: where
+# the mask has no true element, the assignments in the body write nothing. So where `bool()` of a
+# traced tensor fails in the test of an `if` that is exactly `name.any()` (or `torch.any(name)`), with
+# no `else`, and whose body only assigns to subscripts by that same name, the trace takes the body.
+def either_answer() -> bool | None:
+    """Where the caller's caller is `bool()` of a traced tensor in such an `if`: True (the body); None
+    where the answer matters."""
+    asked = _asked()
+    if asked is None:
+        return None
+    statement, path, _ = asked
+    if path or not isinstance(statement, ast.If) or statement.orelse:
+        return None
+    test = statement.test
+    if not (isinstance(test, ast.Call) and not test.keywords):
+        return None
+    if isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
+        tested = test.func.value  # name.any()
+    elif _is_torch_any(test.func) and len(test.args) == 1:
+        tested = test.args[0]  # torch.any(name)
+    else:
+        return None
+    if not isinstance(tested, ast.Name):
+        return None
+    for s in statement.body:
+        if not isinstance(s, ast.Assign) or not all(_writes_where(t, tested.id) for t in s.targets):
+            return None
+        if any(isinstance(n, ast.NamedExpr) for n in ast.walk(s.value)):
+            return None
+    return True
+
+
+def _is_torch_any(func: ast.AST) -> bool:
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "any"
+        and isinstance(func.value, ast.Name)
+        and func.value.id == "torch"
+    )
+
+
+def _writes_where(target: ast.AST, name: str) -> bool:
+    """`target` is `x[name]` (x any expression), an assignment where the mask `name` is true."""
+    return isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Name) and target.slice.id == name

@@ -278,11 +278,14 @@ class _Decided(TorchFunctionMode):
                 return func(*args, **(kwargs or {}))
             except (DataDependentOutputException, GuardOnDataDependentSymNode):  # a value the trace has not
                 found = assertions.passing_answer()
-                if found is None:
+                either = assertions.either_answer() if found is None else None  # NOTE: [Guards of masked writes]
+                if found is None and either is None:
                     raise
                 if last is not None:  # the read the failed attempt recorded: a later run of the graph fails on it
                     while (n := mode.tracer.graph._root.prev) is not last and not n.users:
                         mode.tracer.graph.erase_node(n)
+                if found is None:
+                    return either
                 assertions.check(args[0], *found)
                 return found[0]
         if self.selected and any(isinstance(a, _Selected) for a in (*args, *(kwargs or {}).values())):
