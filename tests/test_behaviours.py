@@ -266,6 +266,7 @@ def test_a_host_call_draws_eagers_numbers_at_every_call(spans_on_host):
         ref.zero_grad()
         model.zero_grad()
     assert len(model.programs) == 2  # the second length's symbolic program serves the others
+    assert "calls _spans on the host at every call" in str(model.program)  # said in the program's summary
 
 
 def test_a_program_with_a_host_call_loaded_from_the_cache_draws_eagers_numbers(spans_on_host, tmp_path):

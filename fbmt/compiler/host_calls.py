@@ -39,6 +39,14 @@ from fbmt.compiler.ops import host_call
 from fbmt.logs import user_line
 
 
+def said(graph: Any) -> list[str]:
+    """One line per host call in a traced graph, for the program's summary."""
+    return [
+        f"{n.name} calls {n.args[0].partition(':')[2]} on the host at every call (NOTE: [Host calls]; no CUDA graphs)"
+        for n in graph.find_nodes(op="call_function", target=torch.ops.fbmt.host_call.default)
+    ]
+
+
 @dataclass(frozen=True)
 class HostFunction:
     """A function called on the host at every call: `namespace.name` is how the model's code calls it,

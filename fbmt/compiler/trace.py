@@ -703,7 +703,12 @@ def trace(
                 "function on the host at every call (NOTE: [Host calls]), which eager runs on the seeded generator "
                 "and a program on the generator as the call finds it; draw with torch's random functions instead"
             )
-        said = (*results.plan.notes, *masks.CausalMasks.said(decided), *(stamper.said() if stamper else ()))
+        said = (
+            *results.plan.notes,
+            *masks.CausalMasks.said(decided),
+            *(stamper.said() if stamper else ()),
+            *host_calls.said(program.graph),
+        )
         stats = TraceStats(tuple(constants), said)
         if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself
             program.record("trace", time.perf_counter() - started, stats)

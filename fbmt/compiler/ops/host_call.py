@@ -17,7 +17,6 @@ import json
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 _SCHEMA = (
     "(str path, str arguments, Tensor[] tensors, SymInt[] ints, SymInt[] shape, Tensor[] after, "
@@ -26,30 +25,46 @@ _SCHEMA = (
 
 
 def encode(args: tuple, kwargs: dict, why: Any) -> tuple[str, list[torch.Tensor], list[Any]]:
-    """`(args, kwargs)` as JSON, with their tensors and symbolic sizes apart; `why(leaf)` raises for
-    a value the JSON cannot hold."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    tensors, ints, held = [], [], []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            held.append({"tensor": len(tensors)})
-            tensors.append(leaf.detach())
-        elif isinstance(leaf, torch.SymInt):
-            held.append({"int": len(ints)})
-            ints.append(leaf)
-        elif leaf is None or isinstance(leaf, bool | int | float | str):
-            held.append({"value": leaf})
-        else:
-            why(leaf)
-    return json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": held}), tensors, ints
+    """`(args, kwargs)` as JSON (`{"args": [...], "kwargs": {...}}`, a tuple as `{"tuple": [...]}`), with
+    their tensors (`{"tensor": i}`) and symbolic sizes (`{"int": i}`) apart; `why(value)` raises for a value
+    the JSON cannot hold."""
+    tensors: list[torch.Tensor] = []
+    ints: list[Any] = []
+
+    def held(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x.detach())
+            return {"tensor": len(tensors) - 1}
+        if isinstance(x, torch.SymInt):
+            ints.append(x)
+            return {"int": len(ints) - 1}
+        if x is None or isinstance(x, bool | int | float | str):
+            return x
+        if isinstance(x, tuple | list):
+            return {type(x).__name__: [held(v) for v in x]}
+        if isinstance(x, dict) and all(isinstance(k, str) for k in x):
+            return {"dict": {k: held(v) for k, v in x.items()}}
+        why(x)
+
+    arguments = {"args": [held(a) for a in args], "kwargs": {k: held(v) for k, v in kwargs.items()}}
+    return json.dumps(arguments), tensors, ints
 
 
 def decode(arguments: str, tensors: list[torch.Tensor], ints: list[Any]) -> tuple[tuple, dict]:
+    def value(x: Any) -> Any:
+        if not isinstance(x, dict):
+            return x
+        (kind, v), *_ = x.items()
+        if kind == "tensor":
+            return tensors[v]
+        if kind == "int":
+            return ints[v]
+        if kind == "dict":
+            return {k: value(e) for k, e in v.items()}
+        return (tuple if kind == "tuple" else list)(value(e) for e in v)
+
     held = json.loads(arguments)
-    leaves = [
-        tensors[x["tensor"]] if "tensor" in x else ints[x["int"]] if "int" in x else x["value"] for x in held["leaves"]
-    ]
-    return pytree.tree_unflatten(leaves, pytree.treespec_loads(held["spec"]))
+    return tuple(value(a) for a in held["args"]), {k: value(v) for k, v in held["kwargs"].items()}
 
 
 @functools.cache
