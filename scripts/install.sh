@@ -4,8 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# pip's own notices (running as root, index locations it skips) are not errors: keep its output to the rest
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Running pip as the 'root' user\|^WARNING: Location '.*' is ignored" || true; }
+# pip's own notices (running as root, index locations it skips) are not errors: keep its output to the rest,
+# and its exit status (an install that failed stops here, not at a test's import)
+pip_install() {
+  local out status=0
+  out=$("$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1) || status=$?
+  printf '%s\n' "$out" | grep -v "^WARNING: Running pip as the 'root' user\|^WARNING: Location '.*' is ignored\|^$" || true
+  return $status
+}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "install: torch 2.13.0 (CPU build)"
   pip_install torch==2.13.0
@@ -50,4 +56,5 @@ EOF
 ); then
   pip_install --no-build-isolation --no-deps -e .
 fi
-"$PY" -c "import torch, fbmt; print(f'install: fbmt {fbmt.__version__} on torch {torch.__version__}')"
+# from outside this folder, so that a failed install is not hidden by the sources beside the working directory
+(cd / && "$PY" -c "import torch, fbmt, fbmt._C; print(f'install: fbmt {fbmt.__version__} on torch {torch.__version__}')")

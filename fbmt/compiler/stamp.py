@@ -290,14 +290,18 @@ def _laid_out_as(g: torch.Tensor, traced: torch.Tensor, kind: Kind) -> torch.Ten
     tensor, say), and the kind's backward decided its reshapes on the traced layout: a `view` there of a
     gradient laid out otherwise fails when the program runs. Strides are compared where they are known
     to be equal, without guards on symbolic sizes; any other gradient is copied to the contiguous layout
-    a kind's tangent has where its output had it, and a kind whose tangent has another is not stamped."""
-    if all(statically_known_true(a == b) for a, b in zip(g.stride(), traced.stride())):
-        return g
-    expected: Any = 1
-    for size, stride in reversed(list(zip(traced.shape, traced.stride()))):
-        if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
-            raise Refused(f"a call of {kind.block}'s kind got a gradient laid out otherwise than its traced kind's")
-        expected = expected * size
+    a kind's tangent has where its output had it, and a kind whose tangent has another is not stamped.
+    The comparisons are the compiler's questions, not the program's: with the trace's proxy mode on, a
+    comparison of symbolic strides would be recorded as a node, and torch 2.11 then fails on the traced
+    tangent's stride, which no node of this trace computes ("... is not tracked with proxy")."""
+    with disable_proxy_modes_tracing():
+        if all(statically_known_true(a == b) for a, b in zip(g.stride(), traced.stride())):
+            return g
+        expected: Any = 1
+        for size, stride in reversed(list(zip(traced.shape, traced.stride()))):
+            if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
+                raise Refused(f"a call of {kind.block}'s kind got a gradient laid out otherwise than its traced kind's")
+            expected = expected * size
     return g.clone(memory_format=torch.contiguous_format)
 
 
