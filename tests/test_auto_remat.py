@@ -102,8 +102,12 @@ def _measured_under_budget(rank: int, world: int) -> dict:
     budget = _binding_budget(bigger, idx, idx)
     peaks = {"budget": budget}
     for remat, extra in (("none", {}), ("auto", dict(memory_budget=budget))):
-        prof = fbmt.profile(bigger(remat, **extra), idx, idx, steps=1, warmup=1, loss_fn=lambda out: out[1])
-        peaks[remat] = prof.peak_bytes
+        model = bigger(remat, **extra)
+        # the least of two measurements: on the CPU the profiler counts every thread's allocations, and once in
+        # a full suite run one measurement came out 0.6 MB (10%) above the same step's usual peak
+        peaks[remat] = min(
+            fbmt.profile(model, idx, idx, steps=1, warmup=1, loss_fn=lambda out: out[1]).peak_bytes for _ in range(2)
+        )
     return peaks
 
 
