@@ -67,6 +67,16 @@ def test_llama_variants_grouped_query_rope_scaling_bias_and_tied_embeddings(tmp_
         torch.testing.assert_close(model(ids).logits, ref(input_ids=ids).logits, rtol=0, atol=1e-5, msg=str(extra))
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 8), (6, 4), (4, 0)])
+def test_a_llama_config_whose_query_heads_do_not_share_its_key_heads_evenly_is_refused(heads, kv_heads):
+    """With 4 query heads and the default 8 key/value heads, each key head was repeated 4 // 8 = 0 times
+    and eager torch computed a loss from attention over no keys at all."""
+    from fbmt.models.llama import LlamaConfig
+
+    with pytest.raises(ValueError, match=f"num_attention_heads={heads} is not a multiple of num_key_value_heads"):
+        LlamaConfig(hidden_size=48, num_attention_heads=heads, num_key_value_heads=kv_heads)
+
+
 def test_t5_v1_1_gated_gelu_untied_with_a_padding_mask(tmp_path):
     c = transformers.T5Config(
         num_layers=2,

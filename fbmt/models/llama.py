@@ -36,6 +36,17 @@ class LlamaConfig:
     initializer_range: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # other config.json keys, written back
 
+    def __post_init__(self) -> None:
+        # each key/value head serves num_attention_heads // num_key_value_heads query heads: any other pair
+        # would repeat the heads zero or a fractional number of times, and attention would read keys that
+        # are not the model's (with 4 query heads and the default 8, none: eager torch computed a loss)
+        h, kv = self.num_attention_heads, self.num_key_value_heads
+        if kv < 1 or h % kv:
+            raise ValueError(
+                f"fbmt.models.LlamaConfig: num_attention_heads={h} is not a multiple of num_key_value_heads={kv} "
+                f"(the default is 8); set num_key_value_heads to a divisor of {h} ({h} for a key per query head)"
+            )
+
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
