@@ -1467,6 +1467,15 @@ def _named_as_make_fx(graph: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]
     return new, env
 
 
+def _own_generator(op: Any) -> str:
+    return (
+        f"the forward draws random numbers from a torch.Generator of its own (`generator=` of {op}, an argument "
+        "or an attribute), which a compiled program cannot advance as eager does: its draws would repeat or "
+        "differ, silently. Draw from the default generator (the program draws from it as eager does, "
+        "torch.manual_seed included), or make the random tensors outside the model and pass them in"
+    )
+
+
 def _lift_constants(graph: fx.Graph, owner: Any, before: int) -> dict[str, torch.Tensor]:
     """Tensors the forward makes from Python values (`torch.tensor([])` in a cache's set-up, the
     scalar of `x[:, 0] = 1.0`) are attributes of the traced module (`_tensor_constant0`); the
@@ -1480,13 +1489,7 @@ def _lift_constants(graph: fx.Graph, owner: Any, before: int) -> dict[str, torch
         value = getattr(owner, n.target)
         if isinstance(value, torch.Generator):
             use = next(iter(n.users), None)
-            raise TraceError(
-                f"fbmt.compile: the forward draws random numbers from a torch.Generator of its own (`generator=` "
-                f"of {getattr(use, 'target', 'an op')}, an argument or an attribute), which a compiled program "
-                "cannot advance as eager does: its draws would repeat or differ, silently. Draw from the default "
-                "generator (the program draws from it as eager does, torch.manual_seed included), or make the "
-                "random tensors outside the model and pass them in"
-            )
+            raise TraceError(f"fbmt.compile: {_own_generator(getattr(use, 'target', 'an op'))}")
         if not isinstance(value, torch.Tensor):
             raise TraceError(f"fbmt.compile: the traced forward reads a non-tensor attribute {n.target!r}")
         with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before():
@@ -1936,6 +1939,8 @@ def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
         )
         if "convert all Tensors to FakeTensors" in first:  # a real tensor met the traced ones
             hint = _outside_tensor_hint(module)
+        if "torch._C.Generator" in first:  # torch 2.11's make_fx fails at it; later ones record it (_lift_constants)
+            hint = _own_generator("the op on the line above")
         for provider in _HINT_PROVIDERS:  # what libraries around the compiler know (integrations)
             hint = provider(module, kind) or hint
         at = _user_frame(e)
