@@ -23,8 +23,9 @@ if [ "${1:-}" = "--test" ]; then
   "$PY" -c "import pytest, pytest_timeout" 2>/dev/null || pip_install pytest pytest-timeout
   # format + lint (pyproject.toml); pinned, since another ruff formats differently
   "$PY" -m ruff --version 2>/dev/null | grep -qx "ruff 0.17.6" || pip_install ruff==0.17.6
-  # The numba-CUDA kernels are tested under numba's CUDA simulator on machines without a GPU.
-  "$PY" -c "import numba.cuda" 2>/dev/null || pip_install numba-cuda
+  # The numba-CUDA kernels are tested under numba's CUDA simulator on machines without a GPU; numba's own
+  # `numba.cuda` (deprecated, without default_stream) is not enough: numba-cuda provides `numba_cuda`.
+  "$PY" -c "import numba_cuda" 2>/dev/null || pip_install numba-cuda
   # Hugging Face models as users run them (tests/test_transformers.py, examples/hf_trainer.py); pinned, since
   # their modeling code changes between releases. A machine with its own (a GPU image) keeps it.
   "$PY" -c "import transformers, accelerate" 2>/dev/null || pip_install transformers==5.24.0 accelerate==1.15.0
