@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.overrides import TorchFunctionMode
 
 from fbmt.logs import user_line
@@ -128,9 +129,12 @@ def _math_attention(
     from torch.nn.attention import SDPBackend
 
     math_backend = int(SDPBackend.MATH.value)
-    choice = torch.ops.aten._fused_sdp_choice.default(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-    )
+    # the compiler's question, not the program's: recorded, the choice stayed in the graph (unread) and cut
+    # the Inductor region around it in two
+    with disable_proxy_modes_tracing():
+        choice = torch.ops.aten._fused_sdp_choice.default(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     if choice != math_backend or dropout_p > 0:  # dropout: the kernel's own random stream
         return None
     if attn_mask is not None and is_causal:  # the kernel refuses both; so must this
