@@ -449,6 +449,44 @@ def test_a_gradient_laid_out_otherwise_than_its_blocks_output_is_read_as_the_kin
     assert "stamped" in _trace_line(model.program)
 
 
+class _Rotary(nn.Module):
+    """A decoder's layer given tables the model computed from constants (its rotary angles)."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, cos, sin):
+        return x + self.fc(x * cos + x.flip(-1) * sin)
+
+
+class _RotaryStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_Rotary(i) for i in range(4))
+
+    def forward(self, x):
+        angles = torch.arange(16, dtype=torch.float32) / 16
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x, angles.cos(), angles.sin())
+        return x
+
+
+def test_a_kind_whose_every_call_gets_tables_from_constants_is_traced_once(monkeypatch):
+    # the kind is traced at its first call, for the tables' values (NOTE: [Stamped blocks], step 2): a
+    # trace of it without them would be thrown away, the compile time of a block for nothing
+    from fbmt.compiler import trace
+
+    kinds = []
+    traced = trace._trace_kind
+    monkeypatch.setattr(trace, "_trace_kind", lambda mod, kind, *a: kinds.append(kind) or traced(mod, kind, *a))
+    said = _same(monkeypatch, _RotaryStack, (torch.randn(2, 16),))
+    assert "(layers.0's x4)" in said, said
+    assert len({k.id for k in kinds}) == 1 and kinds[0].known, kinds  # one kind traced, for the tables
+
+
 class _MaskInside(nn.Module):
     """A block that builds a causal mask from sizes itself (decided while its kind is traced) and whose
     RMSNorm writes in place (its kind's graph is functionalized, as the model's is)."""

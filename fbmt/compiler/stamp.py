@@ -23,7 +23,9 @@ for the others:
    nor replace or resize a container in it; a tensor made from Python values (the cache's empty
    start) is recorded by its value, as each call makes its own.
 2. **One trace per kind** (`trace._trace_kind`): the first call of the kind, alone, through the
-   same make_fx, module tags and decompositions as the whole trace, forward and backward. It calls
+   same make_fx, module tags and decompositions as the whole trace, forward and backward, made when
+   the model's trace (step 3) reaches that call, which waits on it (a kind whose every call gets
+   arguments from constants, below, is never traced without them). It calls
    the block's `forward`, not the block: the block's own hooks run around every call of it in the
    model's trace, the stamped ones too. A kind whose graph writes to one of its inputs (after the
    functionalization the model's trace would give it too) is traced as code.
@@ -498,6 +500,7 @@ class Stamper:
         self.calls: list[_Call] = []
         self.kinds: list[Kind] = []
         self.of_call: dict[int, Kind] = {}
+        self.traced: dict[int, str | None] = {}  # a kind traced at its first call -> why it cannot be stamped
         self.variants: dict[tuple, tuple[Kind | None, str]] = {}  # a kind for constant arguments, by their values
         self.pauses = 0
         self.stamped: dict[str, int] = {}  # a kind's exemplar block -> its calls stamped in the trace
@@ -701,7 +704,9 @@ class Stamper:
         self._held.clear()
 
     def adopt(self, kind: Kind) -> None:
-        """A kind whose trace can be stamped: its calls will be."""
+        """A kind whose calls the model's trace stamps: its own trace comes at the first of them that needs
+        it (a model whose every call gets arguments from constants, as a decoder gets its rotary tables,
+        traces only the kind for those: `_variant`), and a kind that cannot be traced runs as code."""
         _KINDS[kind.id] = kind
         for i in kind.calls:
             self.of_call[i] = kind
@@ -717,14 +722,14 @@ class Stamper:
         from_constants: Callable[[torch.Tensor], bool],
         from_sizes: Callable[[torch.Tensor], Any],
         value: Callable[[torch.Tensor], torch.Tensor | None],
-        trace_variant: Callable[[Kind], str | None],
+        trace_kind: Callable[[Kind], str | None],
     ) -> Iterator[None]:
         """The trace of the model: each call of an adopted kind runs as `fbmt::stamp` (step 3).
         `from_constants(t)`: whether tensor t, in the graph being traced, derives from no input;
         `from_sizes(t)`: where it derives from the inputs' sizes alone, its graph of them (a
         `masks.MaskCheck`, or None where it cannot be evaluated), else False; `value(t)`: a tensor
-        from constants' value; `trace_variant(kind)`: trace a kind for calls given some arguments
-        from constants or sizes, there and then (`kind.known`), and why not, or None."""
+        from constants' value; `trace_kind(kind)`: trace a kind there and then (step 2; for calls
+        given some arguments from constants or sizes, `kind.known`), and why not, or None."""
         counter = iter(range(len(self.calls)))
 
         def stamp(path: str, block: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -750,9 +755,16 @@ class Stamper:
             known = {i: value(x) for i, x in enumerate(tensors) if from_constants(x)}
             known.update({i: g for i, x in enumerate(tensors) if (g := from_sizes(x)) is not False})
             if known:
-                kind, why = self._variant(kind, known, trace_variant)
+                kind, why = self._variant(kind, known, trace_kind)
                 if kind is None:
                     self.not_stamped.append(f"{path}: {why}")
+                    return forward(*args, **kwargs)
+            else:
+                if kind.id not in self.traced:
+                    self.traced[kind.id] = why = trace_kind(kind)
+                    if why is not None:
+                        self.not_stamped.append(f"{kind.block}'s kind: {why}")
+                if self.traced[kind.id] is not None:
                     return forward(*args, **kwargs)
             for _ in range(self.calls[call].nested):  # the calls within it are stamped with it
                 next(counter, None)
@@ -786,7 +798,7 @@ class Stamper:
             self.pauses -= 1
 
     def _variant(
-        self, kind: Kind, known: dict[int, Any], trace_variant: Callable[[Kind], str | None]
+        self, kind: Kind, known: dict[int, Any], trace_kind: Callable[[Kind], str | None]
     ) -> tuple[Kind | None, str]:
         """The kind for calls given these constants (or tensors of sizes), traced on its first call; or
         None and why."""
@@ -801,7 +813,7 @@ class Stamper:
         )
         if key not in self.variants:
             variant = kind.variant(known)
-            why = trace_variant(variant)
+            why = trace_kind(variant)
             self.variants[key] = (
                 (variant, "") if why is None else (None, f"its kind, for its constant arguments: {why}")
             )

@@ -608,24 +608,17 @@ def trace(
             fake_inputs = [x.detach().requires_grad_(rg) for x, rg in zip(fake_inputs, input_rg)]
         flat_in = [*fake_params, *fake_buffers, *fake_inputs, *fake_tangents]
         table = _SYMBOLIC_DECOMPOSITIONS if dynamic else _DECOMPOSITIONS
-        writes.reset()
-        if stamper is not None:
+        if stamper is not None:  # each kind is traced at its first call, within the model's trace
             for kind in stamper.kinds:
-                why = _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
-                if why is None:
-                    stamper.adopt(kind)
-                else:
-                    stamper.not_stamped.append(f"{kind.block}'s kind: {why}")
+                stamper.adopt(kind)
 
-        def trace_variant(kind: stamp.Kind) -> str | None:  # within the model's trace: blocks run their own forward
+        def trace_kind(kind: stamp.Kind) -> str | None:  # within the model's trace: blocks run their own forward
             with stamper.paused():
                 return _trace_kind(module, kind, fake_mode, table, needs_grad, checks)
 
         writes.reset()
         try:
-            stamping = (
-                stamper.stamping(*_constants(), trace_variant) if stamper is not None else contextlib.nullcontext()
-            )
+            stamping = stamper.stamping(*_constants(), trace_kind) if stamper is not None else contextlib.nullcontext()
             with _translate_errors(module) as tagger, tagger.installed(), _prints(tagger), stamping:
                 first = make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat_in)
         except stamp.Refused as e:  # a surprise in the backward: the trace again, every block as code
