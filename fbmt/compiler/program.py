@@ -334,11 +334,34 @@ def _target_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
+# NOTE: [Lines of unchanged nodes]
+# The runner formats the program after every pass (its history), and most passes change a few nodes
+# of thousands, handing the rest on as they were (Program.copy). A node's line is a function of its
+# name, target, arguments, value and four meta facts: the node keeps its line with those (an
+# attribute of the node itself: a table of nodes would hold every graph ever formatted alive through
+# the arguments it keeps) and it is made again where any differs. The target, the arguments (fx
+# replaces a node's args and kwargs as a whole, never in place) and the value are compared by
+# identity, which costs no comparison of their contents (a symbolic size compared by value would add
+# a guard); a node is never renamed once in a graph. A copy of the graph has other nodes, formatted
+# anew.
+_LINE = "_fbmt_line"
+
+
+def _line(n: fx.Node, note: str) -> str:
+    args = [_fmt_arg(a) for a in n.args]
+    if n.kwargs:
+        args += [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]
+    value = _fmt_val(n)
+    lhs = f"%{n.name}: {value}" if value else f"%{n.name}"
+    return f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {note}"
+
+
 def format_graph(program: Program) -> str:
     """One line per node: `%name: dtype[shape] = op(args)   # phase block [recompute]`.
 
     The runner formats the program after every pass (its history), so this is written for speed:
-    each node's value and target are formatted once."""
+    each node's value and target are formatted once, and a node unchanged since the last
+    formatting keeps its line (NOTE: [Lines of unchanged nodes])."""
     roles = dict(zip(program.placeholders(), program.inputs))
     kept = program.results.kept
 
@@ -351,9 +374,8 @@ def format_graph(program: Program) -> str:
 
     lines = []
     for n in program.graph.nodes:
-        value = _fmt_val(n)
         if n.op == "placeholder":
-            lines.append(f"%{n.name}: {value} = input {said(roles[n]) if n in roles else '?'}")
+            lines.append(f"%{n.name}: {_fmt_val(n)} = input {said(roles[n]) if n in roles else '?'}")
             continue
         if n.op == "output":
             outs = ", ".join(
@@ -362,17 +384,20 @@ def format_graph(program: Program) -> str:
             )
             lines.append(f"return {outs}")
             continue
-        args = [_fmt_arg(a) for a in n.args]
-        if n.kwargs:
-            args += [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]
-        note = meta.phase(n) or "?"
-        block, recompute, bucket = meta.block(n), meta.recompute(n), meta.bucket(n)
+        phase, block, recompute, bucket = meta.phase(n), meta.block(n), meta.recompute(n), meta.bucket(n)
+        facts = (n.target, n.args, n.kwargs, n.meta.get("val"), phase, block, recompute, bucket)
+        had = n.__dict__.get(_LINE)
+        if had is not None and all(a is b for a, b in zip(had[0][:4], facts)) and had[0][4:] == facts[4:]:
+            lines.append(had[1])
+            continue
+        note = phase or "?"
         if block is not None:
             note += " " + (block or "<root>")
         if recompute:
             note += f" recompute:{recompute}"
         if bucket is not None:
             note += f" bucket:{bucket}"
-        lhs = f"%{n.name}: {value}" if value else f"%{n.name}"
-        lines.append(f"{lhs} = {_target_name(n.target)}({', '.join(args)})   # {note}")
+        line = _line(n, note)
+        object.__setattr__(n, _LINE, (facts, line))  # not Node.__setattr__: it re-indexes the node on a change
+        lines.append(line)
     return "\n".join(lines)

@@ -120,3 +120,24 @@ def test_a_program_given_up_is_written_in_place_and_gives_the_same_program():
     assert done.graph is graph
     assert [r.text for r in done.history] == [r.text for r in kept.history]
     assert str(done.graph) == str(kept.graph)
+
+
+def test_a_nodes_line_changes_with_anything_it_is_formatted_from():
+    # NOTE: [Lines of unchanged nodes]: each node keeps its line while nothing it is made from changes; a
+    # copy of the program (other nodes) is formatted afresh, and must read the same
+    from fbmt.compiler import meta
+    from fbmt.compiler.program import format_graph
+
+    model = fbmt.compile(gpt(), world_size=2, remat="block")
+    (idx,), _, tgt = batch("gpt", 0)
+    program = model.trace(idx, tgt)
+    assert format_graph(program) == program.history[-1].text == format_graph(program.copy())
+    adds = [n for n in program.graph.nodes if n.target is torch.ops.aten.add.Tensor and len(n.all_input_nodes) == 2]
+    first, second = adds[0], adds[1]
+    first.args = (first.args[1], first.args[0])  # its arguments
+    meta.tag(second, recompute="activation")  # a fact of fbmt's
+    mm = next(n for n in program.graph.nodes if n.target is torch.ops.aten.mm.default)
+    mm.meta["val"] = mm.meta["val"].to(torch.float64)  # its value
+    text = format_graph(program)
+    assert text == format_graph(program.copy()) and text != program.history[-1].text
+    assert f"%{first.name}: " in text and "recompute:activation" in text and "float64" in text
