@@ -386,7 +386,7 @@ def format_graph(program: Program) -> str:
             continue
         phase, block, recompute, bucket = meta.phase(n), meta.block(n), meta.recompute(n), meta.bucket(n)
         facts = (n.target, n.args, n.kwargs, n.meta.get("val"), phase, block, recompute, bucket)
-        had = n.__dict__.get(_LINE)
+        had = getattr(n, _LINE, None)
         if had is not None and all(a is b for a, b in zip(had[0][:4], facts)) and had[0][4:] == facts[4:]:
             lines.append(had[1])
             continue
@@ -398,6 +398,9 @@ def format_graph(program: Program) -> str:
         if bucket is not None:
             note += f" bucket:{bucket}"
         line = _line(n, note)
-        object.__setattr__(n, _LINE, (facts, line))  # not Node.__setattr__: it re-indexes the node on a change
+        try:  # not Node.__setattr__: it re-indexes the node on a change
+            object.__setattr__(n, _LINE, (facts, line))
+        except (AttributeError, TypeError):  # a torch whose nodes take no attribute of ours: formatted every time
+            pass
         lines.append(line)
     return "\n".join(lines)
