@@ -198,3 +198,18 @@ def test_a_recomputed_multi_output_op_keeps_its_outputs_next_to_it():
     for n in outputs:
         between = nodes[nodes.index(n.args[0]) + 1 : nodes.index(n)]
         assert all(m.target is operator.getitem and m.args[0] is n.args[0] for m in between), n
+
+
+def test_a_copy_is_named_after_its_bases_last_count_on_every_torch():
+    # NOTE: [Names of copies]: a recomputed node asks for its own name, which is taken; fx of torch 2.11
+    # and 2.12 then counted up from one (the first gap: `mm_3` here), testing each name on the way, a
+    # number of tests quadratic in the layers. Named as torch 2.13 names it, the copy is `mm_10` there too.
+    from fbmt.compiler.ops import copy_node
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    mms = [g.create_node("call_function", torch.ops.aten.mm.default, (x, x), name=f"mm_{i}") for i in (1, 2, 9)]
+    assert [n.name for n in mms] == ["mm_1", "mm_2", "mm_9"]
+    copy = copy_node(g, mms[0])
+    assert copy.name == "mm_10" and copy.target is mms[0].target and copy.args == (x, x)
+    assert copy_node(g, x).name == "x_1" and copy_node(g, copy).name == "mm_11"

@@ -9,7 +9,16 @@ and written through `fbmt.compiler.meta`.
 """
 
 from fbmt.compiler.ops import graph, record, tables
-from fbmt.compiler.ops.graph import buffer_readers, emit, fake_like, fake_value, nbytes, node_order, size
+from fbmt.compiler.ops.graph import (
+    buffer_readers,
+    copy_node,
+    emit,
+    fake_like,
+    fake_value,
+    nbytes,
+    node_order,
+    size,
+)
 from fbmt.compiler.ops.tables import (
     ATTENTION_BACKWARD,
     ATTENTION_FORWARD,
@@ -31,6 +40,7 @@ __all__ = [
     "record",
     "tables",
     "buffer_readers",
+    "copy_node",
     "emit",
     "fake_like",
     "fake_value",

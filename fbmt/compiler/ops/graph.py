@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +18,38 @@ from fbmt.compiler.ops.tables import hint, is_view
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     """Each node's position in the graph (valid until the graph changes)."""
     return {n: i for i, n in enumerate(graph.nodes)}
+
+
+# NOTE: [Names of copies]
+# A node copied within its graph (a recomputed value, a cloned view) asks fx for its own name, which is
+# taken; fx then counts up from its base's count (torch 2.13: `mm_12` taken gives `mm_{k+1}` after the
+# last `mm_k`). torch 2.11 and 2.12 looked the count up by the whole name and so counted up from one,
+# testing every `mm_i` on the way: a number of tests quadratic in the layers (the recompute pass of a
+# GPT of 128 layers spent 1.4 s there on torch 2.11). `copy_node` asks for the name 2.13's fx gives,
+# free already, so every torch names the copy alike and no count runs from one.
+_NUMBERED = re.compile(r"^(.*?)(?:_(\d+))?$")
+
+
+def _free_name(graph: fx.Graph, name: str) -> str:
+    """`name` where the graph does not hold it yet, else the name torch 2.13's fx gives a copy of it."""
+    namespace = getattr(graph, "_graph_namespace", None)
+    used, counts = getattr(namespace, "_used_names", None), getattr(namespace, "_base_count", None)
+    if used is None or counts is None or name not in used:  # free (or an fx without these: its own naming)
+        return name
+    base = _NUMBERED.match(name).group(1)
+    num = counts.get(base, 0) + 1
+    while f"{base}_{num}" in used:
+        num += 1
+    return f"{base}_{num}"
+
+
+def copy_node(graph: fx.Graph, node: fx.Node, arg_transform: Callable[[fx.Node], Any] = lambda a: a) -> fx.Node:
+    """`graph.node_copy(node, arg_transform)` at the graph's insert point, named as NOTE: [Names of copies]
+    says."""
+    args, kwargs = fx.map_arg(node.args, arg_transform), fx.map_arg(node.kwargs, arg_transform)
+    out = graph.create_node(node.op, node.target, args, kwargs, _free_name(graph, node.name), node.type)
+    out.meta = copy.copy(node.meta)
+    return out
 
 
 def emit(

@@ -416,7 +416,7 @@ def _recompute(g: fx.Graph, needed: list[fx.Node], closure: set[fx.Node]) -> int
     env: dict[fx.Node, fx.Node] = {}
     for n in sorted(closure):
         with g.inserting_before(anchor[n]):
-            env[n] = g.node_copy(n, lambda a: env.get(a, a))
+            env[n] = ops.copy_node(g, n, lambda a: env.get(a, a))  # NOTE: [Names of copies]
         meta.tag(env[n], phase=BWD, recompute="activation")
     copies = set(env.values())
     for n in needed:

@@ -339,7 +339,7 @@ def _recompute_param_chains(program: Program, params: set[fx.Node]) -> None:
             for a in n.all_input_nodes:
                 clone(a, before)
             with g.inserting_before(before):
-                env[n] = g.node_copy(n, lambda a: env.get(a, a))
+                env[n] = ops.copy_node(g, n, lambda a: env.get(a, a))  # NOTE: [Names of copies]
             meta.tag(env[n], phase=BWD, recompute="param")
         return env[n]
 
