@@ -24,9 +24,9 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
 # A node copied within its graph (a recomputed value, a cloned view) asks fx for its own name, which is
 # taken; fx then counts up from its base's count (torch 2.13: `mm_12` taken gives `mm_{k+1}` after the
 # last `mm_k`). torch 2.11 and 2.12 looked the count up by the whole name and so counted up from one,
-# testing every `mm_i` on the way: a number of tests quadratic in the layers (the recompute pass of a
-# GPT of 128 layers spent 1.4 s there on torch 2.11). `copy_node` asks for the name 2.13's fx gives,
-# free already, so every torch names the copy alike and no count runs from one.
+# testing every `mm_i` on the way: a number of tests quadratic in the layers, the larger part of a deep
+# model's recompute pass there (BENCHMARKS.md). `copy_node` asks for the name 2.13's fx gives, free
+# already, so every torch names the copy alike and no count runs from one.
 _NUMBERED = re.compile(r"^(.*?)(?:_(\d+))?$")
 
 
