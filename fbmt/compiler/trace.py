@@ -441,7 +441,10 @@ def _checkpoints_as_calls() -> Iterator[None]:
     """NOTE: [Checkpoints in the model's code]."""
     import torch.utils.checkpoint as checkpoint
 
-    names = {"CheckpointFunction": _ReentrantAsCall, "_checkpoint_without_reentrant_generator": _nothing_around}
+    # the non-reentrant generator's name differs between releases (torch 2.15's `checkpoint` calls an `_impl`
+    # of it that takes the arguments as a tuple and a dict): every one of them
+    names = {"CheckpointFunction": _ReentrantAsCall}
+    names.update({k: _nothing_around for k in vars(checkpoint) if k.startswith("_checkpoint_without_reentrant_gen")})
     saved = {k: getattr(checkpoint, k) for k in names if hasattr(checkpoint, k)}
     for k in saved:
         setattr(checkpoint, k, names[k])
