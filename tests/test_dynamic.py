@@ -329,6 +329,42 @@ def test_attention_on_sdpa_math_backend_keeps_sizes_symbolic_and_equals_eager(mo
         assert _symbolic_programs_at_lengths_equal_eager(Attention(mask), width=8) == [False, True]
 
 
+class TorchAttention(nn.Module):
+    """nn.MultiheadAttention (F.multi_head_attention_forward: Python calling `linear` and SDPA by
+    torch.nn.functional's names) without and with its weights, given a padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        pad = torch.zeros(x.shape[:2], dtype=torch.bool)
+        pad[0, -2:] = True
+        out, _ = self.attn(x, x, x, key_padding_mask=pad, need_weights=False)
+        mixed, weights = self.attn(out, x, x, key_padding_mask=pad)
+        return mixed + weights.sum(-1, keepdim=True)
+
+
+def test_torch_multi_head_attention_keeps_sizes_symbolic_and_equals_eager(monkeypatch):
+    """Within F.multi_head_attention_forward the route is off (a mode is off within its own
+    __torch_function__), so the products it calls by name are routed for that call (NOTE: [Matmul on
+    symbolic sizes]; WavLM's attention), forced here on any torch, and the names are given back."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fbmt.compiler import sizes
+
+    monkeypatch.setattr(sizes, "_matmul_fixes_sizes", lambda: True)
+    routed = []
+    real = sizes._linear
+    monkeypatch.setattr(sizes, "_linear", lambda *a, **k: routed.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert _symbolic_programs_at_lengths_equal_eager(TorchAttention(), width=8) == [False, True]
+    assert routed
+    assert nn.functional.linear is torch._C._nn.linear
+    assert nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
 def test_the_math_attention_route_refuses_what_sdpa_refuses():
     """A mask and is_causal together: SDPA raises, so the route must not compute an answer."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

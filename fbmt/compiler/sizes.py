@@ -84,6 +84,10 @@ def _traced_code_line() -> str:
 # key/value heads, say) runs that kernel inside C++, so where SDPA would choose it, the attention runs
 # as the same ops written here (scaled products, the causal or given mask, softmax that gives zeros
 # for a row with nothing to attend, as the kernel's does), with the same float32 accumulation.
+# `F.multi_head_attention_forward` (nn.MultiheadAttention, WavLM's attention) is Python that calls
+# `linear` and `scaled_dot_product_attention` by torch.nn.functional's global names; a mode is off
+# within its own `__torch_function__`, so those calls would reach the kernels: for that call the two
+# names are bound to the versions here (`_functional_names`).
 
 
 @functools.lru_cache(None)
@@ -159,6 +163,28 @@ def _math_attention(
     return matmul(weights, value).to(dtype)
 
 
+_KERNEL_LINEAR = torch._C._nn.linear  # what F.linear and F.scaled_dot_product_attention are
+_KERNEL_ATTENTION = torch._C._nn.scaled_dot_product_attention
+
+
+def _attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    out = _math_attention(*args, **kwargs)
+    return _KERNEL_ATTENTION(*args, **kwargs) if out is None else out
+
+
+@contextlib.contextmanager
+def _functional_names(**names: Any) -> Iterator[None]:
+    """torch.nn.functional's globals `names` bound to other functions within (NOTE: [Matmul on symbolic
+    sizes]: for the Python functions there that call them by those names). A trace holds the process's
+    compile lock, and the functions bound compute what the kernels compute."""
+    saved = {name: F.__dict__[name] for name in names}
+    F.__dict__.update(names)
+    try:
+        yield
+    finally:
+        F.__dict__.update(saved)
+
+
 class _SymbolicMatmul(TorchFunctionMode):
     """matmul and linear through torch's Python decomposition, SDPA's math backend as ops (NOTE:
     [Matmul on symbolic sizes])."""
@@ -170,12 +196,13 @@ class _SymbolicMatmul(TorchFunctionMode):
             return matmul(*args)
         if func is torch.Tensor.__rmatmul__ and not kwargs:
             return matmul(args[1], args[0])
-        if func is F.linear:
+        if func is _KERNEL_LINEAR:
             return _linear(*args, **(kwargs or {}))
-        if func is F.scaled_dot_product_attention:
-            out = _math_attention(*args, **(kwargs or {}))
-            if out is not None:
-                return out
+        if func is _KERNEL_ATTENTION:
+            return _attention(*args, **(kwargs or {}))
+        if func is F.multi_head_attention_forward:
+            with _functional_names(linear=_linear, scaled_dot_product_attention=_attention):
+                return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 

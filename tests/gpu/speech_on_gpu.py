@@ -5,9 +5,9 @@
 wav2vec2's CTC head (its label check kept as a device-side check, NOTE: [Checks that raise]; its targets
 read as rows by fbmt::ctc_nll, NOTE: [CTC's selected targets]; SpecAugment's spans drawn on the host at
 every call, NOTE: [Host calls], from padded rows' lengths) with fbmt's executor, with Inductor, and with
-cuda_graph=True (which such a program runs without), and Whisper: the losses and the parameters after 3
-SGD steps at three input lengths (two programs; three with cuda_graph=True), dropout off, numpy seeded
-alike. Exits non-zero on a mismatch.
+cuda_graph=True (which such a program runs without), WavLM's and the conformer's CTC heads, and Whisper:
+the losses and the parameters after 3 SGD steps at three input lengths (two programs; three with
+cuda_graph=True), dropout off, numpy seeded alike. Exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -86,6 +86,17 @@ def main() -> None:
         print(f"wav2vec2 CTC with SpecAugment, {how}: worst relative error {err:.2e}", flush=True)
         if err > 1e-3:
             failed.append(f"wav2vec2 CTC {how}")
+    # attention through F.multi_head_attention_forward (WavLM), and the conformer's: one symbolic program on
+    # torch 2.11 too (NOTE: [Matmul on symbolic sizes])
+    for family in ("wavlm", "wav2vec2-conformer"):
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(family, **AUDIO, final_dropout=0.0)
+        err = train(
+            transformers.AutoModelForCTC.from_config(config).to(device), "ctc", device, background_compile=False
+        )
+        print(f"{family} CTC: worst relative error {err:.2e}", flush=True)
+        if err > 1e-3:
+            failed.append(f"{family} CTC")
     whisper = transformers.AutoConfig.for_model("whisper", **WHISPER)
     torch.manual_seed(0)
     err = train(transformers.AutoModelForSpeechSeq2Seq.from_config(whisper).to(device), "speech", device)
