@@ -150,7 +150,13 @@ def _math_attention(
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
         value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
     root = abs(query.shape[-1] ** -0.5 if scale is None else scale) ** 0.5
-    scores = matmul(query * (-root if scale is not None and scale < 0 else root), (key * root).transpose(-2, -1))
+    # The products' operands in one layout, whatever their producers gave: the views the products make of
+    # them are recorded for the layouts traced, and Inductor, compiling a region that holds the attention,
+    # may lay a producer out otherwise (`cat` onto an empty cache: as its other input), where a view fails.
+    dense = functools.partial(torch.clone, memory_format=torch.contiguous_format)
+    query, key, value = query * (-root if scale is not None and scale < 0 else root), key * root, value
+    query, key, value = dense(query), dense(key), dense(value)
+    scores = matmul(query, key.transpose(-2, -1))
     if is_causal:
         keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
         scores = scores.masked_fill(keep.logical_not(), float("-inf"))
