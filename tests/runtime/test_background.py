@@ -482,6 +482,22 @@ def test_a_compile_that_synchronizes_under_the_sync_debug_mode_says_what_to_do(m
     assert "synchronizing CUDA operation" in str(raised.value.__cause__)
 
 
+def test_a_region_that_fails_to_compile_in_the_loader_says_so_where_the_step_begins(monkeypatch):
+    """A compile the loader makes fails where the next step begins, in fbmt's words, Inductor's error kept
+    as the cause; the next poll finds nothing left to raise."""
+
+    def failing(description, specs, grad):
+        raise ValueError("Cannot view a tensor with shape torch.Size([4])")
+
+    monkeypatch.setattr(regions, "compile_static", failing)
+    cache = regions.RegionCache(lambda: None)
+    _loaded_exp(cache)(torch.randn(4))
+    with pytest.raises(RuntimeError, match=r"Inductor failed to compile a region of 1 ops .*backend='eager'") as raised:
+        cache.poll(wait=True)
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert cache.poll(wait=True) == 0
+
+
 def test_a_program_is_not_traced_while_the_loader_compiles(monkeypatch):
     """make_fx keeps its tracer and node metadata in globals of the process, and Inductor runs make_fx:
     a model's trace waits for the loader's compile in hand (and the loader for the trace)."""

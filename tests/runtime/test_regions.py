@@ -263,3 +263,44 @@ def test_a_compile_laid_out_otherwise_is_copied_into_the_traced_strides_only_whe
         assert out.stride() == (4, 1) and torch.equal(out, transposed)
         assert same is column
     assert compiled.copied == [0]
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_a_cat_onto_an_empty_tensor_is_laid_out_as_eager_for_the_view_after_it(symbolic):
+    """NOTE: [Cats onto empty tensors]: a cache written by `cat([empty, keys.transpose(1, 2)])` and viewed
+    in the same region. Inductor's own compile returns the keys transposed and fails on the `.view`
+    ("Cannot view a tensor ..."); the region computes eager's values, at exact sizes and at symbolic ones."""
+    import torch.fx as fx
+
+    aten = torch.ops.aten
+
+    def f(k, n):
+        empty = aten.new_empty.default(k, [2, 4, 0, 8])
+        cached = aten.cat.default([empty, aten.transpose.int(k, 1, 2)], -2)
+        return (aten.view.default(aten.mul.Tensor(cached, 2), [2, 4 * n, 8]),)
+
+    cache = regions.RegionCache()
+    region = Region(fx.symbolic_trace(f), "cat-onto-empty", cache, dims=[(1,), (0,)] if symbolic else None)
+    lengths = (5, 6, 9) if symbolic else (5,)  # a region of exact sizes is called at those alone
+    for length in lengths:
+        k = torch.randn(2, length, 4, 8)
+        (out,) = region(k, length)
+        torch.testing.assert_close(out, (k.transpose(1, 2) * 2).reshape(2, 4 * length, 8))
+    assert cache.misses == 1, cache
+
+
+def test_a_region_inductor_fails_to_compile_names_its_blocks_and_what_to_do(monkeypatch):
+    """Inductor's own error names an op of a graph the user never wrote: fbmt's names the blocks the
+    region's ops come from and backend='eager', and keeps Inductor's error as its cause."""
+    import torch._inductor.compile_fx
+
+    def fails(gm, inputs, **kwargs):
+        raise ValueError("Cannot view a tensor with shape torch.Size([2, 4, 5, 8])\n\nWhile executing %view_3")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", fails)
+    model = fbmt.compile(gpt(n_layer=2), backend="inductor", background_compile=False, cache_dir=False)
+    with pytest.raises(RuntimeError, match=r"Inductor failed to compile a region of \d+ ops from block") as raised:
+        model(torch.randint(0, 64, (2, 8)))
+    message = str(raised.value)
+    assert "backend='eager'" in message and "(ValueError: Cannot view a tensor" in message, message
+    assert "While executing" not in message and isinstance(raised.value.__cause__, ValueError)

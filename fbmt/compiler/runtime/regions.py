@@ -188,7 +188,7 @@ class RegionCache:
                     "runs their ops as traced",
                     workers.count,
                 )
-        load = self.pending[key] = _Load(job, made)
+        load = self.pending[key] = _Load(job, made, region)
         with self._queued:
             self._queue.append(load)
             self._queued.notify()
@@ -347,8 +347,8 @@ class _Load:
     by a worker (`job`) and then again here, where torch's caches answer it; or here at once (no
     job: its program's cache entry holds Inductor's artifacts). `args` are `compile_static`'s."""
 
-    def __init__(self, job: background.Job | None, args: tuple) -> None:
-        self.job, self.args = job, args
+    def __init__(self, job: background.Job | None, args: tuple, region: Region) -> None:
+        self.job, self.args, self.region = job, args, region
         self.fn: Any = None
         self.error: BaseException | None = None
         self.seconds = 0.0  # the loader's own compile
@@ -379,27 +379,50 @@ class _Load:
                     "fbmt: a compile worker failed on a region (%s); it compiles in this process", job.error
                 )
             # the same graph and fakes as the worker's: torch's caches hold what it compiled (NOTE)
-            self.fn = compile_static(*self.args)
+            try:
+                self.fn = compile_static(*self.args)
+            except Exception as e:
+                self.error = _explained(e, self.region)
         except BaseException as e:  # raised where a step begins (`poll`), as a compile there would raise
-            self.error = _explained(e)
+            self.error = e
         finally:
             self.seconds = time.perf_counter() - started
             self.done.set()
 
 
-def _explained(error: BaseException) -> BaseException:
-    """A loader's compile error, said in fbmt's words where torch's would mislead: a compile that
-    synchronizes the device (Inductor folding a constant) under `torch.cuda.set_sync_debug_mode("error")`,
-    which is the process's, not the step's that then raises it."""
+def _explained(error: Exception, region: Region) -> Exception:
+    """A region's compile error, said in fbmt's words: which blocks the region's ops come from and what
+    to do. Inductor's own words name an op of a graph the user never wrote. A compile that synchronizes
+    the device (Inductor folding a constant) under `torch.cuda.set_sync_debug_mode("error")` is the
+    process's doing, not the step's that then raises it. fbmt's own errors are left as they are."""
+    if str(error).startswith("fbmt:") or isinstance(error, torch.OutOfMemoryError):  # what a caller may catch
+        return error
     if isinstance(error, RuntimeError) and "synchronizing CUDA operation" in str(error):
         explained = RuntimeError(
             "fbmt: a region compiling in the background synchronized the device while "
             "torch.cuda.set_sync_debug_mode('error') was on (a compile may; the steps do not): call "
             "model.wait_compiled() before turning the mode on, or compile with background_compile=False"
         )
-        explained.__cause__ = error
-        return explained
-    return error
+    else:
+        first = next((line for line in str(error).splitlines() if line.strip()), "")
+        ops = sum(n.op == "call_function" for n in region.gm.graph.nodes)
+        explained = RuntimeError(
+            f"fbmt: Inductor failed to compile a region of {ops} ops from {region.where or 'the program'} "
+            f"({type(error).__name__}: {first}). backend='eager' runs the same program without Inductor; "
+            "please report the model and this error to fbmt"
+        )
+    explained.__cause__ = error
+    return explained
+
+
+def _where(run: list[fx.Node]) -> str:
+    """The blocks a run of nodes comes from, in words: "block h.0", "blocks h.0, h.1 ... (5 blocks)"."""
+    blocks = list(dict.fromkeys(b if b else "the model's root" for n in run if (b := meta.block(n)) is not None))
+    if not blocks:
+        return ""
+    if len(blocks) > 3:
+        return f"blocks {', '.join(blocks[:3])} ... ({len(blocks)} blocks)"
+    return ("block " if len(blocks) == 1 else "blocks ") + ", ".join(blocks)
 
 
 # At most this many compiles of symbolic sizes per region structure: a layout none of them admits
@@ -423,8 +446,10 @@ class Region(nn.Module):
         dims: list[tuple[int, ...]] | None = None,
         recheck: bool = False,
         send: bool = True,
+        where: str = "",
     ):
         super().__init__()
+        self.where = where  # the blocks its ops come from, for an error (`_where`)
         self.send = send  # its compiles may be made in the workers (not where torch's caches hold them)
         self.gm, self.structure, self.cache = gm, structure, cache
         self.dims = dims if dims and any(dims) else None
@@ -492,19 +517,25 @@ class Region(nn.Module):
 
         started = time.perf_counter()
         description = None if symbolic else _describe(self.gm)
-        if description is not None:  # as a worker compiles it (`compile_static`)
-            fn, fakes = compile_static(description, [_spec(a) for a in args], torch.is_grad_enabled()), []
-        else:
-            with COMPILING, cat_guard(), _cacheable(static=not symbolic) as mode:
-                if symbolic:
-                    fakes = _symbolic_fakes(mode, args, self.dims)
-                    gm, reads, sizes = _for_inductor(self.gm, mode, fakes, lift=True)
-                    hold = _held_to_traced_strides(gm, fakes, sizes, reads)  # reads gm, before Inductor rewrites it
-                    fn = hold(_reading_sizes(compile_fx(gm, fakes + sizes), reads))
-                else:
-                    fakes = [_static(mode, a) for a in args]
-                    gm, _, _ = _for_inductor(self.gm, mode, fakes, lift=False)
-                    fn = _in_traced_layouts(gm, fakes)
+        try:
+            if description is not None:  # as a worker compiles it (`compile_static`)
+                fn, fakes = compile_static(description, [_spec(a) for a in args], torch.is_grad_enabled()), []
+            else:
+                with COMPILING, cat_guard(), _cacheable(static=not symbolic) as mode:
+                    if symbolic:
+                        fakes = _symbolic_fakes(mode, args, self.dims)
+                        gm, reads, sizes = _for_inductor(self.gm, mode, fakes, lift=True)
+                        hold = _held_to_traced_strides(gm, fakes, sizes, reads)  # reads gm, before Inductor rewrites it
+                        fn = hold(_reading_sizes(compile_fx(gm, fakes + sizes), reads))
+                    else:
+                        fakes = [_static(mode, a) for a in args]
+                        gm, _, _ = _for_inductor(self.gm, mode, fakes, lift=False)
+                        fn = _in_traced_layouts(gm, fakes)
+        except Exception as e:
+            explained = _explained(e, self)
+            if explained is e:
+                raise
+            raise explained from e
         seconds = time.perf_counter() - started
         self.cache.seconds += seconds
         self.cache.misses += 1
@@ -691,11 +722,13 @@ def _in_traced_layouts(gm: fx.GraphModule, fakes: list) -> Callable[..., Any]:
     gave them.
 
     NOTE: [Outputs in the traced layouts]
-    Inductor may lay out a graph's output otherwise than eager PyTorch and the trace did: it drops a
-    `cat` one of whose operands is empty as a no-op, and returns the other operand as it is laid out
+    Inductor may lay out a graph's output otherwise than eager PyTorch and the trace did. It did so for
+    a `cat` one of whose operands is empty, whose result it returned in the other operand's layout
     (Hugging Face's DynamicCache, written by a training forward, is `cat([empty, key.transpose(1, 2)])`:
-    contiguous in eager, transposed compiled). What reads the output then meets a layout its trace
-    never saw: the region reading it compiles a second time for it, and with compiles in the background
+    contiguous in eager, transposed compiled); such cats are now copies in eager's layout before
+    Inductor sees them (NOTE: [Cats onto empty tensors]), but an output's layout stays Inductor's
+    choice, and what follows holds it to the trace's. What reads an output laid out otherwise meets a
+    layout its trace never saw: the region reading it compiles a second time for it, and with compiles in the background
     every step between the forward's compile and that second one ran the layer's backward as traced
     (HF's Llama called as HF documents it, each layer's backward); a model output
     so laid out differs from eager's (`.view` fails where eager's works), and an `as_strided` of it
@@ -851,7 +884,73 @@ def _for_inductor(
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     FakeTensorProp(copy, mode).propagate_dont_convert_inputs(*fakes, *sizes)
+    if _cats_onto_empty_as_copies(copy):
+        FakeTensorProp(copy, mode).propagate_dont_convert_inputs(*fakes, *sizes)
     return copy, reads, sizes
+
+
+def _cats_onto_empty_as_copies(gm: fx.GraphModule) -> bool:
+    """Each `cat` of one operand and empty ones whose value (eager's) is contiguous and the operand is
+    not: a contiguous copy of the operand instead. Whether any was.
+
+    NOTE: [Cats onto empty tensors]
+    Inductor drops a `cat`'s empty operands and, where one operand is left, returns a copy of it in
+    its own layout (`clone()`), where eager PyTorch lays the result out contiguously. A writing cache
+    (Hugging Face's DynamicCache: `cat([empty, key.transpose(1, 2)])`) then comes out transposed, and
+    a `.view` of it in the same region, which eager runs, fails inside Inductor's compile ("Cannot view
+    a tensor with shape ..."), plain `torch.compile` alike. The copy made here is the one Inductor
+    would make, in eager's layout. Sizes are compared as the compile's fakes give them: a symbolic
+    size is never empty here (the shape environment makes 0 and 1 constants)."""
+    rewritten = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.cat.default:
+            continue
+        tensors, dim = n.args[0], (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+        vals = [t.meta.get("val") for t in tensors]
+        out = n.meta.get("val")
+        if not isinstance(out, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in vals):
+            continue
+        dim = dim % out.dim() if out.dim() else 0
+
+        def empty(v: torch.Tensor) -> bool:
+            size = v.shape[0] if v.dim() == 1 else (v.shape[dim] if dim < v.dim() else None)
+            return isinstance(size, int) and size == 0
+
+        left = [t for t, v in zip(tensors, vals) if not empty(v)]
+        if len(left) != 1:
+            continue
+        kept = left[0].meta["val"]
+        if _same_sizes(kept.stride(), out.stride()) or not _same_sizes(out.stride(), _contiguous_strides(out.shape)):
+            continue  # already eager's layout, or a layout other than contiguous (left to Inductor)
+        with gm.graph.inserting_before(n):
+            copied = gm.graph.call_function(
+                torch.ops.aten._to_copy.default,
+                (left[0],),
+                {"dtype": out.dtype, "memory_format": torch.contiguous_format},
+            )
+        n.replace_all_uses_with(copied)
+        gm.graph.erase_node(n)
+        rewritten = True
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+def _contiguous_strides(shape: Any) -> list:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * (1 if isinstance(size, int) and size == 0 else size)
+    return strides[::-1]
+
+
+def _same_sizes(a: Any, b: Any) -> bool:
+    """Sizes or strides equal as written (symbolic ones as expressions): no guard is added."""
+
+    def expr(v: Any) -> Any:
+        return v.node.expr if isinstance(v, torch.SymInt) else v
+
+    return len(a) == len(b) and all(expr(x) == expr(y) for x, y in zip(a, b))
 
 
 def _reading_sizes(fn: Any, reads: list[tuple[int, str, int]]) -> Callable[..., Any]:
@@ -1118,7 +1217,16 @@ def split_regions(
             name = f"region{len(root._modules)}"
             dims = [_varying(i) for i in ins]
             root.add_module(
-                name, Region(sub, structure, cache, dims, recheck=any(i in laid_out for i in ins), send=send)
+                name,
+                Region(
+                    sub,
+                    structure,
+                    cache,
+                    dims,
+                    recheck=any(i in laid_out for i in ins),
+                    send=send,
+                    where=_where(run),
+                ),
             )
             call = out.call_module(name, tuple(env[i] for i in ins))
             for k, o in enumerate(outs):
