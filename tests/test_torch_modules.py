@@ -203,6 +203,40 @@ def test_a_reentrant_checkpoint_gives_eager_gradients_and_none_where_no_input_re
     assert all(p.grad is None for p in ref.layers.parameters()) != input_grad
 
 
+class OffloadedCheckpoints(Checkpointed):
+    """Each checkpoint in `save_on_cpu`, as Hugging Face's `activation_checkpointing_enable(offload=True)` wraps
+    them (pinned where the machine can pin, as there)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.layers:
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                x = checkpoint(layer, x, use_reentrant=False)
+        return self.head(x).square().mean()
+
+
+def test_save_on_cpu_in_the_forward_is_left_out_of_the_program_with_a_warning(caplog):
+    """NOTE: [Checkpoints in the model's code]: its copies to the host were traced into the program, as
+    buffers Inductor could not make where they were pinned (on a GPU: "Only CPU tensors can be pinned").
+    The program has none of them, says so, warns, and gives eager's gradients."""
+    torch.manual_seed(0)
+    ref = OffloadedCheckpoints()
+    model = fbmt.compile(copy.deepcopy(ref))
+    x = torch.randn(5, 6)
+    with caplog.at_level("WARNING", logger="fbmt"):
+        loss = model(x)
+    ref(x).backward()
+    loss.backward()
+    grads = model.full_gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert "save_on_cpu(pin_memory=True) in the forward left out" in str(model.program)
+    assert any("save_on_cpu" in r.getMessage() and "remat=" in r.getMessage() for r in caplog.records)
+    copies = [n for n in model.program.graph.nodes if "empty" in str(n.target) or "copy" in str(n.target)]
+    assert not copies, copies
+
+
 @pytest.mark.parametrize(
     "embedding, said",
     [

@@ -415,6 +415,13 @@ def _tracing() -> Iterator[None]:
 # inputs requires grad returns results that do not (its function's parameters get no gradient), with
 # torch's own warning. Hugging Face's `gradient_checkpointing_enable()` makes each layer such a call
 # (NOTE: [Hugging Face's checkpointing]).
+#
+# For the same reason `torch.autograd.graph.save_on_cpu` in the model's code (Hugging Face's
+# `activation_checkpointing_enable(offload=True)` wraps each layer's checkpoint in one) saves nothing on
+# the host while tracing: its hooks copy each saved tensor to the host and back, which gives the values
+# it was given, and traced they became ops of the program (pinned buffers Inductor cannot make). The
+# trace says so and warns: what it saves is remat='s to decide, on the GPU.
+_saved_on_host: list[str] = []  # each save_on_cpu the traced forward entered, as the trace says it
 
 
 class _ReentrantAsCall:
@@ -448,11 +455,37 @@ def _checkpoints_as_calls() -> Iterator[None]:
     saved = {k: getattr(checkpoint, k) for k in names if hasattr(checkpoint, k)}
     for k in saved:
         setattr(checkpoint, k, names[k])
+    on_host = torch.autograd.graph.save_on_cpu
+    made = on_host.__init__
+
+    def nothing_on_host(self: Any, pin_memory: bool = False, device_type: str = "cuda") -> None:
+        _saved_on_host.append(f"save_on_cpu(pin_memory={pin_memory})")
+        torch.autograd.graph.saved_tensors_hooks.__init__(self, _itself, _itself)
+
+    on_host.__init__ = nothing_on_host
+    _saved_on_host.clear()
     try:
         yield
     finally:
+        on_host.__init__ = made
         for k, v in saved.items():
             setattr(checkpoint, k, v)
+
+
+def _itself(t: Any) -> Any:
+    return t
+
+
+def _host_saves_said() -> tuple[str, ...]:
+    """The trace's line on the model's save_on_cpu, and its warning (NOTE: [Checkpoints in the model's code])."""
+    if not _saved_on_host:
+        return ()
+    logs.log.warning(
+        "fbmt: the model's forward saves tensors for its backward on the host (torch.autograd.graph.save_on_cpu, "
+        "as Hugging Face's activation_checkpointing_enable(offload=True) does); fbmt's program leaves those copies "
+        "out and keeps what its backward needs on the device, as remat= decides (remat='block' keeps the least)"
+    )
+    return (f"{_saved_on_host[0]} in the forward left out: remat= decides what the backward keeps",)
 
 
 def _watching_hooks(fn: Callable[..., Program]) -> Callable[..., Program]:
@@ -704,6 +737,7 @@ def trace(
             *masks.CausalMasks.said(decided),
             *(stamper.said() if stamper else ()),
             *host_calls.said(program.graph),
+            *_host_saves_said(),
         )
         stats = TraceStats(tuple(constants), said)
         if stats.constants or stats.notes:  # what a reader of print(program) should know about the trace itself

@@ -6,14 +6,17 @@ Each rank trains on its part of a global batch; the eager reference trains on th
 tiny random HF Llama, GPT-2 and Mixtral (default grouped_mm experts) called as HF documents, in fp32
 (losses and parameters after 3 SGD steps) and Llama in bf16 with the inductor backend; greedy
 `generate` tokens; Llama in bf16 called with `use_cache=False` (its causal mask rewritten, its key/value
-heads read once); nn.LSTM and nn.GRU (cuDNN) forward and backward. Exits non-zero on a mismatch.
+heads read once); Llama with Hugging Face's checkpoints offloaded to the host (`save_on_cpu`) through
+Inductor; nn.LSTM and nn.GRU (cuDNN) forward and backward. Exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -25,11 +28,20 @@ from tests.models import hf  # noqa: E402
 
 
 def train(
-    name: str, device: torch.device, dtype: torch.dtype, call: dict | None = None, said: list | None = None, **options
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    call: dict | None = None,
+    said: list | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
+    **options,
 ) -> float:
     """The worst relative error of the mean loss and the parameters after 3 SGD steps; `call`: more
-    keyword arguments of the model's call (`use_cache=False`); `said`: gets the program's summary."""
+    keyword arguments of the model's call (`use_cache=False`); `said`: gets the program's summary;
+    `prepare`: what the script does to the model before compiling it."""
     ref = hf.build(name).to(device, dtype)
+    if prepare is not None:
+        prepare(ref)
     model = fbmt.compile(copy.deepcopy(ref), **options)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
     worst = 0.0
@@ -54,6 +66,24 @@ def train(
         ).item()
         worst = max(worst, err)
     return worst
+
+
+def offloaded_checkpoints(model: nn.Module) -> None:
+    """Hugging Face's activation checkpointing with the saved inputs on the host (`offload=True`, transformers
+    5.24): each layer's checkpoint in `save_on_cpu(pin_memory=True)`; on an older transformers, the same by
+    hand."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None and "offload" in inspect.signature(enable).parameters:
+        enable(offload=True)
+        return
+    model.gradient_checkpointing_enable()
+    for layer in model.model.layers:
+
+        def forward(*args, _forward=layer.forward, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return _forward(*args, **kwargs)
+
+        layer.forward = forward
 
 
 class Recurrent(nn.Module):
@@ -133,6 +163,11 @@ def main() -> None:
         3e-2,
     )
     grouped = "read their key/value heads once" in said[0] and "is causal" in said[0]
+    # save_on_cpu's pinned copies, traced, were buffers Inductor could not make
+    results["llama fp32 inductor, checkpoints offloaded"] = (
+        train("llama", device, torch.float32, prepare=offloaded_checkpoints, backend="inductor"),
+        1e-4,
+    )
     results["lstm"] = (recurrent(nn.LSTM, device), 1e-4)
     results["gru"] = (recurrent(nn.GRU, device), 1e-4)
     results["batchnorm under remat=block"] = (batchnorm(device), 1e-5)
