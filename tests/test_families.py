@@ -88,6 +88,16 @@ CAUSAL: dict[str, dict[str, Any]] = {
     "bloom": {},
     "mpt": {},
     "mamba": {},
+    "doge": {},  # its dynamic mask's softplus: NOTE: [Strides a trace may not know]
+    # hybrids of attention and recurrent layers, one of each (transformers' cache needs an attention layer)
+    "qwen3_next": dict(
+        MOE,
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+    ),
+    "bamba": dict(attn_layer_indices=[1]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=8),
 }
 MASKED = ["roberta", "electra", "deberta-v2", "modernbert", "distilbert", "albert"]
 SEQ2SEQ = ["bart", "mbart", "pegasus", "marian"]

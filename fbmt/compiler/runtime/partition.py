@@ -354,7 +354,22 @@ def _lower(g: fx.Graph, device: torch.device, casts_where_read: bool = False) ->
             n.target = torch_impl.wait
         elif n.op == "call_function" and n.target in _NEEDS_GRAD_MODE:
             n.target = _NEEDS_GRAD_MODE[n.target]
+        elif n.op == "call_function" and n.target in _VIEWS_OF_TRACED_STRIDES:  # NOTE: [Strides a trace may not know]
+            n.target = aten.reshape.default
     g.lint()
+
+
+# NOTE: [Strides a trace may not know]
+# The trace computes each value's strides with torch's fake kernels, and for some ops they are not the
+# real kernel's: `softplus_backward(grad, x)` of a transposed `grad` is laid out like `grad` on the CPU
+# and the GPU and contiguous on fakes (its meta is a decomposition), and so are `hardtanh_backward`,
+# `elu_backward`, `hardswish_backward`, `copysign` and others, in every torch release fbmt runs on. A
+# `view` the trace recorded for the strides it knew then failed on the real value (Doge's dynamic mask,
+# whose backward views the softplus gradient: "view size is not compatible with input tensor's size and
+# stride"). The values are what they are in any layout; only a view needs one. So the graphs that run
+# reshape where the trace viewed: the same view where the layout allows it, as the trace assumed, and a
+# contiguous copy where it does not, which is the layout the trace gave the view's result.
+_VIEWS_OF_TRACED_STRIDES = frozenset({aten.view.default, aten._unsafe_view.default})
 
 
 # NOTE: [One rank's gathers]
