@@ -13,6 +13,7 @@ Inductor; nn.LSTM and nn.GRU (cuDNN) forward and backward. Exits non-zero on a m
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 import sys
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -70,20 +72,21 @@ def train(
 
 def offloaded_checkpoints(model: nn.Module) -> None:
     """Hugging Face's activation checkpointing with the saved inputs on the host (`offload=True`, transformers
-    5.24): each layer's checkpoint in `save_on_cpu(pin_memory=True)`; on an older transformers, the same by
-    hand."""
+    5.24): each layer's checkpoint in `save_on_cpu(pin_memory=True)`; on an older transformers, its layers given
+    the same checkpoint function by hand."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None and "offload" in inspect.signature(enable).parameters:
         enable(offload=True)
         return
     model.gradient_checkpointing_enable()
-    for layer in model.model.layers:
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False):
+            m._gradient_checkpointing_func = functools.partial(_offloaded_checkpoint, use_reentrant=False)
 
-        def forward(*args, _forward=layer.forward, **kwargs):
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                return _forward(*args, **kwargs)
 
-        layer.forward = forward
+def _offloaded_checkpoint(function: Callable, *args, **kwargs):
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
 
 
 class Recurrent(nn.Module):
