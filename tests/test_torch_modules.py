@@ -223,14 +223,8 @@ def test_save_on_cpu_in_the_forward_is_left_out_of_the_program_with_a_warning(ca
     torch.manual_seed(0)
     ref = OffloadedCheckpoints()
     model = fbmt.compile(copy.deepcopy(ref))
-    x = torch.randn(5, 6)
     with caplog.at_level("WARNING", logger="fbmt"):
-        loss = model(x)
-    ref(x).backward()
-    loss.backward()
-    grads = model.full_gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+        _gradients_as_eager(model, ref, torch.randn(5, 6))
     assert "save_on_cpu(pin_memory=True) in the forward left out" in str(model.program)
     assert any("save_on_cpu" in r.getMessage() and "remat=" in r.getMessage() for r in caplog.records)
     copies = [n for n in model.program.graph.nodes if "empty" in str(n.target) or "copy" in str(n.target)]
@@ -258,11 +252,13 @@ def test_an_activation_whose_fake_gradient_is_laid_out_otherwise_trains_as_eager
     right: it ran before as it runs now."""
     torch.manual_seed(0)
     ref = TransposedGradients(activation)
-    model = fbmt.compile(copy.deepcopy(ref))
-    x = torch.randn(3, 12, 4)
-    loss = model(x)
+    _gradients_as_eager(fbmt.compile(copy.deepcopy(ref)), ref, torch.randn(3, 12, 4))
+
+
+def _gradients_as_eager(model: nn.Module, ref: nn.Module, x: torch.Tensor) -> None:
+    """One backward of each model's scalar output for `x`: every parameter's gradient is eager's."""
+    model(x).backward()
     ref(x).backward()
-    loss.backward()
     grads = model.full_gradients()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
