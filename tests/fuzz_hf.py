@@ -94,7 +94,11 @@ def build(
     except ValueError:  # a family transformers runs with its eager attention only
         model = AUTO[kind].from_config(config, attn_implementation="eager")
     if rnd.random() < 0.25 and model.supports_gradient_checkpointing:  # as Trainer's gradient_checkpointing=True
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": rnd.random() < 0.5})
+        # WavLM's reentrant checkpoints do not finish a step in eager (seed 9908 ran for minutes, its backward
+        # nested in a hundred autograd threads), most likely because its layers pass the position bias on as a
+        # keyword, which a reentrant checkpoint does not detach: each layer's recompute reaches the one before
+        reentrant = rnd.random() < 0.5 and not family.startswith("wavlm")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     options = {**fuzz.OPTIONS[rnd.randrange(len(fuzz.OPTIONS))], "cache_dir": False}
     options.update({k: v for k, v in (("param_dtype", how.dtype), ("backend", how.backend)) if v is not None})
     return model.to(how.device), kind, options, rnd
