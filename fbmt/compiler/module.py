@@ -285,12 +285,8 @@ def _apart_from_the_callers_autograd_modes() -> Iterator[None]:
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.autograd.set_detect_anomaly(False))
         with contextlib.suppress(RuntimeError):  # hooks turned off where the caller is (torch.func's transforms)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(trace.itself, trace.itself))
         yield
-
-
-def _same(t: Any) -> Any:
-    return t
 
 
 def _dims_text(dims: dict[int, tuple[int, ...]]) -> str:

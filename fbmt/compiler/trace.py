@@ -460,7 +460,7 @@ def _checkpoints_as_calls() -> Iterator[None]:
 
     def nothing_on_host(self: Any, pin_memory: bool = False, device_type: str = "cuda") -> None:
         _saved_on_host.append(f"save_on_cpu(pin_memory={pin_memory})")
-        torch.autograd.graph.saved_tensors_hooks.__init__(self, _itself, _itself)
+        torch.autograd.graph.saved_tensors_hooks.__init__(self, itself, itself)
 
     on_host.__init__ = nothing_on_host
     _saved_on_host.clear()
@@ -472,7 +472,8 @@ def _checkpoints_as_calls() -> Iterator[None]:
             setattr(checkpoint, k, v)
 
 
-def _itself(t: Any) -> Any:
+def itself(t: Any) -> Any:
+    """A saved-tensor hook that keeps the tensor as it is (the caller's hooks and save_on_cpu's, while tracing)."""
     return t
 
 
