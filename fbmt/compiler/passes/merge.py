@@ -85,6 +85,12 @@ def _param_slots(program: Program) -> dict[fx.Node, tuple[FlatGroup, ParamSlot]]
     return out
 
 
+def _shape(node: fx.Node) -> tuple[str, ...]:
+    """A node's shape as a key: a symbolic size by its expression (a SymInt has no hash, and comparing
+    two would add a guard to the program's assumptions)."""
+    return tuple(map(str, node.meta["val"].shape))
+
+
 def _products(g: fx.Graph, slots: dict) -> dict[tuple, list[tuple[fx.Node, fx.Node]]]:
     """`mm(X, t(W))` nodes by (phase, recompute tag, what X views, X's shape): (product, W)."""
     found: dict[tuple, list] = defaultdict(list)
@@ -95,8 +101,7 @@ def _products(g: fx.Graph, slots: dict) -> dict[tuple, list[tuple[fx.Node, fx.No
         if not (isinstance(tw, fx.Node) and tw.target is aten.t.default and tw.args[0] in slots):
             continue
         base = x.args[0] if x.target in RESHAPES else x
-        shape = tuple(map(str, x.meta["val"].shape))  # a symbolic size by its expression
-        found[(meta.phase(n), meta.recompute(n), base, shape)].append((n, tw.args[0]))
+        found[(meta.phase(n), meta.recompute(n), base, _shape(x))].append((n, tw.args[0]))
     return found
 
 
@@ -170,7 +175,8 @@ def _views_follow(node: fx.Node, val: torch.Tensor, updates: dict) -> bool:
     for u in node.users:
         if not (ops.aliases(u) and u.args[0] is node):
             continue
-        args = [val] + [a.meta.get("val") if isinstance(a, fx.Node) else a for a in u.args[1:]]
+        # a symbolic size's node inside a list of sizes too ([2, sym_size_int, 8])
+        args = (val, *fx.node.map_arg(tuple(u.args[1:]), lambda a: a.meta.get("val")))
         try:  # every layer's slices take the same views: memoized by metadata (NOTE: [Values by their metadata])
             new = ops.fake_value(val.fake_mode, u.target, args, u.kwargs)
         except (RuntimeError, ValueError):  # a view that needs the old layout: "Cannot view a tensor ..."
@@ -203,7 +209,7 @@ def _merge_gradients(program: Program, weights: list[fx.Node], slots: dict) -> i
     if any(f is None for f in found):
         return 0
     dxs, gs, dws, xs, chains = zip(*found)
-    if len({(x.args[0] if x.target in RESHAPES else x, tuple(x.meta["val"].shape)) for x in xs}) != 1:
+    if len({(x.args[0] if x.target in RESHAPES else x, _shape(x)) for x in xs}) != 1:
         return 0
     tree = _sum_tree(list(dxs))
     if tree is None:
@@ -214,8 +220,10 @@ def _merge_gradients(program: Program, weights: list[fx.Node], slots: dict) -> i
         grad_out = emit(g, aten.cat.default, (list(gs), 1), BWD, **tags)
         w = emit(g, aten.cat.default, (list(weights), 0), BWD, **tags)
         dx = emit(g, aten.mm.default, (grad_out, w), BWD, **tags)
-        if tuple(dx.meta["val"].shape) != tuple(root.meta["val"].shape):
-            dx = emit(g, aten.view.default, (dx, list(root.meta["val"].shape)), BWD, **tags)
+        if _shape(dx) != _shape(root):  # the sizes as the products' own reshapes give them: a symbolic
+            # size as the node that computes it, which comes before the root they all feed
+            sizes = next(n.args[1] for n in internal if n.target in RESHAPES and _shape(n) == _shape(root))
+            dx = emit(g, aten.view.default, (dx, sizes), BWD, **tags)
         for o in others:
             dx = emit(g, aten.add.Tensor, (dx, o), BWD, **tags)
         dw = emit(g, aten.mm.default, (emit(g, aten.t.default, (grad_out,), BWD, **tags), xs[0]), BWD, **tags)
@@ -284,8 +292,8 @@ def _sum_tree(dxs: list[fx.Node]) -> tuple[fx.Node, list[fx.Node], list[fx.Node]
             inner.append(u)
             n = u
         tops[n] = dx
-    shape = tuple(next(iter(tops)).meta["val"].shape)
-    if any(tuple(t.meta["val"].shape) != shape for t in tops):
+    shape = _shape(next(iter(tops)))
+    if any(_shape(t) != shape for t in tops):
         return None
 
     def leaves(n: fx.Node, root: fx.Node) -> tuple[set, list, list]:
@@ -298,7 +306,7 @@ def _sum_tree(dxs: list[fx.Node]) -> tuple[fx.Node, list[fx.Node], list[fx.Node]
             and len(n.args) == 2
             and all(isinstance(a, fx.Node) for a in n.args)
             and (n is root or len(n.users) == 1)
-            and tuple(n.meta["val"].shape) == shape
+            and _shape(n) == shape
         ):
             (found_a, others_a, adds_a), (found_b, others_b, adds_b) = (leaves(a, root) for a in n.args)
             return found_a | found_b, others_a + others_b, [n] + adds_a + adds_b
