@@ -18,6 +18,7 @@ import fbmt
 from fbmt.models.gpt import GPT, GPTConfig
 from tests.dist import run_ranks
 from tests.models import hf
+from tests.models.reference import Llama
 
 LENGTHS = [16, 24, 16, 40, 128, 57, 33, 96, 16, 71]  # 16-128, most never seen before they arrive
 
@@ -132,6 +133,56 @@ def test_hugging_face_bloom_adds_its_alibi_bias_with_baddbmm_in_one_program_for_
             _gradients_match_and_clear(model, ref, length)
     assert len(model.programs) == 2 and list(model.programs.values())[1].sizes is not None, list(model.programs)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_linear_attention_of_triangular_solves_has_one_program_for_every_length(caplog):
+    """Qwen3-Next's gated delta rule (also Qwen3.5's) solves triangular systems over its chunks: torch's
+    meta kernel of `linalg_solve_triangular` fails at symbolic sizes, and the model fell back to a program
+    per length, torch logging the traceback. Its merged projections' gradients then met a merge pass that
+    hashed symbolic shapes."""
+    config = transformers.Qwen3NextConfig(
+        **hf.DECODER,
+        vocab_size=hf.VOCAB,
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    with caplog.at_level("WARNING"):
+        for step, length in enumerate([12, 16, 24, 7]):
+            ids = torch.randint(3, hf.VOCAB, (2, length), generator=torch.Generator().manual_seed(step))
+            out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+            out.loss.backward()
+            want.loss.backward()
+            torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+            _gradients_match_and_clear(model, ref, length)
+    assert len(model.programs) == 2 and list(model.programs.values())[1].sizes is not None, list(model.programs)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_products_that_read_one_input_merge_in_a_program_of_symbolic_sizes_as_in_one_of_exact_sizes():
+    """The merge pass (NOTE: [Merged products]) re-derived a slice's views with a symbolic size's node
+    among their sizes, which failed, so a program of symbolic sizes merged nothing; merged, its gradients'
+    view back to the input's shape held the size as a bare symbol, which the program could not run."""
+    torch.manual_seed(0)
+    ref = Llama()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, remat="none")
+    for step, length in enumerate([8, 12, 10, 14]):
+        x, y = _batch(step, length)
+        _loss(model(x), y).backward()
+        _loss(ref(x), y).backward()
+        _gradients_match_and_clear(model, ref, length)
+    exact, symbolic = model.programs.values()
+    merged = [
+        next(line for line in str(p).splitlines() if "pass merge" in line).split("ms")[1] for p in (exact, symbolic)
+    ]
+    assert symbolic.sizes is not None and merged[0] == merged[1], merged
+    assert "4 runs of 2 products merged, gradients merged for 4" in merged[1], merged
 
 
 class Branches(nn.Module):

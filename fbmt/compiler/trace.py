@@ -347,22 +347,27 @@ def _is_number(x: Any) -> bool:
 _fakes_registered = False
 
 
-def _grouped_mm_of_any_dtype() -> None:
-    """`aten._grouped_mm` (Hugging Face's default mixture-of-experts kernel) runs in float32 on CPU and
-    CUDA, but its meta kernel, which tracing runs, accepts only bfloat16 (torch 2.11-2.13): a fake
-    kernel of fbmt's answers the shapes for the other dtypes, as the real kernel computes them.
+def _fake_kernels() -> None:
+    """Fake kernels of fbmt's for built-in ops whose meta kernel, which tracing runs, fails where the
+    real kernel computes (torch 2.11-2.15):
 
-    It goes into torch's table of fake kernels (a private one: torch has no public way to add to a
-    built-in op's fake kernel) on the first trace of the process, never when fbmt is imported."""
+    - `aten._grouped_mm` (Hugging Face's default mixture-of-experts kernel) runs in float32 on CPU and
+      CUDA, but its meta kernel accepts only bfloat16;
+    - `aten.linalg_solve_triangular` (the gated delta rule of Qwen3-Next's and Qwen3.5's linear
+      attention) fails at symbolic sizes ("SymIntArrayRef expected to contain only concrete integers"):
+      without this, such a model compiled a program for every sequence length (NOTE: [Dynamic sizes]).
+
+    Each answers the shapes as the real kernel computes them, and leaves what it need not answer to
+    torch's own. They go into torch's table of fake kernels (a private one: torch has no public way to
+    add to a built-in op's fake kernel) on the first trace of the process, never when fbmt is imported."""
     global _fakes_registered
     if _fakes_registered:
         return
     _fakes_registered = True
+    from torch._subclasses import fake_impls
 
-    def applies(func: Any) -> bool:
-        return func is aten._grouped_mm.default
-
-    def fake(
+    @fake_impls.register_op_impl(lambda func: func is aten._grouped_mm.default)
+    def grouped_mm(
         mode: FakeTensorMode, func: Any, a: Any, b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None
     ):
         if a.dtype == torch.bfloat16 or bias is not None:
@@ -378,9 +383,16 @@ def _grouped_mm_of_any_dtype() -> None:
         with mode:
             return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
 
-    from torch._subclasses import fake_impls
-
-    fake_impls.register_op_impl(applies)(fake)
+    @fake_impls.register_op_impl(lambda func: func is aten.linalg_solve_triangular.default)
+    def solve_triangular(mode: FakeTensorMode, func: Any, a: Any, b: Any, **options: Any):
+        """X of `A X = B` (left=True) or `X A = B`: B's matrix shape in the batch both broadcast to, each
+        matrix column-major (LAPACK's layout), as the real and the meta kernels lay it out."""
+        if all(isinstance(n, int) for n in (*a.shape, *b.shape)):
+            return NotImplemented  # exact sizes: the meta kernel (its checks, its layout)
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        rows, cols = b.shape[-2:]
+        with mode:
+            return torch.empty([*batch, cols, rows], dtype=b.dtype, device=b.device).transpose(-2, -1)
 
 
 class TraceError(RuntimeError):
@@ -528,7 +540,7 @@ def trace(
     through the program]); its nodes keep their paths in `module`.
     """
     started = time.perf_counter()
-    _grouped_mm_of_any_dtype()
+    _fake_kernels()
     fake_mode = sizes.symbolic_mode() if dynamic else FakeTensorMode()
     rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
     params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]
