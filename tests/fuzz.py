@@ -196,6 +196,9 @@ OPS: dict[str, Any] = {
 RANDOM_OPS = ("dropout", "noise")  # drawn only where one rank runs the whole batch: eager's draws are its own
 OPS["dropout"] = lambda m, x: F.dropout(x, 0.1, m.training)
 OPS["noise"] = lambda m, x: x + 0.1 * torch.randn_like(x)
+# two products of one input, weights side by side: the merge pass makes them one (NOTE: [Merged products]); last,
+# so that the seeds drawn before it keep their ops
+OPS["product_pair"] = lambda m, x: m.up(x) * torch.sigmoid(m.gate_up(x))
 
 OPTIONS: list[dict[str, Any]] = [
     {},
@@ -221,6 +224,10 @@ class Block(nn.Module):
         self.register_buffer("offset", torch.randn(D) * 0.1)
         self.register_buffer("perm", torch.randperm(D), persistent=False)
         self.register_buffer("ema", torch.zeros(D))
+        # made from `mat`, drawing nothing: the other weights of a seed's model stay what they were
+        self.up, self.gate_up = (torch.nn.utils.skip_init(nn.Linear, D, D, bias=False) for _ in range(2))
+        with torch.no_grad():
+            self.up.weight.copy_(self.mat.t()), self.gate_up.weight.copy_(self.mat * 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for op in self.ops:
