@@ -185,6 +185,40 @@ def test_products_that_read_one_input_merge_in_a_program_of_symbolic_sizes_as_in
     assert "4 runs of 2 products merged, gradients merged for 4" in merged[1], merged
 
 
+def _saved_bytes(out: torch.Tensor) -> int:
+    """Bytes the program keeps from its forward for its backward (each storage once)."""
+    saved = [t for t in out.grad_fn.saved if isinstance(t, torch.Tensor)]  # and sizes, as ints
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    return sum(storages.values())
+
+
+def test_a_program_of_symbolic_sizes_decides_what_to_save_at_the_largest_size_it_admits():
+    """Under remat="block" the last blocks keep their activations while they weigh less than the gradients
+    (NOTE: [Trailing blocks]). A program traced at 24 tokens kept them, and at 128 tokens held more for its
+    backward than the program of exactly 128 does. It now admits up to 4 x 24 = 96 -> 128 tokens and decides
+    there; a longer call compiles a program of its own."""
+
+    def build(dynamic: bool) -> nn.Module:
+        torch.manual_seed(0)
+        gpt = GPT(GPTConfig(vocab_size=64, seq_len=256, n_layer=4, n_head=2, d_model=64))
+        return fbmt.compile(gpt, world_size=1, cache_dir=False, remat="block", dynamic=dynamic)
+
+    exact, model = build(False), build(True)
+    held = {}
+    for length in (16, 24, 128, 200):
+        x, y = _batch(0, length)
+        for name, m in (("symbolic", model), ("exact", exact)) if length == 128 else (("symbolic", model),):
+            out = m(x)
+            held[name, length] = _saved_bytes(out)
+            _loss(out, y).backward()
+    assert held["symbolic", 128] <= held["exact", 128], held
+    programs = list(model.programs.values())
+    assert [str(p.sizes).split("(")[1].split(")")[0] for p in programs[1:]] == [
+        "traced at 24, at most 128",
+        "traced at 200, at most 1024",
+    ], [str(p.sizes) for p in programs]
+
+
 class Branches(nn.Module):
     """A forward whose Python control flow reads the length: the program assumes a side of it."""
 

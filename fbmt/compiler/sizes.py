@@ -8,13 +8,22 @@ compiles one more program with exactly those dimensions symbolic (`dynamic=True`
 every later call that program admits runs it. Tracing runs in a fake mode with a shape environment:
 the symbolic sizes flow through the model's code, the gradient formulas and the passes, and the
 graph computes every size from its inputs' sizes (`sym_size` nodes), so the layout, the sharding and
-the schedule are the same for every length. What the passes estimate from sizes (memory, work) they
-read at the size it was traced with (`ops.hint`), which adds no assumption.
+the schedule are the same for every length.
+
+A symbolic size is at most four times the size it was traced at, up to a power of two (`largest`:
+traced at 24, at most 128), and what the passes estimate from sizes (memory, work) they read there
+(`ops.hint`). So what they decide by memory holds at every size the program runs: which blocks keep
+their activations although their policy recomputes them (NOTE: [Trailing blocks]: a program traced at
+24 tokens that kept them held more at 128 than the program of exactly 128 would). The loss's chunk
+count is the exception, decided at the traced size (NOTE: [Chunked cross-entropy] says why). A longer
+call gets a program of its own, bounded likewise, so a stream of lengths compiles a few programs (16-128
+from a symbolic program traced at 24: one; a stream that grows on, one more for every fourfold) rather
+than one, with no length's activations decided at another.
 
 What the program assumed while it was traced is kept by the shape environment as guards: a model's
 `if seq_len > 1024:` is `s0 > 1024`, a specialization is `Eq(s0, 16)`, and every symbol is at least 2
 (sizes 0 and 1 are traced as constants). Before a call runs a symbolic program, `admits` evaluates
-every guard at the call's sizes, checks that the dimensions traced as constants have their traced
+every guard and bound at the call's sizes, checks that the dimensions traced as constants have their traced
 size and that dimensions traced as one symbol (input ids and labels of one length) are equal; a call
 the program does not admit gets a program of its own, so a guard that fails costs a compile, never
 a wrong result; a forward that fails on symbolic sizes (a size used as a dict key) is warned about
@@ -222,15 +231,26 @@ def matmul_keeping_sizes() -> Iterator[None]:
         yield
 
 
+def largest(traced: int) -> int:
+    """The largest size a program of symbolic sizes admits in a dimension it was traced at `traced` in:
+    four times that, up to a power of two (NOTE: [Dynamic sizes])."""
+    return 1 << (4 * traced - 1).bit_length()
+
+
 def fake_inputs(mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int, tuple[int, ...]]) -> list:
-    """Fakes of `inputs` in `mode`, dimension d of input i symbolic where `dims[i]` holds d."""
+    """Fakes of `inputs` in `mode`, dimension d of input i symbolic where `dims[i]` holds d, each symbol
+    at most `largest` of its traced size."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
     out = []
     for i, x in enumerate(inputs):
         varying = dims.get(i, ())
         kinds = [DimDynamic.DYNAMIC if d in varying else DimDynamic.STATIC for d in range(x.dim())]
-        out.append(mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=kinds)))
+        fake = mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=kinds))
+        for n, size in zip(x.shape, fake.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                mode.shape_env.constrain_symbol_range(size.node.expr, compiler_min=2, compiler_max=largest(n))
+        out.append(fake)
     return out
 
 
@@ -330,7 +350,8 @@ class SymbolicSizes:
 
     def __str__(self) -> str:
         dims = ", ".join(
-            f"input {i} dim {d} = {e} (traced at {self.traced[i][d]})" for (i, d), e in self.symbols.items()
+            f"input {i} dim {d} = {e} (traced at {self.traced[i][d]}, at most {self.shape_env.var_to_range[e].upper})"
+            for (i, d), e in self.symbols.items()
         )
         assumed = ", ".join(str(g) for g in self.guards())
         return f"symbolic sizes: {dims}" + (f"; assumes {assumed}" if assumed else "")

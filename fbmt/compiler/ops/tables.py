@@ -10,6 +10,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -147,12 +148,26 @@ def expensive(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and op_name(node.target) in EXPENSIVE
 
 
-def hint(x: Any) -> Any:
-    """A size as a plain number: a symbolic one (a program for many sequence lengths) by the value it
-    was traced at, without making the program depend on it (estimates only: memory, work)."""
+def hint(x: Any, largest: bool = True) -> Any:
+    """A size as a plain number, for estimates only (memory, work): a symbolic one (a program for many
+    sequence lengths) at the largest value its program admits (NOTE: [Dynamic sizes]), so that what the
+    passes decide by memory holds at every size the program runs; without a bound, or with
+    `largest=False`, at the value it was traced at. Neither makes the program depend on it."""
     if isinstance(x, (torch.SymInt, torch.SymFloat)):
         node = x.node
-        value = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
+        if not largest:
+            value = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
+            return int(value) if isinstance(x, torch.SymInt) else float(value)
+        # asked of every value the passes weigh, the same few expressions again and again; a bound that a
+        # later guard narrows stays the wider one, which errs towards less memory
+        uppers = node.shape_env.__dict__.setdefault("_fbmt_uppers", {})
+        upper = uppers.get(node.expr)
+        if upper is None:
+            upper = uppers[node.expr] = node.shape_env.bound_sympy(node.expr).upper
+        if isinstance(upper, sympy.Integer):  # not int_oo, torch's unbounded
+            value = upper
+        else:
+            value = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
         return int(value) if isinstance(x, torch.SymInt) else float(value)
     return x
 

@@ -32,7 +32,10 @@ In a program of symbolic sizes (NOTE: [Dynamic sizes]) the number of tokens is a
 number of chunks is the one the traced length needs, and chunk i is tokens [i n // chunks,
 (i + 1) n // chunks), that arithmetic being nodes of the graph. The fake kernels assume each chunk
 has at least two tokens (as of any symbolic size); the program's guards say so, and a batch too
-short for that gets a program of its own.
+short for that gets a program of its own. So the count is not the one the largest length the program
+admits would need (NOTE: [Dynamic sizes]): that many chunks would leave the shortest batches chunks of
+one token, each a program of its own; a chunk grows with the length instead, to at most eight times
+CHUNK_BYTES at that largest length.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def chunk_losses(program: Program, chunk_bytes: int | None = None) -> tuple[Prog
             kept.append(found)
         elif found is not None:
             n, v = found.shape  # chunks of at most `limit` at the traced number of tokens
-            chunks = min(hint(n), max(1, math.ceil(hint(n) * v * 4 / limit)))
+            traced = hint(n, largest=False)
+            chunks = min(traced, max(1, math.ceil(traced * v * 4 / limit)))
             _rewrite(g, found, chunks)
             chunked.append((n if isinstance(n, int) else str(n), v, chunks))
     g.lint()
@@ -115,7 +119,7 @@ def _find(ls: fx.Node, limit: int) -> _Loss | str | None:
     if not isinstance(val, torch.Tensor) or val.dim() != 2 or dim not in (1, -1) or half_to_float:
         return None
     n, v = val.shape
-    if hint(n) * hint(v) * 4 <= limit:
+    if hint(n, largest=False) * hint(v, largest=False) * 4 <= limit:  # at the traced size: see the NOTE
         return None
     if not isinstance(v, int):
         return "its number of classes is symbolic"

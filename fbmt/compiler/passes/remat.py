@@ -251,7 +251,8 @@ def _trailing(
     the last blocks save their activations as `remat="mincut"` would (no matrix product or
     attention is recomputed, only cheap ops whose recompute saves memory: the lighter the saved
     blocks, the more of them fit), as many of them as keep the values saved for the backward within
-    the gradient shards (both estimated from the traced shapes). The first to save is the last
+    the gradient shards (both estimated from the traced shapes; of symbolic sizes, at the largest the
+    program admits: NOTE: [Dynamic sizes]). The first to save is the last
     block whose recompute involves a matrix product or attention (as an op, or as a saved input with
     "selective"), together with the blocks after it (a final norm, the output layer); then the
     blocks before it, one at a time. Where what the backward reads with every block recomputed
