@@ -85,8 +85,9 @@ def main() -> None:
     ap.add_argument("--config", default="1.36b")
     ap.add_argument("--remat", default="block")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--min", type=int, default=64)
-    ap.add_argument("--max", type=int, default=2048)
+    # not --max: torchrun, which the workers' arguments pass through, reads that as its --max-restarts
+    ap.add_argument("--shortest", dest="min", type=int, default=64)
+    ap.add_argument("--longest", dest="max", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default="fbmt-inductor,fsdp2-compile-dynamic")
