@@ -115,16 +115,12 @@ def test_hugging_face_llama_with_padding_masks_at_unseen_lengths_matches_eager(b
     assert compiled[2:] == [compiled[1]] * 4, compiled  # Inductor: nothing compiled after the second length
 
 
-def test_hugging_face_bloom_adds_its_alibi_bias_with_baddbmm_in_one_program_for_every_length(caplog):
-    """Bloom's attention adds its ALiBi bias, one row for all queries, as `alibi.baddbmm(q, k)`: torch's
-    meta kernel broadcasts that row with `expand` on symbolic sizes, which fails, and the model fell back
-    to a program per length (and torch logged the traceback)."""
-    config = transformers.BloomConfig(vocab_size=hf.VOCAB, hidden_size=32, n_layer=2, n_head=4)
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+def _one_symbolic_program_trains_as_eager(ref: nn.Module, lengths: list[int], caplog) -> None:
+    """A causal LM at `lengths`: eager's loss and gradients at each, two programs (the first length's, then
+    one of symbolic sizes), and no warning (a fallback to a program per length warns)."""
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
     with caplog.at_level("WARNING"):
-        for step, length in enumerate([8, 11, 9, 14]):
+        for step, length in enumerate(lengths):
             ids = torch.randint(3, hf.VOCAB, (2, length), generator=torch.Generator().manual_seed(step))
             out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
             out.loss.backward()
@@ -133,6 +129,16 @@ def test_hugging_face_bloom_adds_its_alibi_bias_with_baddbmm_in_one_program_for_
             _gradients_match_and_clear(model, ref, length)
     assert len(model.programs) == 2 and list(model.programs.values())[1].sizes is not None, list(model.programs)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_hugging_face_bloom_adds_its_alibi_bias_with_baddbmm_in_one_program_for_every_length(caplog):
+    """Bloom's attention adds its ALiBi bias, one row for all queries, as `alibi.baddbmm(q, k)`: torch's
+    meta kernel broadcasts that row with `expand` on symbolic sizes, which fails, and the model fell back
+    to a program per length (and torch logged the traceback)."""
+    config = transformers.BloomConfig(vocab_size=hf.VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    _one_symbolic_program_trains_as_eager(ref, [8, 11, 9, 14], caplog)
 
 
 def test_a_linear_attention_of_triangular_solves_has_one_program_for_every_length(caplog):
@@ -152,17 +158,7 @@ def test_a_linear_attention_of_triangular_solves_has_one_program_for_every_lengt
     )
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(config)
-    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
-    with caplog.at_level("WARNING"):
-        for step, length in enumerate([12, 16, 24, 7]):
-            ids = torch.randint(3, hf.VOCAB, (2, length), generator=torch.Generator().manual_seed(step))
-            out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
-            out.loss.backward()
-            want.loss.backward()
-            torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
-            _gradients_match_and_clear(model, ref, length)
-    assert len(model.programs) == 2 and list(model.programs.values())[1].sizes is not None, list(model.programs)
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    _one_symbolic_program_trains_as_eager(ref, [12, 16, 24, 7], caplog)
 
 
 def test_products_that_read_one_input_merge_in_a_program_of_symbolic_sizes_as_in_one_of_exact_sizes():
