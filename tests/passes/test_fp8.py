@@ -266,7 +266,9 @@ def test_fp8_in_a_program_of_symbolic_lengths():
         assert abs(got - want) < 0.02 * want, (length, got, want)
     assert len(fp8.programs) == 2, list(fp8.programs)
     symbolic = fp8.program.stats("fp8")  # the latest program: the symbolic one
-    assert symbolic.products == 4 + 3 and "4 kept: inner or outer size not a known multiple of 16" in symbolic.kept
+    # it decides what to save at the most tokens it admits (4 x 64; NOTE: [Dynamic sizes]), where its layers
+    # recompute: their products' recomputes run in FP8 too
+    assert symbolic.products == 9 and "4 kept: inner or outer size not a known multiple of 16" in symbolic.kept
 
 
 def _amax_values(program) -> list:
