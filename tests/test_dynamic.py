@@ -174,11 +174,9 @@ def test_products_that_read_one_input_merge_in_a_program_of_symbolic_sizes_as_in
         _loss(ref(x), y).backward()
         _gradients_match_and_clear(model, ref, length)
     exact, symbolic = model.programs.values()
-    merged = [
-        next(line for line in str(p).splitlines() if "pass merge" in line).split("ms")[1] for p in (exact, symbolic)
-    ]
-    assert symbolic.sizes is not None and merged[0] == merged[1], merged
-    assert "4 runs of 2 products merged, gradients merged for 4" in merged[1], merged
+    merged = [(len(p.stats("merge").runs), p.stats("merge").gradients) for p in (exact, symbolic)]
+    # as many runs (q and k, or with v where torch 2.11's symbolic attention does not save it) and gradients
+    assert symbolic.sizes is not None and merged == [(4, 4), (4, 4)], merged
 
 
 def _saved_bytes(out: torch.Tensor) -> int:
