@@ -161,6 +161,22 @@ def test_a_linear_attention_of_triangular_solves_has_one_program_for_every_lengt
     _one_symbolic_program_trains_as_eager(ref, [12, 16, 24, 7], caplog)
 
 
+def test_llama4s_complex_rotary_embedding_has_one_program_for_every_length(caplog):
+    """Llama 4 makes its rotary embedding with `torch.polar`, whose fake kernel (and `complex`'s) fixed the
+    length to the traced one: the model compiled a program per length."""
+    config = transformers.Llama4TextConfig(
+        **hf.DECODER,
+        vocab_size=hf.VOCAB,
+        head_dim=8,
+        intermediate_size_mlp=64,
+        num_local_experts=4,
+    )
+    torch.manual_seed(0)
+    _one_symbolic_program_trains_as_eager(
+        transformers.AutoModelForCausalLM.from_config(config), [12, 16, 24, 7], caplog
+    )
+
+
 def test_products_that_read_one_input_merge_in_a_program_of_symbolic_sizes_as_in_one_of_exact_sizes():
     """The merge pass (NOTE: [Merged products]) re-derived a slice's views with a symbolic size's node
     among their sizes, which failed, so a program of symbolic sizes merged nothing; merged, its gradients'

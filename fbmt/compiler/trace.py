@@ -142,10 +142,20 @@ def _baddbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *,
     return torch.baddbmm(input.expand(shape), batch1, batch2, beta=beta, alpha=alpha)
 
 
+def _polar(abs: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """`polar` as its two parts side by side, viewed as complex (Llama 4's rotary embedding): the fake
+    kernels of `polar` and of `complex` fix a symbolic size, so the model compiled a program per shape.
+    The kernel computes the same two products, its sine and cosine within their last bit of these.
+    Traced this way only where sizes are symbolic (NOTE: [Dynamic sizes])."""
+    abs, angle = torch.broadcast_tensors(abs, angle)
+    return torch.view_as_complex(torch.stack([abs * torch.cos(angle), abs * torch.sin(angle)], -1))
+
+
 _SYMBOLIC_DECOMPOSITIONS = {
     **_DECOMPOSITIONS,
     aten.constant_pad_nd.default: _constant_pad_nd,
     aten.baddbmm.default: _baddbmm,
+    aten.polar.default: _polar,
 }
 
 
