@@ -368,7 +368,9 @@ def _fake_kernels() -> None:
       without this, such a model compiled a program for every sequence length (NOTE: [Dynamic sizes]).
 
     Each answers the shapes as the real kernel computes them, and leaves what it need not answer to
-    torch's own. They go into torch's table of fake kernels (a private one: torch has no public way to
+    torch's own; the op stays in the program as it is. (Where torch runs a Python decomposition of an op
+    before any fake kernel, as it does for `polar` at symbolic sizes, `_SYMBOLIC_DECOMPOSITIONS` holds
+    fbmt's instead.) They go into torch's table of fake kernels (a private one: torch has no public way to
     add to a built-in op's fake kernel) on the first trace of the process, never when fbmt is imported."""
     global _fakes_registered
     if _fakes_registered:

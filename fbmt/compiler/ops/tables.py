@@ -153,23 +153,24 @@ def hint(x: Any, largest: bool = True) -> Any:
     sequence lengths) at the largest value its program admits (NOTE: [Dynamic sizes]), so that what the
     passes decide by memory holds at every size the program runs; without a bound, or with
     `largest=False`, at the value it was traced at. Neither makes the program depend on it."""
-    if isinstance(x, (torch.SymInt, torch.SymFloat)):
-        node = x.node
-        if not largest:
-            value = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
-            return int(value) if isinstance(x, torch.SymInt) else float(value)
-        # asked of every value the passes weigh, the same few expressions again and again; a bound that a
-        # later guard narrows stays the wider one, which errs towards less memory
-        uppers = node.shape_env.__dict__.setdefault("_fbmt_uppers", {})
-        upper = uppers.get(node.expr)
-        if upper is None:
-            upper = uppers[node.expr] = node.shape_env.bound_sympy(node.expr).upper
-        if isinstance(upper, sympy.Integer):  # not int_oo, torch's unbounded
-            value = upper
-        else:
-            value = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
-        return int(value) if isinstance(x, torch.SymInt) else float(value)
-    return x
+    if not isinstance(x, (torch.SymInt, torch.SymFloat)):
+        return x
+    node = x.node
+    value = _upper(node) if largest else None
+    if value is None:
+        value = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
+    return int(value) if isinstance(x, torch.SymInt) else float(value)
+
+
+def _upper(node: Any) -> Any:
+    """The largest value of a symbolic size's expression its shape environment allows; None if unbounded.
+    Asked of every value the passes weigh, the same few expressions again and again: kept on the shape
+    environment. A bound a later guard narrows stays the wider one, which errs towards less memory."""
+    uppers = node.shape_env.__dict__.setdefault("_fbmt_uppers", {})
+    if node.expr not in uppers:
+        upper = node.shape_env.bound_sympy(node.expr).upper
+        uppers[node.expr] = upper if isinstance(upper, sympy.Integer) else None  # not int_oo, torch's unbounded
+    return uppers[node.expr]
 
 
 def _val(a: Any) -> Any:
