@@ -3,7 +3,7 @@
     python benchmarks/lengths.py --config 1.36b --remat block --steps 24 --out lengths.json [--warm]
 
 Each method trains, in a process of its own (torchrun on one GPU), on the same stream of batches whose
-sequence length is drawn uniformly from [--min, --max] (seeded), from a cold start (empty compile
+sequence length is drawn uniformly from [--shortest, --longest] (seeded), from a cold start (empty compile
 caches). Printed per method: how many programs fbmt compiled, the whole stream's tokens/s (compiles
 included: what a short run sees) and the tokens/s of the steps after the third (steady state: a
 length that needs no new compile), and the losses of the first steps (the same model and data). A

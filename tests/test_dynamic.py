@@ -467,7 +467,7 @@ def test_the_math_attention_route_refuses_what_sdpa_refuses():
     from fbmt.compiler import sizes
 
     q, keep = torch.randn(2, 2, 5, 4), torch.ones(5, 5, dtype=torch.bool)
-    with sdpa_kernel(SDPBackend.MATH), sizes._SymbolicMatmul():
+    with sdpa_kernel(SDPBackend.MATH), sizes._SymbolicKernels(matmul=True):
         with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal"):
             nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep, is_causal=True)
 
@@ -480,7 +480,7 @@ def test_the_python_matmul_route_equals_torch_kernels(shape, bias):
     torch.manual_seed(0)
     x = torch.randn(5, 3, 4).transpose(0, 1) if shape == "non-contiguous" else torch.randn(*shape)
     w, b = torch.randn(6, 4), torch.randn(6) if bias else None
-    with sizes._SymbolicMatmul():
+    with sizes._SymbolicKernels(matmul=True):
         got = [nn.functional.linear(x, w, b), x @ w.t(), torch.matmul(x, w[0]), w @ x.transpose(-1, -2)]
     torch.testing.assert_close(
         got, [nn.functional.linear(x, w, b), x @ w.t(), torch.matmul(x, w[0]), w @ x.transpose(-1, -2)]

@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import functools
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,8 +95,20 @@ def _traced_code_line() -> str:
 # for a row with nothing to attend, as the kernel's does), with the same float32 accumulation.
 # `F.multi_head_attention_forward` (nn.MultiheadAttention, WavLM's attention) is Python that calls
 # `linear` and `scaled_dot_product_attention` by torch.nn.functional's global names; a mode is off
-# within its own `__torch_function__`, so those calls would reach the kernels: for that call the two
+# within its own `__torch_function__`, so those calls would reach the kernels: for that call the
 # names are bound to the versions here (`_functional_names`).
+
+# NOTE: [Attention at symbolic sizes]
+# One program runs every length, so its attention's kernel must suit every length. On CUDA, SDPA
+# prefers cuDNN's kernel where it takes the call, and cuDNN builds an execution plan for each shape it
+# meets, a forward's and a backward's: a cost per new length far above the kernel's own time, while
+# flash's kernel needs no plan (BENCHMARKS.md, "Sequence lengths"). A stream of lengths meets a new one
+# on most steps. So a program of symbolic sizes runs flash's kernel wherever flash takes the call, and
+# a program of exact sizes keeps SDPA's own choice (one shape: one plan). With dropout the choice
+# stays SDPA's too: the kernel's random stream is the one eager draws from. Which kernels can take a call
+# is asked through the checks SDPA's kernel itself asks (`torch.backends.cuda.can_use_*`), with the
+# fakes as they are: the op that answers the same question (`_fused_sdp_choice`) runs its meta kernel on
+# fakes and answers "math" for every one, so a symbolic program's attention once ran as float32 products.
 
 
 @functools.lru_cache(None)
@@ -127,6 +139,55 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias
 
 
+def _cuda_kernels_taking(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> set[str]:
+    """Which of SDPA's fused CUDA kernels ("cudnn", "flash", "efficient") take this call: the checks SDPA's
+    kernel asks, each also whether its kernel is enabled (NOTE: [Attention at symbolic sizes]). A check that
+    cannot answer for these fakes (a torch whose check reads a data pointer) counts as a refusal."""
+    taking = set()
+    # the compiler's question, not the program's: the sizes' comparisons stay out of the graph
+    with disable_proxy_modes_tracing():
+        params = torch.backends.cuda.SDPAParams(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        for kernel in ("cudnn", "flash", "efficient"):
+            try:
+                if getattr(torch.backends.cuda, f"can_use_{kernel}_attention")(params):
+                    taking.add(kernel)
+            except RuntimeError:
+                pass
+    return taking
+
+
+def _fused_attention_takes(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> bool:
+    """Whether SDPA would run one of its fused kernels on these inputs, not its math backend."""
+    from torch.nn.attention import SDPBackend
+
+    if query.device.type == "cuda":  # the choice op answers "math" for every fake there
+        return bool(_cuda_kernels_taking(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa))
+    # the compiler's question, not the program's: recorded, the choice stayed in the graph (unread) and cut
+    # the Inductor region around it in two
+    with disable_proxy_modes_tracing():
+        choice = torch.ops.aten._fused_sdp_choice.default(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    return choice != int(SDPBackend.MATH.value)
+
+
 def _math_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -139,17 +200,9 @@ def _math_attention(
 ) -> torch.Tensor | None:
     """SDPA's math backend as ops, where SDPA would choose it; else None (its own kernel runs)."""
     from torch._decomp.decompositions import matmul
-    from torch.nn.attention import SDPBackend
 
-    math_backend = int(SDPBackend.MATH.value)
-    # the compiler's question, not the program's: recorded, the choice stayed in the graph (unread) and cut
-    # the Inductor region around it in two
-    with disable_proxy_modes_tracing():
-        choice = torch.ops.aten._fused_sdp_choice.default(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
-    if choice != math_backend or dropout_p > 0:  # dropout: the kernel's own random stream
-        return None
+    if dropout_p > 0 or _fused_attention_takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return None  # dropout: the kernel's own random stream
     if attn_mask is not None and is_causal:  # the kernel refuses both; so must this
         return None
     dtype = query.dtype
@@ -182,9 +235,33 @@ _KERNEL_LINEAR = torch._C._nn.linear  # what F.linear and F.scaled_dot_product_a
 _KERNEL_ATTENTION = torch._C._nn.scaled_dot_product_attention
 
 
-def _attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-    out = _math_attention(*args, **kwargs)
-    return _KERNEL_ATTENTION(*args, **kwargs) if out is None else out
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    math_as_ops: bool,
+) -> torch.Tensor:
+    """SDPA as a program of symbolic sizes runs it (NOTE: [Attention at symbolic sizes]); with `math_as_ops`,
+    its math backend as ops where SDPA would choose it (NOTE: [Matmul on symbolic sizes])."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if math_as_ops:
+        out = _math_attention(*args)
+        if out is not None:
+            return out
+    flash_first = contextlib.nullcontext()
+    if query.device.type == "cuda" and dropout_p == 0:
+        if "flash" in _cuda_kernels_taking(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+            flash_first = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    with flash_first:
+        return _KERNEL_ATTENTION(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 @contextlib.contextmanager
@@ -200,35 +277,43 @@ def _functional_names(**names: Any) -> Iterator[None]:
         F.__dict__.update(saved)
 
 
-class _SymbolicMatmul(TorchFunctionMode):
-    """matmul and linear through torch's Python decomposition, SDPA's math backend as ops (NOTE:
-    [Matmul on symbolic sizes])."""
+class _SymbolicKernels(TorchFunctionMode):
+    """SDPA as a program of symbolic sizes runs it (NOTE: [Attention at symbolic sizes]); where this torch's
+    matmul fixes sizes, matmul and linear through torch's Python decomposition and SDPA's math backend as ops
+    (NOTE: [Matmul on symbolic sizes])."""
+
+    def __init__(self, matmul: bool | None = None) -> None:
+        super().__init__()
+        self.matmul = _matmul_fixes_sizes() if matmul is None else matmul  # tests ask for either route
+        self.attention = functools.partial(_attention, math_as_ops=self.matmul)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         from torch._decomp.decompositions import matmul
 
+        kwargs = kwargs or {}
+        if func is _KERNEL_ATTENTION:
+            return self.attention(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            names = {"scaled_dot_product_attention": self.attention, **({"linear": _linear} if self.matmul else {})}
+            with _functional_names(**names):
+                return func(*args, **kwargs)
+        if not self.matmul:
+            return func(*args, **kwargs)
         if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and not kwargs:
             return matmul(*args)
         if func is torch.Tensor.__rmatmul__ and not kwargs:
             return matmul(args[1], args[0])
         if func is _KERNEL_LINEAR:
-            return _linear(*args, **(kwargs or {}))
-        if func is _KERNEL_ATTENTION:
-            return _attention(*args, **(kwargs or {}))
-        if func is F.multi_head_attention_forward:
-            with _functional_names(linear=_linear, scaled_dot_product_attention=_attention):
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+            return _linear(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def matmul_keeping_sizes() -> Iterator[None]:
-    """Within: products keep symbolic sizes symbolic, on every torch fbmt supports."""
-    if not _matmul_fixes_sizes():
-        yield
-        return
-    with _SymbolicMatmul():
-        yield
+def symbolic_kernels(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """Within: the kernels of a program of symbolic sizes over `tensors`, on every torch fbmt supports: products
+    that keep the sizes symbolic, and an attention kernel for every length."""
+    if not _matmul_fixes_sizes() and all(t.device.type != "cuda" for t in tensors):
+        return contextlib.nullcontext()  # nothing to route, and a mode costs every call of the trace
+    return _SymbolicKernels()
 
 
 def largest(traced: int) -> int:

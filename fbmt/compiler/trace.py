@@ -599,7 +599,7 @@ def trace(
         given = {k: tensors[k] for k in names[len(ps) :]}  # the buffers, whose reassignment is written back
         root = _Entry(module, entry, given)
         tensors = {f"root.{k}": v for k, v in tensors.items()}
-        keeping = sizes.matmul_keeping_sizes() if dynamic else contextlib.nullcontext()
+        keeping = sizes.symbolic_kernels([*ps, *xs]) if dynamic else contextlib.nullcontext()
         with keeping, masks.CausalMasks(decided, checks), _Decided():
             return _functional_call(root, tensors, a, kw), copies, root.assigned
 
@@ -814,9 +814,9 @@ def _trace_kind(
             args, kwargs, copies = kind.arguments(ins[n_pb:])
             before = {i: objects.state(o) for i, o in copies.items()}
             tensors = {f"block.{k}": v for k, v in zip(kind.params + kind.buffers, ins[:n_pb])}
-            # as the model's trace calls it (`trace.call`): a symbolic one keeps its products' sizes, and
+            # as the model's trace calls it (`trace.call`): a symbolic one runs its kernels for every size, and
             # proves its rewritten masks again at each size it admits
-            keeping = sizes.matmul_keeping_sizes() if checks is not None else contextlib.nullcontext()
+            keeping = sizes.symbolic_kernels(ins) if checks is not None else contextlib.nullcontext()
             with keeping, masks.CausalMasks(decided, checks, known=known), _Decided():
                 out = _functional_call(_Forward(kind.module, kind.block), tensors, args, kwargs)
         tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
