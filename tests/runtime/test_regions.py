@@ -141,13 +141,64 @@ def test_a_region_of_symbolic_sizes_runs_only_the_layouts_its_guards_admit():
         torch.randn(4, 13),  # another length: the same compile
         torch.randn(13, 4).t(),  # transposed: its guards assume a contiguous row
         torch.randn(4, 1),  # a size of 1: they assume at least 2
-        torch.randn(4, 6, dtype=torch.float64),  # none of the three compiles is for float64: exact sizes
+        torch.randn(4, 6, dtype=torch.float64),  # none of the three compiles is for float64
         torch.randn(4, 7),
     ):
         torch.testing.assert_close(region(x, 4 * x.shape[1]), x.cos().reshape(4 * x.shape[1], -1))
         compiled.append(cache.misses)
     assert compiled == [1, 1, 2, 3, 4, 4], compiled
-    assert len(cache.symbolic["cos-reshape"]) == regions.MAX_SYMBOLIC
+    assert len(cache.symbolic["cos-reshape"]) == 4
+    assert [s.pinned for s in cache.symbolic["cos-reshape"]] == [False, False, True, False]  # n == 4 at (4, 1)
+
+
+def _guarding(monkeypatch, guard):
+    """Inductor's compile, after `guard(size)` is asked of the first symbolic size of its inputs (as Inductor's
+    heuristics ask on CUDA: a reduction's split by range, a product's padding by residue)."""
+    from torch._inductor import compile_fx as module
+
+    real = module.compile_fx
+
+    def compile_fx(gm, inputs, *args, **kwargs):
+        sizes = [d for x in inputs if isinstance(x, torch.Tensor) for d in x.shape if isinstance(d, torch.SymInt)]
+        if sizes:
+            guard(sizes[0])
+        return real(gm, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(module, "compile_fx", compile_fx)
+
+
+def _cos_region(cache):
+    import torch.fx as fx
+
+    return Region(fx.symbolic_trace(lambda x: (torch.ops.aten.cos.default(x),)), "cos", cache, dims=[(1,)])
+
+
+def test_a_symbolic_region_compiles_once_for_each_class_of_sizes_inductor_tells_apart(monkeypatch):
+    """NOTE: [Symbolic regions]: where Inductor's guards split the sizes by range and by residue (four classes
+    here, six on CUDA), each class gets one compile of symbolic sizes, which serves every size in it: no
+    class is left to compile per size."""
+    _guarding(monkeypatch, lambda n: (bool(n % 2 == 0), bool(n >= 16)))
+    cache = regions.RegionCache()
+    region = _cos_region(cache)
+    for n in (9, 20, 10, 21, 12, 30, 13, 5, 31, 22, 11, 17):
+        x = torch.randn(3, n)
+        torch.testing.assert_close(region(x)[0], x.cos())
+    assert cache.misses == 4, cache
+    assert len(cache.symbolic["cos"]) == 4
+
+
+def test_a_symbolic_region_whose_guards_fix_its_size_compiles_the_rest_for_their_sizes(monkeypatch):
+    """A compile whose guards make the size one number serves that size alone; after two such, a third compile
+    of symbolic sizes would too, so the later sizes compile for their exact sizes (in the workers, where there
+    are)."""
+    _guarding(monkeypatch, lambda n: bool(n == n.node.hint))
+    cache = regions.RegionCache()
+    region = _cos_region(cache)
+    for n in (9, 20, 9, 10, 20, 11):
+        x = torch.randn(3, n)
+        torch.testing.assert_close(region(x)[0], x.cos())
+    assert cache.misses == 4, cache
+    assert [s.pinned for s in cache.symbolic["cos"]] == [True, True]
 
 
 def test_a_symbolic_region_of_int_inputs_first_met_at_size_one_stays_exact_there():

@@ -426,8 +426,8 @@ def _where(run: list[fx.Node]) -> str:
 
 
 # At most this many compiles of symbolic sizes per region structure: a layout none of them admits
-# (what Inductor assumed of a size fails) then compiles for its exact sizes.
-MAX_SYMBOLIC = 3
+# then compiles for its exact sizes (NOTE: [Symbolic regions] says why so many).
+MAX_SYMBOLIC = 8
 
 
 class Region(nn.Module):
@@ -496,13 +496,13 @@ class Region(nn.Module):
 
     def _symbolic(self, args: tuple) -> Any:
         """A compile of symbolic sizes that admits `args`: one made before, or a new one; None once
-        MAX_SYMBOLIC are made and none admits them."""
+        MAX_SYMBOLIC are made or two are pinned (NOTE: [Symbolic regions]), and none admits them."""
         made = self.cache.symbolic.setdefault(self.structure, [])
         for s in made:
             if s.admits(args):
                 self.cache.hits += 1
                 return s.fn
-        if len(made) >= MAX_SYMBOLIC:
+        if len(made) >= MAX_SYMBOLIC or sum(s.pinned for s in made) >= 2:
             return None
         fn, fakes = self._inductor(args, symbolic=True)
         made.append(Symbolic.of(fn, fakes, args))
@@ -564,8 +564,17 @@ class Symbolic:
     what it was); the shape environment keeps them as guards. A call's layout runs this compile only
     if, at the call's sizes, every guard holds, every dimension compiled as a constant has its size,
     and every input has the dtype and device compiled for (`admits`); the answer is kept per layout,
-    so a layout is checked once. A layout no compile admits gets a new one (at most MAX_SYMBOLIC per
-    structure, then one for its exact sizes), never a wrong kernel."""
+    so a layout is checked once. A layout no compile admits gets a new one, never a wrong kernel.
+    On CUDA, Inductor's assumptions split the sizes into a few classes: ranges its heuristics choose by
+    (a reduction's split: `640 <= s <= 1023`) times residues its alignments need (a product padded to a
+    multiple of 8: `s % 8 != 0`), so a stream of lengths meets about six, and a compile for each serves
+    all of its class. Once compiles run out (MAX_SYMBOLIC per structure), a layout compiles for its exact
+    sizes, and a class left without a compile would compile for every length in it. A compile whose
+    guards made a varying size one number (`pinned`) serves that size alone, as an exact compile would.
+    One such can come of a degenerate layout (a size of 1 that fixes another), two say the region's code
+    specializes: the structure's later layouts then compile for their exact sizes, which the workers can
+    make in the background (NOTE: [Compiles in the background]) where a compile of symbolic sizes holds
+    up the step."""
 
     fn: Any
     code: str | None  # the guards as a Python expression over the inputs (torch's ShapeEnv writes it)
@@ -573,6 +582,7 @@ class Symbolic:
     fixed: dict[int, Any]  # the other inputs: what each must equal
     kinds: dict[int, tuple]  # tensor inputs: (dtype, device)
     env: Any
+    pinned: bool  # a size made a symbol is one number in its guards: it admits that size alone
 
     @classmethod
     def of(cls, fn: Any, fakes: list, args: tuple) -> Symbolic:
@@ -581,7 +591,9 @@ class Symbolic:
         code = env.produce_guards_expression([fakes[k] for k in positions], ignore_static=False) if env else None
         fixed = {k: a for k, a in enumerate(args) if k not in positions}
         kinds = {k: (a.dtype, a.device) for k, a in enumerate(args) if isinstance(a, torch.Tensor)}
-        return cls(fn, code, positions, fixed, kinds, env)
+        # a symbol the compile's guards replaced by a number (a size of 0 or 1 never was a symbol)
+        pinned = env is not None and any(getattr(v, "is_number", False) for v in env.replacements.values())
+        return cls(fn, code, positions, fixed, kinds, env, pinned)
 
     def admits(self, args: tuple) -> bool:
         if any(args[k] != v for k, v in self.fixed.items()):
