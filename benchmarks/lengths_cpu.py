@@ -5,6 +5,7 @@
     PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 24 --stream   # the stream alone, deeper
     PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 16 --stream --model hf-no-cache   # HF's Llama
     FBMT_STAMP=0 PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 24 --stream   # every layer traced
+    PYTHONPATH=. python benchmarks/lengths_cpu.py --background   # Inductor's compiles in the step / in workers
 
 A GPT of 4 layers (width 64) trains on one rank on batches of 12 lengths from 16 to 128 (inputs and
 targets sliced from one token tensor), and a tiny Hugging Face Llama generates 20 tokens with its
@@ -12,7 +13,10 @@ default cache; the stream runs again with backend="inductor" (Inductor's caches 
 so cold). Printed: programs compiled, fbmt's compile seconds, and the wall time of the loop; with
 Inductor also its region compiles and their seconds. `--stream`: the eager stream alone, with
 dynamic=True, and each program's compile seconds (`--layers`: the model's depth; `--model`: the GPT,
-or the tiny HF Llama called with `use_cache=False` or as HF documents it).
+or the tiny HF Llama called with `use_cache=False` or as HF documents it). `--background`: the Inductor
+stream with dynamic=True, `background_compile=False` and then `True` (the default on CUDA, asked for here),
+each cold: every step's seconds and the loop's wall time (the compiles still running then are waited for
+after it: `wait_compiled`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from tests.models import hf
 
 
 def stream(
-    dynamic: bool, backend: str = "eager", layers: int = 4, model: str = "gpt"
+    dynamic: bool, backend: str = "eager", layers: int = 4, model: str = "gpt", background: bool | None = None
 ) -> tuple[int, float, float, object]:
     """`model`: "gpt", or the tiny HF Llama called with `use_cache=False` ("hf-no-cache") or as HF
     documents it ("hf")."""
@@ -44,10 +48,13 @@ def stream(
         config = hf.config("llama")
         config.num_hidden_layers, config.max_position_embeddings = layers, 256
         built = transformers.AutoModelForCausalLM.from_config(config)
-    m = fbmt.compile(built, world_size=1, cache_dir=False, dynamic=dynamic, backend=backend)
+    m = fbmt.compile(
+        built, world_size=1, cache_dir=False, dynamic=dynamic, backend=backend, background_compile=background
+    )
     lengths = [16, 24, 16, 40, 128, 57, 33, 96, 16, 71, 88, 20]
     t = time.perf_counter()
     for n in lengths:
+        began = time.perf_counter()
         tok = torch.randint(0, 64, (4, n + 1))
         x, y = tok[:, :-1], tok[:, 1:]
         before = m.compile_seconds
@@ -57,6 +64,7 @@ def stream(
             m(input_ids=x, labels=y, **({"use_cache": False} if model == "hf-no-cache" else {})).loss.backward()
         if m.compile_seconds > before:
             m.__dict__.setdefault("each", []).append(round(m.compile_seconds - before, 2))
+        m.__dict__.setdefault("steps", []).append(time.perf_counter() - began)
     return len(m.programs), m.compile_seconds, time.perf_counter() - t, m
 
 
@@ -74,7 +82,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="the model's depth")
     ap.add_argument("--stream", action="store_true", help="the eager stream alone, dynamic=True")
     ap.add_argument("--model", choices=("gpt", "hf-no-cache", "hf"), default="gpt", help="with --stream")
+    ap.add_argument("--background", action="store_true", help="the Inductor stream, compiles in the step / in workers")
     args = ap.parse_args()
+    if args.background:
+        for background in (False, True):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="lengths-inductor-")
+            p, c, w, m = stream(True, "inductor", background=background)
+            m.wait_compiled()
+            steps = " ".join(f"{s:.2f}" for s in m.steps)
+            print(f"background_compile={background} | {p} programs | steps (s) {steps} | loop {w:.1f} s | {m.regions}")
+        return
     if args.stream:
         p, c, w, m = stream(True, layers=args.layers, model=args.model)
         print(

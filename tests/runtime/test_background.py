@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib
 import logging
+import operator
 import os
 import signal
 import subprocess
@@ -178,6 +179,55 @@ def test_symbolic_regions_give_their_outputs_the_traced_layouts_at_every_length(
         gradients_match(model, ref, rtol=1e-4, atol=1e-5)
         model.zero_grad(), ref.zero_grad()
     assert len(model.programs) == 2, list(model.programs)  # length 6, then one of symbolic sizes
+
+
+def test_a_symbolic_programs_regions_compile_in_the_workers_while_its_steps_run_traced(monkeypatch, inductor_cache):
+    """NOTE: [Compiles in the background] for regions of symbolic sizes (NOTE: [Symbolic regions]): the
+    length that makes the program symbolic runs its regions as traced while a worker compiles each kind
+    once (before, the step waited for the compiles), a length that comes while they compile runs traced
+    too, and once they are in this process finds each in torch's caches (a hit, not a compile of its
+    own); every step equals eager, and those compiles serve the later lengths."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
+    workers = background.Workers(1, threads=1)
+    try:
+        torch.manual_seed(0)
+        ref = CachesItsKeys()
+        model = fbmt.compile(copy.deepcopy(ref), backend="inductor", background_compile=False, cache_dir=False)
+        model.regions.workers = lambda: workers
+        cache = model.regions
+
+        def step(length: int) -> None:
+            x = torch.randn(2, length, 32)
+            (y, k), (ref_y, ref_k) = model(x), ref(x)
+            torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-5)
+            (y.square().sum() + k.sum()).backward()
+            (ref_y.square().sum() + ref_k.sum()).backward()
+            gradients_match(model, ref, rtol=1e-4, atol=1e-5)
+            model.zero_grad(), ref.zero_grad()
+
+        step(6)  # the program of exact sizes
+        model.wait_compiled()
+        compiled, hits = cache.misses, counters["inductor"]["fxgraph_cache_hit"]
+        step(7)  # the program of symbolic sizes: its regions go to the worker
+        sent = [key for key in cache.pending if isinstance(key, regions._SymbolicKey)]
+        assert sent and not any(cache.symbolic.values()), cache
+        ran_traced = cache.eager_runs
+        step(9)  # while they compile
+        assert cache.eager_runs > ran_traced and cache.misses == compiled, cache
+
+        model.wait_compiled()
+        made = [s for kind in cache.symbolic.values() for s in kind]
+        assert len(made) == len(sent) and cache.misses == compiled + len(sent), cache
+        assert counters["inductor"]["fxgraph_cache_hit"] - hits == len(sent)  # what the worker compiled
+        ran_traced = cache.eager_runs
+        for length in (11, 9, 14):
+            step(length)
+        assert cache.eager_runs == ran_traced and cache.misses == compiled + len(sent), cache
+        assert len(model.programs) == 2, list(model.programs)
+    finally:
+        workers.close()
 
 
 def test_micro_batches_accumulated_across_the_switch_to_compiled_regions(monkeypatch, inductor_cache):
@@ -353,15 +403,27 @@ def test_waiting_for_a_worker_that_does_not_answer_ends_and_compiles_here(monkey
 
 
 def test_a_graph_that_cannot_cross_to_a_worker_compiles_here():
-    """A region whose ops are not all aten overloads (a Python function) is not sent."""
+    """A region whose ops are not all aten overloads or arithmetic on sizes (a Python function of its own)
+    is not sent; one that computes a size with `operator` (as a program of symbolic sizes does) is."""
     cache = regions.RegionCache(lambda: background.Workers(0, threads=1))
 
-    def f(x):
-        return (torch.ops.aten.cos.default(x) * 2,)  # `*`: operator.mul, no OpOverload
+    def twice(t):
+        return t * 2
 
-    assert regions._describe(torch.fx.symbolic_trace(f)) is None
-    assert not cache.send(Region(torch.fx.symbolic_trace(f), "cos-mul", cache), ("k",), (torch.randn(2),))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(twice, (g.call_function(torch.ops.aten.cos.default, (x,)),)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert regions._describe(gm) is None
+    assert not cache.send(Region(gm, "cos-twice", cache), ("k",), (torch.randn(2),))
     assert cache.sent == 0
+
+    def sized(x, n):
+        return (torch.ops.aten.view.default(torch.ops.aten.cos.default(x), [n * 2]),)  # `*`: operator.mul
+
+    description = regions._describe(torch.fx.symbolic_trace(sized))
+    assert description is not None and any(target is operator.mul for _, _, target, _ in description)
+    assert regions._rebuild(description).code == torch.fx.symbolic_trace(sized).code
 
 
 def test_a_graph_whose_arguments_do_not_pickle_compiles_here(monkeypatch):

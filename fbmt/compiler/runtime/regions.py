@@ -77,10 +77,14 @@ under `torch.cuda.set_sync_debug_mode("error")`, which is the process's, says to
 before turning it on). What a step computes never depends on the workers or the loader. The values of
 the traced and the compiled ops differ by their rounding (eager PyTorch's kernels and Inductor's), and
 the step that changes depends on the workers' and the loader's speed: a run is not bitwise repeatable,
-and `CompiledModule.wait_compiled()` takes every compile in at once. Regions of symbolic sizes (NOTE:
-[Symbolic regions]) compile in the step, as before, one compile at a time with the loader's
-(`COMPILING`, which a program's trace holds too: make_fx keeps its state in globals of the process);
-under CUDA graphs, which would capture the traced ops, nothing compiles in the background.
+and `CompiledModule.wait_compiled()` takes every compile in at once. A region of symbolic sizes (NOTE:
+[Symbolic regions]) goes to the workers the same way (`compile_symbolic`: its symbols made from each input's
+layout, which in any process gives the same symbols, so the caches answer this process too), one compile of
+a structure at a time: a layout no compile of its admits runs as traced while one is made, and asks again once
+it is in. So the length that makes a program symbolic no longer waits for its regions, nor does a length
+of a new class of sizes. Compiles here are made one at a time (`COMPILING`, which a program's trace holds
+too: make_fx keeps its state in globals of the process); under CUDA graphs, which would capture the traced
+ops, nothing compiles in the background.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ class RegionCache:
         self.seconds = 0.0  # compiling (or loading what the workers compiled) in this process
         self.workers = workers  # where a compile is sent (`background.pool`: started again after a release)
         # compiles the workers are making (`compile_static`'s arguments), by the key `compiled` will have
-        self.pending: dict[tuple, background.Job] = {}
+        self.pending: dict[tuple | _SymbolicKey, _Load] = {}
         self.generation = 0  # how many times compiles from the workers were taken in: regions look again
         self.sent = 0  # compiles sent to the workers, and their seconds there
         self.worker_seconds = 0.0
@@ -161,24 +165,34 @@ class RegionCache:
         if self.workers is not None:
             self.workers()
 
-    def send(self, region: Region, key: tuple, args: tuple) -> bool:
-        """Have `region` compiled for `args` while the steps run it as traced: by the workers and then
-        taken in by this process's loader thread, or (`region.send` False: its program's cache entry
-        holds Inductor's artifacts) by the loader thread alone. False where it cannot be (no background
-        compiles, a graph that does not cross to another process), and the caller compiles it now."""
+    def send(self, region: Region, key: tuple, args: tuple, symbolic: bool = False) -> bool:
+        """Have `region` compiled for `args` (with `symbolic`, for the sizes its `dims` name, as one of
+        symbolic sizes) while the steps run it as traced: by the workers and then taken in by this
+        process's loader thread, or (`region.send` False: its program's cache entry holds Inductor's
+        artifacts) by the loader thread alone. False where it cannot be (no background compiles, a graph
+        that does not cross to another process), and the caller compiles it now."""
         if self.workers is None or not background.enabled():
             return False
         description = _describe(region.gm)
         if description is None:
             return False
-        made = (description, [_spec(a) for a in args], torch.is_grad_enabled())  # `compile_static`'s arguments
+        specs = [_spec(a) for a in args]
+        if symbolic and any(isinstance(s, _TensorSpec) and s.offset for s in specs):
+            return False  # symbols for a view's offset are made from the tensor itself, here (`_symbolic_fakes`)
+        # the arguments of `compile_symbolic` or `compile_static`
+        made = (
+            (description, specs, region.dims, torch.is_grad_enabled())
+            if symbolic
+            else (description, specs, torch.is_grad_enabled())
+        )
+        function = compile_symbolic if symbolic else compile_static
         job = None
         if region.send:
             workers = self.workers()
             if workers is None:
                 return False
             try:
-                job = workers.submit((__name__, "compile_static"), *made)
+                job = workers.submit((__name__, function.__name__), *made)
             except (pickle.PicklingError, TypeError, AttributeError):  # an argument another process cannot receive
                 return False
             self.sent += 1
@@ -188,7 +202,7 @@ class RegionCache:
                     "runs their ops as traced",
                     workers.count,
                 )
-        load = self.pending[key] = _Load(job, made, region)
+        load = self.pending[key] = _Load(job, function, made, region)
         with self._queued:
             self._queue.append(load)
             self._queued.notify()
@@ -254,7 +268,10 @@ class RegionCache:
             self.seconds += load.seconds
             if load.job is not None and load.job.seconds is not None:
                 self.worker_seconds += load.job.seconds
-            if load.error is None:
+            if load.error is None and isinstance(key, _SymbolicKey):  # its structure's (`compile_symbolic`)
+                self.symbolic.setdefault(key.structure, []).append(load.fn[1])
+                self.misses += 1
+            elif load.error is None:
                 self.compiled[key] = load.fn
                 self.misses += 1
         self.generation += 1
@@ -345,10 +362,11 @@ background.on_exit(_finish_loaders)
 class _Load:
     """A region's compile made while the steps run it as traced (NOTE: [Compiles in the background]):
     by a worker (`job`) and then again here, where torch's caches answer it; or here at once (no
-    job: its program's cache entry holds Inductor's artifacts). `args` are `compile_static`'s."""
+    job: its program's cache entry holds Inductor's artifacts). `function` (`compile_static` or
+    `compile_symbolic`) makes it from `args`."""
 
-    def __init__(self, job: background.Job | None, args: tuple, region: Region) -> None:
-        self.job, self.args, self.region = job, args, region
+    def __init__(self, job: background.Job | None, function: Callable[..., Any], args: tuple, region: Region) -> None:
+        self.job, self.function, self.args, self.region = job, function, args, region
         self.fn: Any = None
         self.error: BaseException | None = None
         self.seconds = 0.0  # the loader's own compile
@@ -380,7 +398,7 @@ class _Load:
                 )
             # the same graph and fakes as the worker's: torch's caches hold what it compiled (NOTE)
             try:
-                self.fn = compile_static(*self.args)
+                self.fn = self.function(*self.args)
             except Exception as e:
                 self.error = _explained(e, self.region)
         except BaseException as e:  # raised where a step begins (`poll`), as a compile there would raise
@@ -423,6 +441,14 @@ def _where(run: list[fx.Node]) -> str:
     if len(blocks) > 3:
         return f"blocks {', '.join(blocks[:3])} ... ({len(blocks)} blocks)"
     return ("block " if len(blocks) == 1 else "blocks ") + ", ".join(blocks)
+
+
+@dataclass(frozen=True)
+class _SymbolicKey:
+    """A structure's compile of symbolic sizes, pending (`RegionCache.pending`), where other compiles have
+    their structure and layout as the key: one compiles at a time, and once in it serves what it admits."""
+
+    structure: str
 
 
 # At most this many compiles of symbolic sizes per region structure: a layout none of them admits
@@ -484,7 +510,10 @@ class Region(nn.Module):
         if fn is None and key in self.cache.pending:  # compiling in the workers
             return self.gm.forward, True
         if fn is None:
-            fn = self._symbolic(args) if self.dims is not None else None
+            found = self._symbolic(args) if self.dims is not None else None
+            if found is not None and found[1]:  # a compile of symbolic sizes is being made in the background
+                return found
+            fn = found[0] if found is not None else None
             if fn is None and self.cache.send(self, key, args):
                 return self.gm.forward, True
             if fn is None:
@@ -494,26 +523,29 @@ class Region(nn.Module):
             self.cache.hits += 1
         return fn, False
 
-    def _symbolic(self, args: tuple) -> Any:
-        """A compile of symbolic sizes that admits `args`: one made before, or a new one; None once
-        MAX_SYMBOLIC are made or two are pinned (NOTE: [Symbolic regions]), and none admits them."""
+    def _symbolic(self, args: tuple) -> tuple[Any, bool] | None:
+        """A compile of symbolic sizes that admits `args` (and False): one made before, or a new one; or the
+        traced ops while one is made in the background (and True); None once MAX_SYMBOLIC are made or two are
+        pinned (NOTE: [Symbolic regions]), and none admits them."""
         made = self.cache.symbolic.setdefault(self.structure, [])
         for s in made:
             if s.admits(args):
                 self.cache.hits += 1
-                return s.fn
+                return s.fn, False
         if len(made) >= MAX_SYMBOLIC or sum(s.pinned for s in made) >= 2:
             return None
+        key = _SymbolicKey(self.structure)
+        if key in self.cache.pending or self.cache.send(self, key, args, symbolic=True):
+            return self.gm.forward, True  # the one compiling may admit these sizes too: asked once it is in
         fn, fakes = self._inductor(args, symbolic=True)
         made.append(Symbolic.of(fn, fakes, args))
         if not made[-1].admits(args):  # never: its guards were made at these sizes
             raise AssertionError(f"fbmt: a region's symbolic compile rejects the sizes it was made at: {made[-1].code}")
-        return fn
+        return fn, False
 
     def _inductor(self, args: tuple, symbolic: bool) -> tuple[Any, list]:
         """Inductor's compile of this region for `args`: for their exact sizes, or with the sizes
         `dims` names symbolic; and the fakes it was compiled from."""
-        from torch._inductor.compile_fx import compile_fx
 
         started = time.perf_counter()
         description = None if symbolic else _describe(self.gm)
@@ -524,9 +556,7 @@ class Region(nn.Module):
                 with COMPILING, cat_guard(), _cacheable(static=not symbolic) as mode:
                     if symbolic:
                         fakes = _symbolic_fakes(mode, args, self.dims)
-                        gm, reads, sizes = _for_inductor(self.gm, mode, fakes, lift=True)
-                        hold = _held_to_traced_strides(gm, fakes, sizes, reads)  # reads gm, before Inductor rewrites it
-                        fn = hold(_reading_sizes(compile_fx(gm, fakes + sizes), reads))
+                        fn = _compiled_symbolic(self.gm, mode, fakes)
                     else:
                         fakes = [_static(mode, a) for a in args]
                         gm, _, _ = _for_inductor(self.gm, mode, fakes, lift=False)
@@ -590,7 +620,7 @@ class Symbolic:
         env = next((_env(fakes[k]) for k in positions), None)  # none: every size was made a constant
         code = env.produce_guards_expression([fakes[k] for k in positions], ignore_static=False) if env else None
         fixed = {k: a for k, a in enumerate(args) if k not in positions}
-        kinds = {k: (a.dtype, a.device) for k, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        kinds = {k: (a.dtype, a.device) for k, a in enumerate(args) if isinstance(a, (torch.Tensor, _TensorSpec))}
         # a symbol the compile's guards replaced by a number (a size of 0 or 1 never was a symbol)
         pinned = env is not None and any(getattr(v, "is_number", False) for v in env.replacements.values())
         return cls(fn, code, positions, fixed, kinds, env, pinned)
@@ -650,7 +680,7 @@ def _fake(mode: FakeTensorMode, spec: Any) -> Any:
 def _describe(gm: fx.GraphModule) -> list | None:
     """`gm`'s nodes as plain values another process rebuilds (`_rebuild`) into the same graph, names
     and all (Inductor's caches key a graph by its code); None where a node's target or argument is
-    not such a value (an op that is not an OpOverload, a tensor argument)."""
+    not such a value (an op that is neither an OpOverload nor arithmetic on sizes, a tensor argument)."""
     out = []
     for n in gm.graph.nodes:
         target = n.target
@@ -659,7 +689,7 @@ def _describe(gm: fx.GraphModule) -> list | None:
         if isinstance(target, torch._ops.OpOverload):
             namespace, _, name = target._schema.name.partition("::")
             target = ("op", namespace, name, target._overloadname)
-        elif n.op == "call_function" and target is not operator.getitem:
+        elif n.op == "call_function" and not _of_sizes(target):
             return None
         bad = []
         args = fx.node.map_aggregate(
@@ -670,6 +700,13 @@ def _describe(gm: fx.GraphModule) -> list | None:
             return None
         out.append((n.op, n.name, target, args))
     return out
+
+
+def _of_sizes(target: Any) -> bool:
+    """Whether `target` is a function of Python's `operator` module or torch's `sym_*` (what a program of
+    symbolic sizes computes its sizes with, and `getitem`), which another process finds by its name."""
+    name = getattr(target, "__name__", "")
+    return getattr(operator, name, None) is target or (name.startswith("sym_") and getattr(torch, name, None) is target)
 
 
 @dataclass(frozen=True)
@@ -727,6 +764,30 @@ def compile_static(description: list, specs: list, grad: bool) -> Any:
         fakes = [_fake(mode, s) for s in specs]
         gm, _, _ = _for_inductor(gm, mode, fakes, lift=False)
         return _in_traced_layouts(gm, fakes)
+
+
+def compile_symbolic(description: list, specs: list, dims: list[tuple[int, ...]], grad: bool) -> tuple[Any, Symbolic]:
+    """Inductor's compile of a region (`_describe`'s `description`) with the sizes `dims` names symbolic,
+    from fakes of `specs`' layouts (`_symbolic_fakes_of`), and what it assumes: what `Region` runs, and
+    what a compile worker makes for torch's caches, both from the same graph and fakes (NOTE: [Compiles in
+    the background])."""
+    gm = _rebuild(description)
+    cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
+    device = torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext()
+    with COMPILING, device, torch.set_grad_enabled(grad), cat_guard(), _cacheable(static=False) as mode:
+        fakes = _symbolic_fakes_of(mode, specs, dims)
+        fn = _compiled_symbolic(gm, mode, fakes)
+    return fn, Symbolic.of(fn, fakes, specs)
+
+
+def _compiled_symbolic(gm: fx.GraphModule, mode: FakeTensorMode, fakes: list) -> Callable[..., Any]:
+    """Inductor's compile of `gm` for `fakes` of symbolic sizes, called with the region's inputs, its
+    outputs in the traced layouts at each call's sizes."""
+    from torch._inductor.compile_fx import compile_fx
+
+    gm, reads, sizes = _for_inductor(gm, mode, fakes, lift=True)
+    hold = _held_to_traced_strides(gm, fakes, sizes, reads)  # reads gm, before Inductor rewrites it
+    return hold(_reading_sizes(compile_fx(gm, fakes + sizes), reads))
 
 
 def _in_traced_layouts(gm: fx.GraphModule, fakes: list) -> Callable[..., Any]:
@@ -995,6 +1056,35 @@ def _symbolic_fakes(mode: FakeTensorMode, args: tuple, dims: list[tuple[int, ...
             out.append(env.create_symintnode(env.create_symbol(a, source, DimDynamic.DUCK), hint=a, source=source))
         else:
             out.append(a)
+    return out
+
+
+def _symbolic_fakes_of(mode: FakeTensorMode, specs: list, dims: list[tuple[int, ...]]) -> list:
+    """`_symbolic_fakes` made from layouts (`_spec`) rather than tensors, which a worker has: the same
+    symbols for the same layouts in any process (torch names a symbol by its source)."""
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    env = mode.shape_env
+    out = []
+    for k, (spec, varying) in enumerate(zip(specs, dims)):
+        source = LocalSource(f"in{k}")
+        if isinstance(spec, _TensorSpec):  # at offset 0 (`RegionCache.send`)
+            kinds = [DimDynamic.DUCK if d in varying else DimDynamic.STATIC for d in range(len(spec.shape))]
+            layout = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+            context = StatelessSymbolicContext(dynamic_sizes=kinds)
+            sizes, strides, _ = env.create_symbolic_sizes_strides_storage_offset(
+                layout, source, symbolic_context=context
+            )
+            with mode:
+                fake = torch.empty_strided(sizes, strides, dtype=spec.dtype, device=spec.device)
+            out.append(fake.requires_grad_(spec.requires_grad) if spec.requires_grad else fake)
+        elif varying and isinstance(spec, int):
+            out.append(
+                env.create_symintnode(env.create_symbol(spec, source, DimDynamic.DUCK), hint=spec, source=source)
+            )
+        else:
+            out.append(spec)
     return out
 
 
