@@ -21,8 +21,9 @@
 #   first-step   start time: process start to the first finished step, cold and warm (the compile cache),
 #                the 1.36B (block recompute) and transformers' 0.89B, against FSDP2 + per-layer compile, one GPU
 #   lengths      tests/gpu/lengths_on_gpu.py (five lengths against eager, at most two programs, fbmt's warnings),
-#                then a stream of batches of lengths 64-2048: fbmt (one program of symbolic sizes) against FSDP2 +
-#                per-layer torch.compile(dynamic=True), the 1.36B with block recompute, one GPU, cold caches
+#                what a new length costs SDPA's kernels (attention_plans.py), then a stream of batches of lengths
+#                64-2048: fbmt (one program of symbolic sizes) against FSDP2 + per-layer torch.compile(dynamic=True),
+#                the 1.36B with block recompute, one GPU, cold caches
 #   predict      the simulator against measurement after fbmt.calibrate(): the 1.36B (bf16, eager) on every
 #                GPU for five strategy/recompute settings (benchmarks/predict.py)
 #   fp8          FP8 products against bf16: the 1.36B (block recompute) tensorwise and rowwise, interleaved; the
@@ -83,6 +84,8 @@ case $stage in
   lengths)
     CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tests/gpu/lengths_on_gpu.py > "$out/lengths_on_gpu.txt" 2>&1
     grep -v "Warning\|warn" "$out/lengths_on_gpu.txt" | tail -14
+    CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/attention_plans.py > "$out/attention_plans.txt" 2>&1
+    tail -2 "$out/attention_plans.txt"
     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/lengths.py --config 1.36b --remat block --steps 24 --timeout 160 \
       --out "$out/lengths.json" > "$out/lengths.txt" 2>&1
     tail -8 "$out/lengths.txt" ;;
