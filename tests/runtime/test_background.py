@@ -457,20 +457,27 @@ def test_a_loaded_programs_regions_load_in_a_thread_that_starts_after_the_step(m
     assert not region.eager and cache.misses == 1
 
 
-def test_a_compile_that_fails_in_the_loader_raises_where_a_step_begins(monkeypatch):
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_a_compile_that_fails_in_the_loader_raises_where_a_step_begins(monkeypatch, symbolic):
     """Inductor's error in the loader thread is not lost: the steps ran the traced ops meanwhile, and
-    the next step's start raises it, as a compile in the step would have."""
+    the next step's start raises it, as a compile in the step would have; a region of symbolic sizes alike,
+    and it is sent again where it next runs."""
 
-    def broken(description, specs, grad):
+    def broken(*args):
         raise RuntimeError("Inductor cannot lower this")
 
-    monkeypatch.setattr(regions, "compile_static", broken)
+    monkeypatch.setattr(regions, "compile_symbolic" if symbolic else "compile_static", broken)
     cache = regions.RegionCache(lambda: None)
     region = _loaded_exp(cache)
+    region.dims = [(0,)] if symbolic else None
     x = torch.randn(4)
     torch.testing.assert_close(region(x)[0], x.exp())
+    assert [isinstance(key, regions._SymbolicKey) for key in cache.pending] == [symbolic]
     with pytest.raises(RuntimeError, match="cannot lower"):
         cache.poll(wait=True)
+    assert not cache.pending and not cache.compiled and not any(cache.symbolic.values())
+    torch.testing.assert_close(region(x)[0], x.exp())
+    assert len(cache.pending) == 1  # sent again
 
 
 def test_artifacts_are_saved_between_the_loaders_compiles(tmp_path, monkeypatch):

@@ -192,7 +192,7 @@ class RegionCache:
             if workers is None:
                 return False
             try:
-                job = workers.submit((__name__, function.__name__), *made)
+                job = workers.submit((__name__, "compile_symbolic" if symbolic else "compile_static"), *made)
             except (pickle.PicklingError, TypeError, AttributeError):  # an argument another process cannot receive
                 return False
             self.sent += 1
