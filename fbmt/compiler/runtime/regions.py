@@ -139,7 +139,7 @@ class RegionCache:
         self.hits = self.misses = 0
         self.seconds = 0.0  # compiling (or loading what the workers compiled) in this process
         self.workers = workers  # where a compile is sent (`background.pool`: started again after a release)
-        # compiles the workers are making (`compile_static`'s arguments), by the key `compiled` will have
+        # compiles the workers are making, by the key `compiled` will have (`_SymbolicKey`: `symbolic`'s)
         self.pending: dict[tuple | _SymbolicKey, _Load] = {}
         self.generation = 0  # how many times compiles from the workers were taken in: regions look again
         self.sent = 0  # compiles sent to the workers, and their seconds there
@@ -546,7 +546,6 @@ class Region(nn.Module):
     def _inductor(self, args: tuple, symbolic: bool) -> tuple[Any, list]:
         """Inductor's compile of this region for `args`: for their exact sizes, or with the sizes
         `dims` names symbolic; and the fakes it was compiled from."""
-
         started = time.perf_counter()
         description = None if symbolic else _describe(self.gm)
         try:
@@ -602,9 +601,9 @@ class Symbolic:
     sizes, and a class left without a compile would compile for every length in it. A compile whose
     guards made a varying size one number (`pinned`) serves that size alone, as an exact compile would.
     One such can come of a degenerate layout (a size of 1 that fixes another), two say the region's code
-    specializes: the structure's later layouts then compile for their exact sizes, which the workers can
-    make in the background (NOTE: [Compiles in the background]) where a compile of symbolic sizes holds
-    up the step."""
+    specializes: the structure's later layouts then compile for their exact sizes, each at once, where
+    compiles of symbolic sizes are made one at a time for a structure (NOTE: [Compiles in the
+    background])."""
 
     fn: Any
     code: str | None  # the guards as a Python expression over the inputs (torch's ShapeEnv writes it)
