@@ -41,9 +41,9 @@ def attention_kernels(model: torch.nn.Module) -> list[list[str]]:
 
 def stream(
     name: str, dtype: torch.dtype, backend: str, device: torch.device
-) -> tuple[float, list[list[str]], list[str]]:
+) -> tuple[float, list[list[str]], list[str], str]:
     """The worst relative error of loss and gradients over the lengths, each program's attention kernels,
-    and fbmt's warnings."""
+    fbmt's warnings, and its regions' compiles (with Inductor: in the workers, the symbolic program's too)."""
     torch.manual_seed(0)
     if name == "reference llama":
         ref = Llama(vocab=256, d=128, heads=4, ff=256, n_layer=2, seq=max(LENGTHS)).to(device, dtype)
@@ -75,7 +75,8 @@ def stream(
                 p.grad = None
     finally:
         logging.getLogger("fbmt").removeHandler(said)
-    return worst, attention_kernels(model), said.messages
+    model.wait_compiled()
+    return worst, attention_kernels(model), said.messages, repr(model.regions)
 
 
 def main() -> None:
@@ -85,7 +86,7 @@ def main() -> None:
     for name in names:
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
             for backend in ("eager", "inductor"):
-                err, kernels, said = stream(name, dtype, backend, device)
+                err, kernels, said, compiles = stream(name, dtype, backend, device)
                 # on the CPU (a dry run), a torch whose matmul fixes sizes runs the math backend's ops at symbolic
                 # sizes whatever its kernel would choose (NOTE: [Matmul on symbolic sizes])
                 want = [k.replace("cudnn", "flash") for k in kernels[0]]
@@ -94,6 +95,8 @@ def main() -> None:
                 what = f"{name} {str(dtype).split('.')[-1]} {backend}"
                 print(f"{what}: {len(kernels)} programs for {len(LENGTHS)} lengths, worst relative error {err:.1e}")
                 print(f"    attention kernels by program: {kernels}{'' if same_kernels else '  (DIFFER)'}")
+                if backend == "inductor":
+                    print(f"    {compiles}")
                 for message in said:
                     print(f"    fbmt said: {message[:600]}")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "the CPU"
