@@ -151,6 +151,23 @@ def test_a_region_of_symbolic_sizes_runs_only_the_layouts_its_guards_admit():
     assert [s.pinned for s in cache.symbolic["cos-reshape"]] == [False, False, True, False]  # n == 4 at (4, 1)
 
 
+def test_a_region_of_symbolic_sizes_over_views_at_offsets_compiles_from_their_layouts():
+    """A region's input may be a view into a larger tensor (targets sliced from the tokens): its compile of
+    symbolic sizes is made from the layout alone (as a worker makes it), with the offset and the row stride
+    symbols, and serves other views of other sizes at other offsets."""
+    cache = regions.RegionCache()
+    region = _cos_region(cache)
+    for width, start, stop in ((30, 5, 20), (50, 7, 30), (60, 12, 40), (9, 0, 9)):
+        x = torch.randn(3, width)[:, start:stop]
+        torch.testing.assert_close(region(x)[0], x.cos())
+    assert cache.misses == 2, cache  # the views, then a whole tensor (its row stride is its size)
+    view = torch.randn(3, 40)[:, 5:12]
+    fn, made = regions.compile_symbolic(regions._describe(region.gm), [regions._spec(view)], [(1,)], False)
+    other = torch.randn(3, 70)[:, 9:40]
+    assert made.admits((other,)) and not made.admits((torch.randn(3, 9),))
+    torch.testing.assert_close(fn(other)[0], other.cos())
+
+
 def _guarding(monkeypatch, guard):
     """Inductor's compile, after `guard(size)` is asked of the first symbolic size of its inputs (as Inductor's
     heuristics ask on CUDA: a reduction's split by range, a product's padding by residue)."""

@@ -177,8 +177,6 @@ class RegionCache:
         if description is None:
             return False
         specs = [_spec(a) for a in args]
-        if symbolic and any(isinstance(s, _TensorSpec) and s.offset for s in specs):
-            return False  # symbols for a view's offset are made from the tensor itself, here (`_symbolic_fakes`)
         # the arguments of `compile_symbolic` or `compile_static`
         made = (
             (description, specs, region.dims, torch.is_grad_enabled())
@@ -554,7 +552,7 @@ class Region(nn.Module):
             else:
                 with COMPILING, cat_guard(), _cacheable(static=not symbolic) as mode:
                     if symbolic:
-                        fakes = _symbolic_fakes(mode, args, self.dims)
+                        fakes = _symbolic_fakes(mode, [_spec(a) for a in args], self.dims)
                         fn = _compiled_symbolic(self.gm, mode, fakes)
                     else:
                         fakes = [_static(mode, a) for a in args]
@@ -767,14 +765,14 @@ def compile_static(description: list, specs: list, grad: bool) -> Any:
 
 def compile_symbolic(description: list, specs: list, dims: list[tuple[int, ...]], grad: bool) -> tuple[Any, Symbolic]:
     """Inductor's compile of a region (`_describe`'s `description`) with the sizes `dims` names symbolic,
-    from fakes of `specs`' layouts (`_symbolic_fakes_of`), and what it assumes: what `Region` runs, and
+    from fakes of `specs`' layouts (`_symbolic_fakes`), and what it assumes: what `Region` runs, and
     what a compile worker makes for torch's caches, both from the same graph and fakes (NOTE: [Compiles in
     the background])."""
     gm = _rebuild(description)
     cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
     device = torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext()
     with COMPILING, device, torch.set_grad_enabled(grad), cat_guard(), _cacheable(static=False) as mode:
-        fakes = _symbolic_fakes_of(mode, specs, dims)
+        fakes = _symbolic_fakes(mode, specs, dims)
         fn = _compiled_symbolic(gm, mode, fakes)
     return fn, Symbolic.of(fn, fakes, specs)
 
@@ -1036,31 +1034,12 @@ def _reading_sizes(fn: Any, reads: list[tuple[int, str, int]]) -> Callable[..., 
     return call
 
 
-def _symbolic_fakes(mode: FakeTensorMode, args: tuple, dims: list[tuple[int, ...]]) -> list:
-    """Fakes of `args` in `mode`: dimension d of tensor input k a symbol where `dims[k]` holds d, an
-    int input whose `dims` is not empty a symbolic int. Equal sizes get one symbol (the way
-    torch.compile makes them), which the guards then check."""
-    from torch._dynamo.source import LocalSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
-
-    env = mode.shape_env
-    out = []
-    for k, (a, varying) in enumerate(zip(args, dims)):
-        source = LocalSource(f"in{k}")
-        if isinstance(a, torch.Tensor):
-            kinds = [DimDynamic.DUCK if d in varying else DimDynamic.STATIC for d in range(a.dim())]
-            context = StatelessSymbolicContext(dynamic_sizes=kinds)
-            out.append(mode.from_tensor(a, source=source, symbolic_context=context))
-        elif varying and isinstance(a, int):
-            out.append(env.create_symintnode(env.create_symbol(a, source, DimDynamic.DUCK), hint=a, source=source))
-        else:
-            out.append(a)
-    return out
-
-
-def _symbolic_fakes_of(mode: FakeTensorMode, specs: list, dims: list[tuple[int, ...]]) -> list:
-    """`_symbolic_fakes` made from layouts (`_spec`) rather than tensors, which a worker has: the same
-    symbols for the same layouts in any process (torch names a symbol by its source)."""
+def _symbolic_fakes(mode: FakeTensorMode, specs: list, dims: list[tuple[int, ...]]) -> list:
+    """Fakes of inputs of `specs`' layouts (`_spec`) in `mode`: dimension d of tensor input k a symbol where
+    `dims[k]` holds d, its strides and offset symbols where they are not the sizes' products, an int input
+    whose `dims` is not empty a symbolic int. Equal sizes get one symbol (the way torch.compile makes them),
+    which the guards then check. Made from layouts, which a worker has, they are the same in any process
+    (torch names a symbol by its source)."""
     from torch._dynamo.source import LocalSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
@@ -1068,15 +1047,21 @@ def _symbolic_fakes_of(mode: FakeTensorMode, specs: list, dims: list[tuple[int, 
     out = []
     for k, (spec, varying) in enumerate(zip(specs, dims)):
         source = LocalSource(f"in{k}")
-        if isinstance(spec, _TensorSpec):  # at offset 0 (`RegionCache.send`)
+        if isinstance(spec, _TensorSpec):
             kinds = [DimDynamic.DUCK if d in varying else DimDynamic.STATIC for d in range(len(spec.shape))]
-            layout = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+            extent = 1 + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride)) if all(spec.shape) else 0
+            storage = torch.empty((spec.offset + extent,), dtype=spec.dtype, device="meta")
+            layout = storage.as_strided(spec.shape, spec.stride, spec.offset)
             context = StatelessSymbolicContext(dynamic_sizes=kinds)
-            sizes, strides, _ = env.create_symbolic_sizes_strides_storage_offset(
+            sizes, strides, offset = env.create_symbolic_sizes_strides_storage_offset(
                 layout, source, symbolic_context=context
             )
             with mode:
                 fake = torch.empty_strided(sizes, strides, dtype=spec.dtype, device=spec.device)
+                if spec.offset:  # a view at that offset into a storage that holds it, as `_fake` makes one
+                    extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides)) if all(spec.shape) else 0
+                    base = torch.empty((offset + extent,), dtype=spec.dtype, device=spec.device)
+                    fake = base.as_strided(sizes, strides, offset)
             out.append(fake.requires_grad_(spec.requires_grad) if spec.requires_grad else fake)
         elif varying and isinstance(spec, int):
             out.append(
