@@ -460,6 +460,34 @@ def test_torch_multi_head_attention_keeps_sizes_symbolic_and_equals_eager(monkey
     assert nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 
+@pytest.mark.parametrize(
+    "taking, dropout, flash_alone",
+    [({"cudnn", "flash", "efficient"}, 0.0, True), ({"cudnn", "efficient"}, 0.0, False), ({"flash"}, 0.1, False)],
+)
+def test_a_symbolic_programs_attention_on_cuda_runs_flash_where_flash_takes_it(
+    monkeypatch, taking, dropout, flash_alone
+):
+    """NOTE: [Attention at symbolic sizes], as a machine without CUDA shows it (the kernels' checks stood in
+    for, the call on CUDA fakes): flash's kernel alone is enabled for SDPA where its check takes the call
+    without dropout; elsewhere SDPA's own choice stands. The GPU check (tests/gpu/lengths_on_gpu.py) runs it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fbmt.compiler import sizes
+
+    enabled = []
+
+    def kernel(*args, **kwargs):
+        enabled.append((torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+
+    monkeypatch.setattr(sizes, "_cuda_kernels_taking", lambda *args: taking)
+    monkeypatch.setattr(sizes, "_KERNEL_ATTENTION", kernel)
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 16, 8, device="cuda")
+    sizes._attention(q, q, q, dropout_p=dropout, is_causal=True, math_as_ops=False)
+    assert enabled == [(True, not flash_alone)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # as it was
+
+
 def test_the_math_attention_route_refuses_what_sdpa_refuses():
     """A mask and is_causal together: SDPA raises, so the route must not compute an answer."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
