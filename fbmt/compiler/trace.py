@@ -357,7 +357,7 @@ def _is_number(x: Any) -> bool:
 _fakes_registered = False
 
 
-def _fake_kernels() -> None:
+def fake_kernels() -> None:
     """Fake kernels of fbmt's for built-in ops whose meta kernel, which tracing runs, fails where the
     real kernel computes (torch 2.11-2.15):
 
@@ -371,7 +371,8 @@ def _fake_kernels() -> None:
     torch's own; the op stays in the program as it is. (Where torch runs a Python decomposition of an op
     before any fake kernel, as it does for `polar` at symbolic sizes, `_SYMBOLIC_DECOMPOSITIONS` holds
     fbmt's instead.) They go into torch's table of fake kernels (a private one: torch has no public way to
-    add to a built-in op's fake kernel) on the first trace of the process, never when fbmt is imported."""
+    add to a built-in op's fake kernel) on the first trace of the process, never when fbmt is imported, and
+    where a compile worker first compiles a region (Inductor traces the region on fakes too)."""
     global _fakes_registered
     if _fakes_registered:
         return
@@ -552,7 +553,7 @@ def trace(
     through the program]); its nodes keep their paths in `module`.
     """
     started = time.perf_counter()
-    _fake_kernels()
+    fake_kernels()
     fake_mode = sizes.symbolic_mode() if dynamic else FakeTensorMode()
     rg = trainable if trainable is not None else tuple(g.requires_grad for g in layout.groups)
     params = [(s.name, s.shape, g.compute, rg[g.index]) for g in layout.groups for s in g.slots]

@@ -426,6 +426,31 @@ def test_a_graph_that_cannot_cross_to_a_worker_compiles_here():
     assert regions._rebuild(description).code == torch.fx.symbolic_trace(sized).code
 
 
+AS_A_WORKER = """
+import torch
+from fbmt.compiler.runtime import regions
+def grouped(a, b, offs):
+    return (torch.ops.aten._grouped_mm.default(a, b, offs),)
+args = torch.randn(6, 8), torch.randn(2, 8, 4), torch.tensor([2, 6], dtype=torch.int32)
+gm = torch.fx.symbolic_trace(grouped)
+fn = regions.compile_static(regions._describe(gm), [regions._spec(a) for a in args], False)
+torch.testing.assert_close(fn(*args)[0], grouped(*args)[0])
+print("compiled")
+"""
+
+
+def test_a_worker_compiles_a_region_whose_op_has_fbmts_fake_kernel(tmp_path):
+    """A worker traces nothing, so fbmt's fake kernels (`trace.fake_kernels`: `_grouped_mm` in float32, a
+    triangular solve at symbolic sizes) were missing from its torch: its compile of such a region failed,
+    and the loader compiled it again. A fresh interpreter compiles one as a worker does."""
+    root = str(Path(fbmt.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", AS_A_WORKER], env=env, capture_output=True, text=True, timeout=300, cwd=root
+    )
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 def test_a_graph_whose_arguments_do_not_pickle_compiles_here(monkeypatch):
     """An argument another process cannot receive fails the sending, not a worker's thread: the
     region compiles here at once."""
