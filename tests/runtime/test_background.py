@@ -440,7 +440,7 @@ print("compiled")
 
 
 def test_a_worker_compiles_a_region_whose_op_has_fbmts_fake_kernel(tmp_path):
-    """A worker traces nothing, so fbmt's fake kernels (`trace.fake_kernels`: `_grouped_mm` in float32, a
+    """A worker traces nothing, so fbmt's fake kernels (`ops.fake_kernels`: `_grouped_mm` in float32, a
     triangular solve at symbolic sizes) were missing from its torch: its compile of such a region failed,
     and the loader compiled it again. A fresh interpreter compiles one as a worker does."""
     root = str(Path(fbmt.__file__).parents[1])

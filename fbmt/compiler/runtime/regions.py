@@ -753,9 +753,7 @@ def compile_static(description: list, specs: list, grad: bool) -> Any:
     """Inductor's compile of a region (`_describe`'s `description`) for inputs of `specs`' exact
     layouts: what `Region` runs, and what a compile worker makes for torch's caches (NOTE: [Compiles in
     the background]): both build the same graph and the same fakes, so the caches key them alike."""
-    from fbmt.compiler.trace import fake_kernels
-
-    fake_kernels()  # in a worker, which traced nothing
+    ops.fake_kernels()  # in a worker, which traced nothing
     gm = _rebuild(description)
     cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
     # a new thread's current device is device 0, not the one the caller set (the loader is one)
@@ -771,9 +769,7 @@ def compile_symbolic(description: list, specs: list, dims: list[tuple[int, ...]]
     from fakes of `specs`' layouts (`_symbolic_fakes`), and what it assumes: what `Region` runs, and
     what a compile worker makes for torch's caches, both from the same graph and fakes (NOTE: [Compiles in
     the background])."""
-    from fbmt.compiler.trace import fake_kernels
-
-    fake_kernels()  # in a worker, which traced nothing
+    ops.fake_kernels()  # in a worker, which traced nothing
     gm = _rebuild(description)
     cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
     # a new thread's current device is device 0, not the one the caller set (the loader is one)
