@@ -170,7 +170,7 @@ def test_a_region_of_symbolic_sizes_over_views_at_offsets_compiles_from_their_la
 
 def _guarding(monkeypatch, guard):
     """Inductor's compile, after `guard(size)` is asked of the first symbolic size of its inputs (as Inductor's
-    heuristics ask on CUDA: a reduction's split by range, a product's padding by residue)."""
+    heuristics ask on CUDA: whether to fuse two reductions by range, an alignment by residue)."""
     from torch._inductor import compile_fx as module
 
     real = module.compile_fx
@@ -192,7 +192,7 @@ def _cos_region(cache):
 
 def test_a_symbolic_region_compiles_once_for_each_class_of_sizes_inductor_tells_apart(monkeypatch):
     """NOTE: [Symbolic regions]: where Inductor's guards split the sizes by range and by residue (four classes
-    here, six on CUDA), each class gets one compile of symbolic sizes, which serves every size in it: no
+    here, two on CUDA), each class gets one compile of symbolic sizes, which serves every size in it: no
     class is left to compile per size."""
     _guarding(monkeypatch, lambda n: (bool(n % 2 == 0), bool(n >= 16)))
     cache = regions.RegionCache()
@@ -202,6 +202,31 @@ def test_a_symbolic_region_compiles_once_for_each_class_of_sizes_inductor_tells_
         torch.testing.assert_close(region(x)[0], x.cos())
     assert cache.misses == 4, cache
     assert len(cache.symbolic["cos"]) == 4
+
+
+def test_a_symbolic_region_compiles_with_inductors_size_checks_off_an_exact_one_with_its_defaults(monkeypatch):
+    """Inductor's mix-order reduction (RMSNorm's backward, on CUDA) checks the workload's size before it fuses;
+    at symbolic sizes each check is a guard, and the two split a stream of lengths into three compiles on
+    the GPU. A compile of symbolic sizes skips them (`_for_every_size`); one of exact sizes keeps Inductor's
+    own choice."""
+    from torch._inductor import compile_fx as module
+    from torch._inductor import config
+
+    if not hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        pytest.skip("this Inductor has no mix-order reduction")
+    real, seen = module.compile_fx, []
+
+    def compile_fx(gm, inputs, *args, **kwargs):
+        seen.append(config.triton.mix_order_reduction_non_strict_mode)
+        return real(gm, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(module, "compile_fx", compile_fx)
+    region = _cos_region(regions.RegionCache())
+    description, x = regions._describe(region.gm), torch.randn(3, 7)
+    regions.compile_symbolic(description, [regions._spec(x)], [(1,)], False)
+    regions.compile_static(description, [regions._spec(x)], False)
+    assert seen == [True, False]
+    assert config.triton.mix_order_reduction_non_strict_mode is False  # as it was
 
 
 def test_a_symbolic_region_whose_guards_fix_its_size_compiles_the_rest_for_their_sizes(monkeypatch):

@@ -593,10 +593,12 @@ class Symbolic:
     and every input has the dtype and device compiled for (`admits`); the answer is kept per layout,
     so a layout is checked once. A layout no compile admits gets a new one, never a wrong kernel.
     On CUDA, Inductor's assumptions split the sizes into a few classes: ranges its heuristics choose by
-    (a reduction's split: `640 <= s <= 1023`) times residues its alignments need (a product padded to a
-    multiple of 8: `s % 8 != 0`), so a stream of lengths meets about six, and a compile for each serves
-    all of its class. Once compiles run out (MAX_SYMBOLIC per structure), a layout compiles for its exact
-    sizes, and a class left without a compile would compile for every length in it. A compile whose
+    (whether to fuse a row and a column reduction: `640 <= s <= 1023`) times residues its alignments need
+    (flash attention's backward reads the logsumexp, whose stride is the length, aligned to 8 or copied:
+    `s % 8 != 0`), so a stream of lengths met about six, and a compile for each serves all of its class.
+    The ranges are gone (`_for_every_size`); the residues stay, two classes. Once compiles run out
+    (MAX_SYMBOLIC per structure), a layout compiles for its exact sizes, and a class left without a
+    compile would compile for every length in it. A compile whose
     guards made a varying size one number (`pinned`) serves that size alone, as an exact compile would.
     One such can come of a degenerate layout (a size of 1 that fixes another), two say the region's code
     specializes: the structure's later layouts then compile for their exact sizes, each at once, where
@@ -774,10 +776,35 @@ def compile_symbolic(description: list, specs: list, dims: list[tuple[int, ...]]
     cuda = next((s.device for s in specs if isinstance(s, _TensorSpec) and s.device.type == "cuda"), None)
     # a new thread's current device is device 0, not the one the caller set (the loader is one)
     device = torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext()
-    with COMPILING, device, torch.set_grad_enabled(grad), cat_guard(), _cacheable(static=False) as mode:
+    with (
+        COMPILING,
+        device,
+        torch.set_grad_enabled(grad),
+        cat_guard(),
+        _for_every_size(),
+        _cacheable(static=False) as mode,
+    ):
         fakes = _symbolic_fakes(mode, specs, dims)
         fn = _compiled_symbolic(gm, mode, fakes)
     return fn, Symbolic.of(fn, fakes, specs)
+
+
+def _for_every_size() -> contextlib.AbstractContextManager:
+    """Inductor's options for a compile of symbolic sizes: none of its choices made by the size of a
+    workload, so that one compile serves every size (NOTE: [Symbolic regions]).
+
+    Inductor fuses a reduction along rows with one along columns of the same tensor (RMSNorm's backward:
+    the input's gradient and the weight's) into one kernel, "mix-order reduction", but only above a size
+    where it found the fused kernel faster, and with more rows than columns; asked at symbolic sizes,
+    each check is a guard, and the two split a stream of lengths into three compiles. Its non-strict
+    mode skips them: the fused kernel wherever the fusion applies, where Inductor would have kept the two
+    apart on a small workload (under 5 Mi elements, which sits in L2) or one of fewer rows than twice
+    its columns."""
+    from torch._inductor import config
+
+    if not hasattr(config.triton, "mix_order_reduction_non_strict_mode"):  # an Inductor without the fusion
+        return contextlib.nullcontext()
+    return config.patch({"triton.mix_order_reduction_non_strict_mode": True})
 
 
 def _compiled_symbolic(gm: fx.GraphModule, mode: FakeTensorMode, fakes: list) -> Callable[..., Any]:
