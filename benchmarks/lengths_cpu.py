@@ -83,7 +83,16 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="the eager stream alone, dynamic=True")
     ap.add_argument("--model", choices=("gpt", "hf-no-cache", "hf"), default="gpt", help="with --stream")
     ap.add_argument("--background", action="store_true", help="the Inductor stream, compiles in the step / in workers")
+    ap.add_argument("--generate", action="store_true", help="generate() alone, dynamic=False / True")
     args = ap.parse_args()
+    if args.generate:
+        for dynamic in (False, True):
+            p, c, w, _ = gen(dynamic)
+            print(
+                f"generate 20 tokens, tiny HF Llama | dynamic={dynamic} | {p} programs | compile {c:.2f} s "
+                f"| wall {w:.2f} s"
+            )
+        return
     if args.background:
         for background in (False, True):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="lengths-inductor-")

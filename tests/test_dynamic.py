@@ -290,17 +290,25 @@ def test_with_inductor_regions_compile_once_for_every_length_and_equal_eager():
     assert counts[0] == counts[1], counts
 
 
-def test_generate_with_the_default_cache_compiles_a_prompt_program_and_one_for_every_next_token():
-    """The cache passed back in is one token longer at each step: its tensors' length is symbolic."""
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "left-padded"])
+def test_generate_with_the_default_cache_compiles_a_prompt_program_and_one_for_every_next_token(masked):
+    """The cache passed back in is one token longer at each step (NOTE: [A cache that grows]): the first step
+    with a cache is traced with its length symbolic, and the mask's (left padding, as a tokenizer pads a
+    batch for generation), and serves every later step."""
     ref = hf.build("llama")
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
     prompt = torch.randint(3, hf.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
-    want = ref.generate(prompt, max_new_tokens=12, do_sample=False)
-    got = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    call = {"input_ids": prompt}
+    if masked:
+        call["attention_mask"] = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    want = ref.generate(**call, max_new_tokens=12, do_sample=False)
+    got = model.generate(**call, max_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)
-    # the prompt, the first next token (a cache of the prompt's length), then every later one
-    assert len(model.programs) == 3
-    assert sum(p.sizes is not None for p in model.programs.values()) == 1
+    # the prompt's program, then one for every next token
+    assert [p.sizes is not None for p in model.programs.values()] == [False, True]
+    symbolic = next(p for p in model.programs.values() if p.sizes is not None)
+    # the length of the keys and values of 2 layers, and the mask's (its dimension 1)
+    assert sorted(d for _, d in symbolic.sizes.symbols) == [1] * masked + [2] * 4, symbolic.sizes.symbols
 
 
 class SizeKeyed(nn.Module):

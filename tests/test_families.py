@@ -235,6 +235,21 @@ def test_a_causal_lm_of_this_family_trains_as_in_eager(model_type):
     _trains_like_eager(_model(model_type, transformers.AutoModelForCausalLM), "causal")
 
 
+@pytest.mark.parametrize("model_type", ["mamba", "gemma2"])
+def test_generate_with_a_cache_whose_tensors_do_not_grow_gives_the_eager_tokens(model_type):
+    """NOTE: [A cache that grows] traces a step of generation with the cache's length symbolic, but Mamba's
+    cache holds recurrent states (it has no length), and a sliding window's layer (Gemma 2) counts its tokens
+    in an int, a constant of each step's program: neither is traced as a cache that grows."""
+    ref = _model(model_type, transformers.AutoModelForCausalLM).eval()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), want)
+    if model_type == "gemma2":  # a program per step, none traced for many lengths it would never run at
+        assert all(p.sizes is None for p in model.programs.values()), len(model.programs)
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "bert"])
 def test_a_model_of_its_published_depth_trains_with_dropout_as_in_eager(model_type):
     """GPT-2 small's and BERT-base's 12 layers, dropout on as their configs have it: the shard pass

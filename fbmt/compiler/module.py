@@ -629,6 +629,8 @@ class CompiledModule(nn.Module):
             if exe is not None:
                 return exe, key
         dims = self._varying(family, inputs)
+        if dims is None and self._may_vary() and family not in self._fixed_sizes:
+            dims = self._growing(args, kwargs, inputs)
         exe = None
         if dims:
             log.info("one program for many input sizes: symbolic in %s (NOTE: [Dynamic sizes])", _dims_text(dims))
@@ -692,6 +694,12 @@ class CompiledModule(nn.Module):
         self._input_shapes[key] = [tuple(x.shape) for x in inputs]
         log.info("compile cache: the family's program of symbolic sizes takes this call (%s)", program.sizes)
         return exe
+
+    def _growing(self, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
+        """The dimensions of this call's inputs that the caller's next call passes longer, where its
+        convention says so at the first call (a cache each call extends): none for a plain module; a
+        subclass adds what its integration knows (NOTE: [A cache that grows])."""
+        return None
 
     def _varying(self, family: tuple, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
         """The dimensions in which this call's inputs differ from a program of the same key but for

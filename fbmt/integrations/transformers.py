@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fbmt.compiler import CompiledModule, HostFunction, register_host_function, register_trace_hint
+from fbmt.compiler import CompiledModule, HostFunction, objects, register_host_function, register_trace_hint
 
 log = logging.getLogger("fbmt")
 
@@ -274,6 +274,55 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
     @_is_accelerate_prepared.setter
     def _is_accelerate_prepared(self, value: bool) -> None:
         pass  # accelerate marks what it prepared; a compiled model stays prepared
+
+    def _growing(self, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
+        """A step of generation: the cache's length, and the attention mask's, which covers the cache and the
+        new tokens.
+
+        NOTE: [A cache that grows]
+        `generate()` calls the model once with the prompt, then once per new token with a `DynamicCache` that
+        the call before extended by its tokens, and a mask one longer. A program of symbolic sizes is made for
+        calls that differ from an existing one in sizes alone (NOTE: [Dynamic sizes]), so the first step with a
+        cache compiled a program for its exact sizes, and the second one for every length: three programs where
+        two serve. A call that passes a `DynamicCache` holding tokens is such a step, and its next call passes
+        the cache longer: its program is made symbolic at once in the length of the cache's tensors, and in the
+        mask's where that is the cache's length plus the new tokens'. Not where a layer of the cache keeps a
+        sliding window: it counts its tokens in a Python int, a constant of the program, so each step is a
+        program of its own. What the trace assumed of those sizes is checked at every call, as for any program
+        of symbolic sizes; a call it does not admit gets a program of its own."""
+        try:
+            from transformers.cache_utils import DynamicCache
+        except ImportError:
+            return None
+        # `cache=` in recent transformers, `past_key_values=` before
+        cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, DynamicCache)), None)
+        if cache is None or any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+            return None  # a sliding window's layer counts its tokens in an int: each step is a program anyway
+        try:
+            held = cache.get_seq_length()
+        except ValueError:  # a cache of recurrent states alone (Mamba's) has no length, and does not grow
+            return None
+        if not held:
+            return None
+        where = {id(x): i for i, x in enumerate(inputs)}
+        dims = {
+            where[id(t)]: (t.dim() - 2,)
+            for t in objects.tensors_in(cache)
+            if id(t) in where and t.dim() >= 3 and t.shape[-2] == held
+        }
+        tokens = next(
+            (kwargs[k] for k in ("input_ids", "inputs_embeds") if isinstance(kwargs.get(k), torch.Tensor)), None
+        )
+        mask = kwargs.get("attention_mask")
+        if (
+            tokens is not None
+            and isinstance(mask, torch.Tensor)
+            and mask.dim() == 2
+            and mask.shape[1] == held + tokens.shape[1]
+            and id(mask) in where
+        ):
+            dims[where[id(mask)]] = (1,)
+        return dims or None
 
     # NOTE: [Generation on every rank]
     # A compiled model's every call gathers parameters from every rank, so every rank must make the same
