@@ -550,7 +550,8 @@ class Region(nn.Module):
             if description is not None:  # as a worker compiles it (`compile_static`)
                 fn, fakes = compile_static(description, [_spec(a) for a in args], torch.is_grad_enabled()), []
             else:
-                with COMPILING, cat_guard(), _cacheable(static=not symbolic) as mode:
+                sizes = _for_every_size() if symbolic else contextlib.nullcontext()
+                with COMPILING, cat_guard(), sizes, _cacheable(static=not symbolic) as mode:
                     if symbolic:
                         fakes = _symbolic_fakes(mode, [_spec(a) for a in args], self.dims)
                         fn = _compiled_symbolic(self.gm, mode, fakes)
