@@ -778,3 +778,27 @@ def test_a_program_whose_entry_lacks_many_of_its_regions_sends_them_to_the_worke
 def test_background_compile_is_refused_where_nothing_compiles_in_the_background(option):
     with pytest.raises(ValueError, match="background_compile=True"):
         fbmt.compile(gpt(), background_compile=True, **option)
+
+
+def test_a_layout_met_while_its_structures_symbolic_compile_is_made_is_sent_once_that_is_in(monkeypatch):
+    """Inductor's guards split the sizes into classes (NOTE: [Symbolic regions]; here even and odd), and a
+    structure's compiles of symbolic sizes are made one at a time. A layout of another class met while the
+    first is made runs as traced and is kept: once the first is in, it is sent at once (NOTE: [Compiles in
+    the background]), not when a size of its class next comes; one of the first's class is not."""
+    from tests.runtime.test_regions import _cos_region, _guarding
+
+    _guarding(monkeypatch, lambda n: bool(n % 2 == 0))
+    cache = regions.RegionCache(lambda: _Answered())
+    region = _cos_region(cache)
+    for n in (9, 10, 11):  # 9's compile is sent; 10 and 11 are met while it is made
+        x = torch.randn(3, n)
+        torch.testing.assert_close(region(x)[0], x.cos())
+    assert cache.eager_runs == 3
+    cache.poll(wait=True)  # 9's compile in: it admits 11, not 10, whose compile is sent now
+    assert len(cache.symbolic["cos"]) == 1 and len(cache.pending) == 1
+    cache.poll(wait=True)
+    assert len(cache.symbolic["cos"]) == 2 and not cache.pending and not cache.waiting
+    for n in (12, 13):  # both classes compiled
+        x = torch.randn(3, n)
+        torch.testing.assert_close(region(x)[0], x.cos())
+    assert cache.eager_runs == 3

@@ -76,15 +76,16 @@ made here; a compile that fails raises where the next step begins (one that sync
 under `torch.cuda.set_sync_debug_mode("error")`, which is the process's, says to wait for the compiles
 before turning it on). What a step computes never depends on the workers or the loader. The values of
 the traced and the compiled ops differ by their rounding (eager PyTorch's kernels and Inductor's), and
-the step that changes depends on the workers' and the loader's speed: a run is not bitwise repeatable,
-and `CompiledModule.wait_compiled()` takes every compile in at once. A region of symbolic sizes (NOTE:
-[Symbolic regions]) goes to the workers the same way (`compile_symbolic`: its symbols made from each input's
-layout, which in any process gives the same symbols, so the caches answer this process too), one compile of
-a structure at a time: a layout no compile of its admits runs as traced while one is made, and asks again once
-it is in. So the length that makes a program symbolic no longer waits for its regions, nor does a length
-of a new class of sizes. Compiles here are made one at a time (`COMPILING`, which a program's trace holds
-too: make_fx keeps its state in globals of the process); under CUDA graphs, which would capture the traced
-ops, nothing compiles in the background.
+the step that changes depends on the workers' and the loader's speed: a run is not bitwise repeatable, and
+`CompiledModule.wait_compiled()` takes every compile in at once. A region of symbolic sizes (NOTE: [Symbolic
+regions]) goes to the workers the same way (`compile_symbolic`: its symbols made from each input's layout, which
+in any process gives the same symbols, so the caches answer this process too), one compile of a structure at a
+time: a layout no compile of its admits runs as traced while one is made, and is kept (`RegionCache.waiting`):
+once that compile is in, the first kept layout it does not admit is sent at once, not when a length of its class
+next comes (a stream of lengths may bring none for many steps). So the length that makes a program symbolic no
+longer waits for its regions, nor does a length of a new class of sizes. Compiles here are made one at a time
+(`COMPILING`, which a program's trace holds too: make_fx keeps its state in globals of the process); under CUDA
+graphs, which would capture the traced ops, nothing compiles in the background.
 """
 
 from __future__ import annotations
@@ -141,6 +142,9 @@ class RegionCache:
         self.workers = workers  # where a compile is sent (`background.pool`: started again after a release)
         # compiles the workers are making, by the key `compiled` will have (`_SymbolicKey`: `symbolic`'s)
         self.pending: dict[tuple | _SymbolicKey, _Load] = {}
+        # layouts a structure's regions met while its compile of symbolic sizes was made, none of its compiles
+        # admitting them: the region, the inputs' `_spec`s and the grad mode, for the next compile to send
+        self.waiting: dict[str, list[tuple[Region, list, bool]]] = {}
         self.generation = 0  # how many times compiles from the workers were taken in: regions look again
         self.sent = 0  # compiles sent to the workers, and their seconds there
         self.worker_seconds = 0.0
@@ -171,18 +175,34 @@ class RegionCache:
         process's loader thread, or (`region.send` False: its program's cache entry holds Inductor's
         artifacts) by the loader thread alone. False where it cannot be (no background compiles, a graph
         that does not cross to another process), and the caller compiles it now."""
+        return self._send(region, key, [_spec(a) for a in args], torch.is_grad_enabled(), symbolic)
+
+    def wait(self, region: Region, args: tuple) -> None:
+        """Keep `args`' layouts for the next compile of symbolic sizes of `region`'s structure: none of its
+        compiles admits them, and one is being made (NOTE: [Compiles in the background])."""
+        kept = self.waiting.setdefault(region.structure, [])
+        specs = [_spec(a) for a in args]
+        if len(kept) < MAX_SYMBOLIC and all(specs != k for _, k, _ in kept):
+            kept.append((region, specs, torch.is_grad_enabled()))
+
+    def _send_waiting(self, structure: str) -> None:
+        """Send the first layout kept for `structure` that none of its compiles admits (`wait`)."""
+        made = self.symbolic.get(structure, [])
+        kept = [w for w in self.waiting.pop(structure, []) if not any(s.admits(_laid_out(w[1])) for s in made)]
+        if not kept or len(made) >= MAX_SYMBOLIC or sum(s.pinned for s in made) >= 2:
+            return
+        (region, specs, grad), *rest = kept
+        if self._send(region, _SymbolicKey(structure), specs, grad, symbolic=True) and rest:
+            self.waiting[structure] = rest
+
+    def _send(self, region: Region, key: tuple | _SymbolicKey, specs: list, grad: bool, symbolic: bool) -> bool:
         if self.workers is None or not background.enabled():
             return False
         description = _describe(region.gm)
         if description is None:
             return False
-        specs = [_spec(a) for a in args]
         # the arguments of `compile_symbolic` or `compile_static`
-        made = (
-            (description, specs, region.dims, torch.is_grad_enabled())
-            if symbolic
-            else (description, specs, torch.is_grad_enabled())
-        )
+        made = (description, specs, region.dims, grad) if symbolic else (description, specs, grad)
         function = compile_symbolic if symbolic else compile_static
         job = None
         if region.send:
@@ -269,6 +289,7 @@ class RegionCache:
             if load.error is None and isinstance(key, _SymbolicKey):  # its structure's (`compile_symbolic`)
                 self.symbolic.setdefault(key.structure, []).append(load.fn[1])
                 self.misses += 1
+                self._send_waiting(key.structure)
             elif load.error is None:
                 self.compiled[key] = load.fn
                 self.misses += 1
@@ -533,8 +554,11 @@ class Region(nn.Module):
         if len(made) >= MAX_SYMBOLIC or sum(s.pinned for s in made) >= 2:
             return None
         key = _SymbolicKey(self.structure)
-        if key in self.cache.pending or self.cache.send(self, key, args, symbolic=True):
-            return self.gm.forward, True  # the one compiling may admit these sizes too: asked once it is in
+        if key in self.cache.pending:  # the one compiling may admit these sizes too: asked once it is in
+            self.cache.wait(self, args)
+            return self.gm.forward, True
+        if self.cache.send(self, key, args, symbolic=True):
+            return self.gm.forward, True
         fn, fakes = self._inductor(args, symbolic=True)
         made.append(Symbolic.of(fn, fakes, args))
         if not made[-1].admits(args):  # never: its guards were made at these sizes
@@ -661,6 +685,27 @@ def _spec(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
         return _TensorSpec(tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device, a.requires_grad)
     return a
+
+
+class _Layout:
+    """A tensor's layout as a compile's guards read it (`Symbolic.admits`), from its `_TensorSpec`."""
+
+    def __init__(self, spec: _TensorSpec):
+        self.spec, self.dtype, self.device = spec, spec.dtype, spec.device
+
+    def size(self, d: int | None = None) -> Any:
+        return self.spec.shape if d is None else self.spec.shape[d]
+
+    def stride(self, d: int | None = None) -> Any:
+        return self.spec.stride if d is None else self.spec.stride[d]
+
+    def storage_offset(self) -> int:
+        return self.spec.offset
+
+
+def _laid_out(specs: list) -> tuple:
+    """What `Symbolic.admits` reads of inputs of `specs`' layouts."""
+    return tuple(_Layout(s) if isinstance(s, _TensorSpec) else s for s in specs)
 
 
 def _fake(mode: FakeTensorMode, spec: Any) -> Any:
