@@ -116,6 +116,27 @@ def test_programs_for_new_values_of_a_number_argument_warn_once_naming_it(record
     assert len(model.programs) == programs + 1
 
 
+def test_programs_for_new_values_of_a_number_an_argument_object_holds_warn_once_naming_it(records):
+    """A Hugging Face cache whose layers keep a sliding window (Gemma 2) counts its tokens in an int, a
+    constant of each program: every step of generate() is a program. The log names the number inside the
+    cache, and a warning says so once, past the prompt's program."""
+    import transformers
+
+    from tests.test_families import VOCAB, _model
+
+    ref = _model("gemma2", transformers.AutoModelForCausalLM).eval()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    want = ref.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)
+    said = " ".join(_messages(records))
+    assert ".layers[0].cumulative_length 8, where it was 7" in said, said  # where in the cache, not its repr
+    warnings = _messages(records, logging.WARNING)
+    assert len(warnings) == 1, warnings
+    assert "a number an argument object holds (" in warnings[0] and ".layers[0].cumulative_length" in warnings[0]
+    assert "sliding window" in warnings[0]
+
+
 def test_by_default_a_second_length_compiles_one_program_for_every_length(records):
     model = fbmt.compile(hf.build("llama"), world_size=1)
     for length in (8, 12, 16, 20, 24):

@@ -65,9 +65,24 @@ def _same_but_shapes(old: tuple, new: tuple, numbers: bool = False) -> bool:
     for a, b in zip(old, new):
         tensors = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
         if a != b and not (tensors and a[1:] == b[1:] and len(a[0]) == len(b[0])):
-            if not (numbers and _number(a) and _number(b)):
+            if not (numbers and (_number(a) and _number(b) or _held_alike(a, b))):
                 return False
     return True
+
+
+def _held(fp: Any) -> bool:
+    """An argument object's `objects.fingerprint` (in a call's signature)."""
+    return isinstance(fp, tuple) and len(fp) == 2 and isinstance(fp[0], type) and isinstance(fp[1], tuple)
+
+
+def _held_alike(a: Any, b: Any) -> bool:
+    """Two argument objects' fingerprints that differ at most in their tensors' shapes and their numbers."""
+
+    def alike(x: Any, y: Any) -> bool:
+        tensors = isinstance(x, tuple) and isinstance(y, tuple) and len(x) == len(y) == 5 and x[0] == y[0] == "T"
+        return (tensors and x[2:] == y[2:] and len(x[1]) == len(y[1])) or (_number(x) and _number(y))
+
+    return _held(a) and _held(b) and all(alike(x, y) for _, x, y in objects.differences(a, b))
 
 
 def _number(x: Any) -> bool:
@@ -75,9 +90,16 @@ def _number(x: Any) -> bool:
 
 
 def _numbers_differing(old: tuple, new: tuple, args: tuple, kwargs: dict) -> list[str]:
-    """The arguments that are plain numbers in both calls' signatures (`_key`'s) and differ, by name."""
+    """The arguments that are plain numbers in both calls' signatures (`_key`'s) and differ, by name, and
+    the numbers argument objects hold that differ (`cache.layers[0].cumulative_length`)."""
     leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
-    return [_argument_name(path) for (path, _), a, b in zip(leaves, old, new) if a != b and _number(a) and _number(b)]
+    found = []
+    for (path, _), a, b in zip(leaves, old, new):
+        if a != b and _number(a) and _number(b):
+            found.append(_argument_name(path))
+        elif a != b and _held(a) and _held(b):
+            found += [_argument_name(path) + at for at, x, y in objects.differences(a, b) if _number(x) and _number(y)]
+    return found
 
 
 def _argument_name(path: tuple) -> str:
@@ -261,6 +283,11 @@ def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _
         leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
         path, a, b = next((path, a, b) for (path, _), a, b in zip(leaves, old[1], new[1]) if a != b)
         where = _argument_name(path)
+        if _held(a) and _held(b):  # an argument object: where inside it (a tensor's shape, a number)
+            at, a, b = objects.differences(a, b)[0]
+            where += at
+            if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5 and a[0] == b[0] == "T":
+                a, b = a[1:], b[1:]  # as a tensor argument's signature: (shape, dtype, device, grad)
         tensors = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
         if tensors and a[1:] == b[1:]:
             said.append(f"{where} of shape {tuple(b[0])}, where it was {tuple(a[0])}")
@@ -933,13 +960,24 @@ class CompiledModule(nn.Module):
         last = next(reversed(self.programs))
         why = _difference(last, key, args, kwargs, self._attributes)
         log.info("a new program for %s (%d built so far)", why, len(self.programs))
-        alike = [k[0] == key[0] and k[2:] == key[2:] for k in self.programs]
+        # the programs of calls like this one but for shapes (and numbers): a prompt's program before them is not
+        alike = [k for k in self.programs if k[0] == key[0] and k[2:] == key[2:]]
         numbers = _numbers_differing(last[1], key[1], args, kwargs) if key[0] == last[0] else []
-        by_number = numbers and all(
-            a and _same_but_shapes(k[1], key[1], numbers=True) for a, k in zip(alike, self.programs)
-        )
-        if by_number and len(self.programs) + 1 >= _SHAPES_WARNING and not self._warned_numbers:
+        by_number = numbers and sum(_same_but_shapes(k[1], key[1], numbers=True) for k in alike) + 1 >= _SHAPES_WARNING
+        if by_number and not self._warned_numbers:
             self._warned_numbers = True
+            if all("." in n for n in numbers):  # held by argument objects, which fbmt cannot pass a tensor into
+                log.warning(
+                    "fbmt: program %d for %s: a number an argument object holds (%s) is traced as a constant, so "
+                    "each new value traces and compiles a program (%.1fs so far). A Hugging Face cache whose "
+                    "layers keep a sliding window counts its tokens so: generate() with it compiles a program for "
+                    "every token (fbmt takes no number as a program's input yet)",
+                    len(self.programs) + 1,
+                    why,
+                    ", ".join(numbers[:3]) + (f" and {len(numbers) - 3} more" if len(numbers) > 3 else ""),
+                    self.compile_seconds,
+                )
+                return
             log.warning(
                 "fbmt: program %d for %s: a number among a call's arguments (%s) is traced as a constant, so "
                 "each new value traces and compiles a program (%.1fs so far). Pass it as a tensor (torch.tensor(n), "
@@ -949,8 +987,8 @@ class CompiledModule(nn.Module):
                 ", ".join(numbers),
                 self.compile_seconds,
             )
-        by_shape = all(a and _same_but_shapes(k[1], key[1]) for a, k in zip(alike, self.programs))
-        if by_shape and len(self.programs) + 1 >= _SHAPES_WARNING and not self._warned_shapes:
+        by_shape = sum(_same_but_shapes(k[1], key[1]) for k in alike) + 1 >= _SHAPES_WARNING
+        if by_shape and not self._warned_shapes:
             self._warned_shapes = True
             log.warning(
                 "fbmt: program %d for new input shapes (%s): each shape no compiled program admits traces and "

@@ -11,7 +11,7 @@ treats such an object as its tensors plus a template:
   give their tensors in the same order.
 - `fingerprint(obj)`: what a program built for this object depends on: its types, every tensor's
   shape, dtype, device and requires_grad, and every plain value (ints, bools, strings). Two calls
-  whose objects share a fingerprint run the same program.
+  whose objects share a fingerprint run the same program; `differences` says where two differ.
 - `rebuild(template, tensors)`: a deep copy of `template` with its tensors (in `tensors_in`
   order) replaced by `tensors`: what tracing calls the forward with (fake tensors, so the caller's
   object is never touched), and what the compiled model returns (the program's real outputs).
@@ -97,6 +97,27 @@ def fingerprint(obj: Any) -> Any:
         )
 
     return fp(obj)
+
+
+def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """Where two `fingerprint`s differ, as (path from the object, old, new): `.layers[0].cumulative_length`
+    for a value, a tensor's `("T", shape, ...)`, or a part whose structure differs as a whole."""
+    if old == new:
+        return []
+    same_kind = isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2
+    if same_kind and isinstance(old[0], type) and old[0] is new[0] and isinstance(old[1], tuple):
+        kind, a, b = old[0], old[1], new[1]
+        keyed = kind is dict or not issubclass(kind, (list, tuple))  # (key, fingerprint) pairs: dicts, objects
+        if len(a) == len(b) and (not keyed or [k for k, _ in a] == [k for k, _ in b]):
+            found = []
+            for i, (x, y) in enumerate(zip(a, b)):
+                if keyed:
+                    step = f"[{x[0]!r}]" if kind is dict else f".{x[0]}"
+                    found += differences(x[1], y[1], path + step)
+                else:
+                    found += differences(x, y, f"{path}[{i}]")
+            return found
+    return [(path, old, new)]
 
 
 def rebuild(template: Any, tensors: list[torch.Tensor]) -> Any:
