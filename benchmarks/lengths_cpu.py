@@ -99,7 +99,10 @@ def main() -> None:
             p, c, w, m = stream(True, "inductor", background=background)
             m.wait_compiled()
             steps = " ".join(f"{s:.2f}" for s in m.steps)
-            print(f"background_compile={background} | {p} programs | steps (s) {steps} | loop {w:.1f} s | {m.regions}")
+            print(
+                f"background_compile={background} | {p} programs | compiles (s) {m.each} | steps (s) {steps} "
+                f"| loop {w:.1f} s | {m.regions}"
+            )
         return
     if args.stream:
         p, c, w, m = stream(True, layers=args.layers, model=args.model)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fbmt.compiler import CompiledModule, HostFunction, objects, register_host_function, register_trace_hint
+from fbmt.compiler import CompiledModule, HostFunction, register_host_function, register_trace_hint
 
 log = logging.getLogger("fbmt")
 
@@ -304,11 +304,14 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
             return None
         if not held:
             return None
+        # its keys and values: by layer (`layers[i].keys`), or in lists (`key_cache[i]`, transformers 4)
+        held_tensors = [getattr(layer, k, None) for layer in getattr(cache, "layers", ()) for k in ("keys", "values")]
+        held_tensors += [*getattr(cache, "key_cache", ()), *getattr(cache, "value_cache", ())]
         where = {id(x): i for i, x in enumerate(inputs)}
         dims = {
             where[id(t)]: (t.dim() - 2,)
-            for t in objects.tensors_in(cache)
-            if id(t) in where and t.dim() >= 3 and t.shape[-2] == held
+            for t in held_tensors
+            if isinstance(t, torch.Tensor) and id(t) in where and t.dim() >= 3 and t.shape[-2] == held
         }
         tokens = next(
             (kwargs[k] for k in ("input_ids", "inputs_embeds") if isinstance(kwargs.get(k), torch.Tensor)), None
