@@ -617,17 +617,16 @@ class Symbolic:
     if, at the call's sizes, every guard holds, every dimension compiled as a constant has its size,
     and every input has the dtype and device compiled for (`admits`); the answer is kept per layout,
     so a layout is checked once. A layout no compile admits gets a new one, never a wrong kernel.
-    On CUDA, Inductor's assumptions split the sizes into a few classes: ranges its heuristics choose by
-    (whether to fuse a row and a column reduction: `640 <= s <= 1023`) times residues its alignments need
-    (flash attention's backward reads the logsumexp, whose stride is the length, aligned to 8 or copied:
-    `s % 8 != 0`), so a stream of lengths met about six, and a compile for each serves all of its class.
-    The ranges are gone (`_for_every_size`); the residues stay, two classes. Once compiles run out
-    (MAX_SYMBOLIC per structure), a layout compiles for its exact sizes, and a class left without a
-    compile would compile for every length in it. A compile whose
-    guards made a varying size one number (`pinned`) serves that size alone, as an exact compile would.
-    One such can come of a degenerate layout (a size of 1 that fixes another), two say the region's code
-    specializes: the structure's later layouts then compile for their exact sizes, each at once, where
-    compiles of symbolic sizes are made one at a time for a structure (NOTE: [Compiles in the
+    On CUDA, Inductor's assumptions split the sizes into a few classes: ranges its heuristics choose by (whether
+    to fuse a row and a column reduction: `640 <= s <= 1023`) times residues its alignments need (flash
+    attention's backward reads the logsumexp, whose stride is the length, aligned to 8 or copied: `s % 8 != 0`),
+    so a stream of lengths met about six, and a compile for each serves all of its class. The ranges are gone
+    (`_for_every_size`); the residues stay, two classes. Once compiles run out (MAX_SYMBOLIC per structure), a
+    layout compiles for its exact sizes, and a class left without a compile would compile for every length in
+    it. A compile whose guards made a varying size one number (`pinned`) serves that size alone, as an exact
+    compile would. One such can come of a degenerate layout (a size of 1 that fixes another), two say the
+    region's code specializes: the structure's later layouts then compile for their exact sizes, each at once,
+    where compiles of symbolic sizes are made one at a time for a structure (NOTE: [Compiles in the
     background])."""
 
     fn: Any
