@@ -64,6 +64,7 @@ def worker(args: argparse.Namespace) -> None:
         method=args.method,
         programs=programs,
         region_compiles=regions.misses if regions is not None else None,
+        regions=repr(regions) if regions is not None else None,  # how many in the workers, and their seconds
         tok_s_all=sum(tokens) / sum(times),
         tok_s_steady=sum(tokens[3:]) / sum(times[3:]),
         step_s=times,
