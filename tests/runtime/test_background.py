@@ -3,6 +3,7 @@ background])."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import logging
@@ -127,11 +128,10 @@ class CachesItsKeys(torch.nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, 32)), k
 
 
-def test_compiled_regions_give_their_outputs_the_traced_layouts(monkeypatch, inductor_cache):
-    """NOTE: [Outputs in the traced layouts]: Inductor returns `cat([empty, k])` laid out as `k`, where
-    eager and the trace made it contiguous. The model's output keeps eager's layout, and the backward's
-    region, first met while the forward ran as traced, needs no second compile once the forward runs
-    compiled (before, it did, and the steps until it came in ran the backward as traced)."""
+@contextlib.contextmanager
+def _caches_its_keys_on_one_worker(monkeypatch, inductor_cache):
+    """`CachesItsKeys` and its compile with Inductor, whose regions compile in one worker of its own, started
+    after Inductor's cache folder was set."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
     workers = background.Workers(1, threads=1)
     try:
@@ -139,6 +139,17 @@ def test_compiled_regions_give_their_outputs_the_traced_layouts(monkeypatch, ind
         ref = CachesItsKeys()
         model = fbmt.compile(copy.deepcopy(ref), backend="inductor", background_compile=False, cache_dir=False)
         model.regions.workers = lambda: workers
+        yield ref, model
+    finally:
+        workers.close()
+
+
+def test_compiled_regions_give_their_outputs_the_traced_layouts(monkeypatch, inductor_cache):
+    """NOTE: [Outputs in the traced layouts]: Inductor returns `cat([empty, k])` laid out as `k`, where
+    eager and the trace made it contiguous. The model's output keeps eager's layout, and the backward's
+    region, first met while the forward ran as traced, needs no second compile once the forward runs
+    compiled (before, it did, and the steps until it came in ran the backward as traced)."""
+    with _caches_its_keys_on_one_worker(monkeypatch, inductor_cache) as (ref, model):
         x = torch.randn(2, 6, 32)
         for step in range(2):  # traced, then compiled
             (y, k), (ref_y, ref_k) = model(x), ref(x)
@@ -150,8 +161,6 @@ def test_compiled_regions_give_their_outputs_the_traced_layouts(monkeypatch, ind
             model.zero_grad(), ref.zero_grad()
             model.wait_compiled()
         assert model.regions.sent == len({r.structure for r in _regions(model)}), model.regions
-    finally:
-        workers.close()
 
 
 @pytest.mark.parametrize("routed", [False, True])
@@ -189,13 +198,7 @@ def test_a_symbolic_programs_regions_compile_in_the_workers_while_its_steps_run_
     own); every step equals eager, and those compiles serve the later lengths."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
-    workers = background.Workers(1, threads=1)
-    try:
-        torch.manual_seed(0)
-        ref = CachesItsKeys()
-        model = fbmt.compile(copy.deepcopy(ref), backend="inductor", background_compile=False, cache_dir=False)
-        model.regions.workers = lambda: workers
+    with _caches_its_keys_on_one_worker(monkeypatch, inductor_cache) as (ref, model):
         cache = model.regions
 
         def step(length: int) -> None:
@@ -226,8 +229,6 @@ def test_a_symbolic_programs_regions_compile_in_the_workers_while_its_steps_run_
             step(length)
         assert cache.eager_runs == ran_traced and cache.misses == compiled + len(sent), cache
         assert len(model.programs) == 2, list(model.programs)
-    finally:
-        workers.close()
 
 
 def test_micro_batches_accumulated_across_the_switch_to_compiled_regions(monkeypatch, inductor_cache):
