@@ -75,11 +75,16 @@ def _held(fp: Any) -> bool:
     return isinstance(fp, tuple) and len(fp) == 2 and isinstance(fp[0], type) and isinstance(fp[1], tuple)
 
 
+def _held_tensor(fp: Any) -> bool:
+    """A tensor inside an argument object's fingerprint: `("T", shape, dtype, device, requires_grad)`."""
+    return isinstance(fp, tuple) and len(fp) == 5 and fp[0] == "T"
+
+
 def _held_alike(a: Any, b: Any) -> bool:
     """Two argument objects' fingerprints that differ at most in their tensors' shapes and their numbers."""
 
     def alike(x: Any, y: Any) -> bool:
-        tensors = isinstance(x, tuple) and isinstance(y, tuple) and len(x) == len(y) == 5 and x[0] == y[0] == "T"
+        tensors = _held_tensor(x) and _held_tensor(y)
         return (tensors and x[2:] == y[2:] and len(x[1]) == len(y[1])) or (_number(x) and _number(y))
 
     return _held(a) and _held(b) and all(alike(x, y) for _, x, y in objects.differences(a, b))
@@ -286,7 +291,7 @@ def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _
         if _held(a) and _held(b):  # an argument object: where inside it (a tensor's shape, a number)
             at, a, b = objects.differences(a, b)[0]
             where += at
-            if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5 and a[0] == b[0] == "T":
+            if _held_tensor(a) and _held_tensor(b):
                 a, b = a[1:], b[1:]  # as a tensor argument's signature: (shape, dtype, device, grad)
         tensors = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
         if tensors and a[1:] == b[1:]:
