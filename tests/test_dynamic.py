@@ -551,3 +551,62 @@ def test_a_size_read_as_a_number_is_never_baked_into_a_program_for_other_lengths
     for length in (8, 12, 16, 30, 12):
         x = torch.randn(2, length, 4)
         torch.testing.assert_close(model(x), ref(x), msg=f"length {length}")
+
+
+class Memo:
+    """An argument object that counts what it has seen in an int, as a sliding window's cache layer does."""
+
+    def __init__(self, seen: int, total: torch.Tensor):
+        self.seen, self.total = seen, total
+
+
+class Positions(nn.Module):
+    """Positions from the count an argument object holds, which the forward then advances."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, memo):
+        pos = torch.arange(memo.seen, memo.seen + x.shape[1], dtype=x.dtype)
+        memo.seen += x.shape[1]
+        memo.total = memo.total + x.sum(1)
+        return self.lin(x) * pos[None, :, None]
+
+
+def test_a_number_an_argument_object_holds_is_one_program_for_every_value():
+    """NOTE: [Numbers in an object]: the second value of the count makes a program that takes it as a size;
+    later values run it, and the object comes back holding the count eager's forward leaves (an int)."""
+    torch.manual_seed(0)
+    ref = Positions()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for seen, length in ((3, 5), (4, 5), (9, 5), (16, 5), (7, 5)):  # up to four times the 4 traced
+        x = torch.randn(2, length, 4)
+        mine, theirs = Memo(seen, torch.zeros(2, 4)), Memo(seen, torch.zeros(2, 4))
+        torch.testing.assert_close(model(x, mine), ref(x, theirs), msg=f"seen {seen}")
+        assert type(mine.seen) is int and mine.seen == theirs.seen == seen + length
+        torch.testing.assert_close(mine.total, theirs.total)
+    assert len(model.programs) == 2
+    symbolic = list(model.programs.values())[1]
+    assert symbolic.numbers == ((1, (("attr", "seen"),)),), symbolic.numbers
+
+
+class Lengths(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x), x.shape[1]
+
+
+def test_a_size_a_program_of_symbolic_sizes_returns_is_the_calls_own_number():
+    """A forward that returns a size (a count of tokens) gives, from a program of symbolic sizes, the number
+    at the call's sizes, not the trace's symbol."""
+    torch.manual_seed(0)
+    ref = Lengths()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for length in (5, 7, 11):
+        out, n = model(torch.randn(2, length, 4))
+        assert type(n) is int and n == length
+    assert len(model.programs) == 2

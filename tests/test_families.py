@@ -236,18 +236,57 @@ def test_a_causal_lm_of_this_family_trains_as_in_eager(model_type):
 
 
 @pytest.mark.parametrize("model_type", ["mamba", "gemma2"])
-def test_generate_with_a_cache_whose_tensors_do_not_grow_gives_the_eager_tokens(model_type):
-    """NOTE: [A cache that grows] traces a step of generation with the cache's length symbolic, but Mamba's
-    cache holds recurrent states (it has no length), and a sliding window's layer (Gemma 2) counts its tokens
-    in an int, a constant of each step's program: neither is traced as a cache that grows."""
+def test_generate_with_a_cache_that_is_not_only_growing_tensors_gives_the_eager_tokens(model_type):
+    """NOTE: [A cache that grows] traces a step of generation with the cache's length symbolic. Mamba's cache
+    holds recurrent states (it has no length); a sliding window's layer (Gemma 2, window 4) counts its tokens
+    in an int, which the step's program takes as a size (NOTE: [Numbers in an object]): a prompt's program
+    and one for every next token."""
     ref = _model(model_type, transformers.AutoModelForCausalLM).eval()
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), want)
-    if model_type == "gemma2":  # a program per step, none traced for many lengths it would never run at
-        assert all(p.sizes is None for p in model.programs.values()), len(model.programs)
+    want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False), want)
+    if model_type == "gemma2":
+        assert len(model.programs) == 2, [str(p.sizes) for p in model.programs.values()]
+        counted = list(model.programs.values())[1].numbers
+        assert [path[-1] for _, path in counted] == [("attr", "cumulative_length")], counted
+
+
+def test_generate_with_a_sliding_window_that_fills_gives_the_eager_tokens_and_cache():
+    """Mistral with a window of 10 from a prompt of 6: the keys grow until the window is full, then keep
+    its length while the layer's count goes on (NOTE: [Numbers in an object]). 30 new tokens compile a
+    bounded set of programs (the window's edge is a program or two of its own), not one per token, and the
+    cache generate returns holds eager's tensors and counts."""
+    config = transformers.AutoConfig.for_model("mistral", **{**SMALL, **NO_DRAWS, "sliding_window": 10})
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    call = dict(input_ids=ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
+    want, got = ref.generate(**call), model.generate(**call)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(model.programs) <= 5, [str(p.sizes) for p in model.programs.values()]
+    for mine, theirs in zip(got.past_key_values.layers, want.past_key_values.layers):
+        assert type(mine.cumulative_length) is int and mine.cumulative_length == theirs.cumulative_length
+        torch.testing.assert_close(mine.keys, theirs.keys)
+
+
+def test_a_cache_built_by_a_program_of_symbolic_sizes_holds_eagers_counts():
+    """Mistral called with use_cache=True at three lengths: the cache the symbolic program's forward builds
+    counts its tokens in an int (its sliding window's layers), which came back as the trace's symbol."""
+    config = transformers.AutoConfig.for_model("mistral", **{**SMALL, **NO_DRAWS, "sliding_window": 10})
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    for length in (6, 8, 12):
+        ids = torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            want, got = ref(input_ids=ids, use_cache=True), model(input_ids=ids, use_cache=True)
+        torch.testing.assert_close(got.logits, want.logits)
+        for mine, theirs in zip(got.past_key_values.layers, want.past_key_values.layers):
+            assert type(mine.cumulative_length) is int and mine.cumulative_length == theirs.cumulative_length
+            torch.testing.assert_close(mine.keys, theirs.keys)
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "bert"])

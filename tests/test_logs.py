@@ -117,15 +117,15 @@ def test_programs_for_new_values_of_a_number_argument_warn_once_naming_it(record
 
 
 def test_programs_for_new_values_of_a_number_an_argument_object_holds_warn_once_naming_it(records):
-    """A Hugging Face cache whose layers keep a sliding window (Gemma 2) counts its tokens in an int, a
-    constant of each program: every step of generate() is a program. The log names the number inside the
-    cache, and a warning says so once, past the prompt's program."""
+    """A Hugging Face cache whose layers keep a sliding window (Gemma 2) counts its tokens in an int. With
+    dynamic=False it is a constant of each program: every step of generate() is a program. The log names
+    the number inside the cache, and a warning says so once, past the prompt's program."""
     import transformers
 
     from tests.test_families import VOCAB, _model
 
     ref = _model("gemma2", transformers.AutoModelForCausalLM).eval()
-    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, dynamic=False)
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
     want = ref.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)

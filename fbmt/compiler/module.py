@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from fbmt import job
-from fbmt.compiler import cache, host_draws, objects, owners, pipeline, trace
+from fbmt.compiler import cache, host_draws, objects, owners, pipeline, sizes, trace
 from fbmt.compiler.agreement import check_ranks_agree
 from fbmt.compiler.layout import Layout, copy_into_shard
 from fbmt.compiler.ops import record
@@ -103,8 +103,18 @@ def _numbers_differing(old: tuple, new: tuple, args: tuple, kwargs: dict) -> lis
         if a != b and _number(a) and _number(b):
             found.append(_argument_name(path))
         elif a != b and _held(a) and _held(b):
-            found += [_argument_name(path) + at for at, x, y in objects.differences(a, b) if _number(x) and _number(y)]
+            found += [
+                _argument_name(path) + objects.path_text(at)
+                for at, x, y in objects.differences(a, b)
+                if _number(x) and _number(y)
+            ]
     return found
+
+
+def _number_name(at: tuple[int, tuple], args: tuple, kwargs: dict) -> str:
+    """A number an argument object holds (`Program.numbers`' entry), as a user names it."""
+    i, path = at
+    return _argument_name(pytree.tree_flatten_with_path((args, kwargs))[0][i][0]) + objects.path_text(path)
 
 
 def _argument_name(path: tuple) -> str:
@@ -290,7 +300,7 @@ def _difference(old: tuple, new: tuple, args: tuple, kwargs: dict, attributes: _
         where = _argument_name(path)
         if _held(a) and _held(b):  # an argument object: where inside it (a tensor's shape, a number)
             at, a, b = objects.differences(a, b)[0]
-            where += at
+            where += objects.path_text(at)
             if _held_tensor(a) and _held_tensor(b):
                 a, b = a[1:], b[1:]  # as a tensor argument's signature: (shape, dtype, device, grad)
         tensors = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
@@ -325,9 +335,10 @@ def _dims_text(dims: dict[int, tuple[int, ...]]) -> str:
     return ", ".join(f"input {i} dimension{'s' * (len(ds) > 1)} {', '.join(map(str, ds))}" for i, ds in dims.items())
 
 
-def _without_shapes(key: tuple) -> tuple:
+def _without_shapes(key: tuple, numbers: tuple[tuple[int, tuple], ...] = ()) -> tuple:
     """A call's key with each tensor's shape replaced by its number of dimensions, the tensors an
-    argument object holds included (a Hugging Face cache, one longer at each step of `generate`)."""
+    argument object holds included (a Hugging Face cache, one longer at each step of `generate`), and
+    the `numbers` argument objects hold that a program takes as sizes (NOTE: [Numbers in an object])."""
 
     def held(fp: Any) -> Any:  # inside `objects.fingerprint`: a tensor is ("T", shape, dtype, device, grad)
         if isinstance(fp, tuple) and len(fp) == 5 and fp[0] == "T" and isinstance(fp[1], tuple):
@@ -335,10 +346,25 @@ def _without_shapes(key: tuple) -> tuple:
         return tuple(held(v) for v in fp) if isinstance(fp, tuple) else fp
 
     spec, sig, *rest = key
-    bare = tuple(
-        (len(x[0]), *x[1:]) if isinstance(x, tuple) and x and isinstance(x[0], tuple) else held(x) for x in sig
-    )
-    return (spec, bare, *rest)
+    bare = [(len(x[0]), *x[1:]) if isinstance(x, tuple) and x and isinstance(x[0], tuple) else held(x) for x in sig]
+    for i, path in numbers:
+        if i < len(bare):
+            bare[i] = objects.replaced(bare[i], path, ("number",))
+    return (spec, tuple(bare), *rest)
+
+
+def _numbers_between(old: tuple, new: tuple) -> tuple[tuple[int, tuple], ...]:
+    """(argument leaf, path) of each int that argument objects hold in two calls' signatures (`_key`'s),
+    at least 0 in both, and differs: what a program may take as a size (NOTE: [Numbers in an object])."""
+    found = []
+    for i, (a, b) in enumerate(zip(old, new)):
+        if a != b and _held(a) and _held(b):
+            found += [
+                (i, path)
+                for path, x, y in objects.differences(a, b)
+                if type(x) is int and type(y) is int and x >= 0 and y >= 0
+            ]
+    return tuple(found)
 
 
 # a module a compile took over -> (the compiled model, its class name, the module's path there): where a call
@@ -534,6 +560,8 @@ class CompiledModule(nn.Module):
         if exe is None:
             exe, key = self._symbolic_or_new(key, inputs, args, kwargs, needs_grad, trainable, entry)
         program = self.programs[key]
+        if program.numbers:  # NOTE: [Numbers in an object]
+            inputs = self._with_numbers(inputs, leaves, program.numbers)
         check_ranks_agree(exe.signature, program)
         if exe.updated_buffers and needs_grad and self.options.broadcast_buffers and self.layout.world_size > 1:
             broadcast_buffers(dict(self._orig.named_buffers()), exe.updated_buffers)
@@ -548,7 +576,8 @@ class CompiledModule(nn.Module):
             sync = None if graphed else self._sync  # graphs replay their reductions (NOTE: [Accumulation without sync])
             outs = RunProgram.apply(exe, runner, self._routes(), sync, *feed, *self._view_arguments())
         host_draws.leave(program.seeded)  # where eager's draws leave them (NOTE: [Host draws])
-        flat = program.results.assemble(dict(zip(exe.output_keys, outs)), leaves, self._orig)
+        held = program.sizes.values(inputs) if program.results.sized else None  # numbers its objects hold
+        flat = program.results.assemble(dict(zip(exe.output_keys, outs)), leaves, self._orig, held)
         return pytree.tree_unflatten(flat, program.out_spec)
 
     def trace(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> Program:
@@ -647,34 +676,45 @@ class CompiledModule(nn.Module):
         """The Executable for a call no program has the key of, and the key it is kept under: a
         symbolic program that admits the call's sizes, else a new program (symbolic in the
         dimensions this call differs from an existing program in, where `dynamic=True`)."""
-        family = _without_shapes(key)
+        leaves = pytree.tree_leaves((args, kwargs))
         for known, program in self.programs.items():
-            if program.sizes is None or _without_shapes(known) != family:
+            numbers = program.numbers
+            if program.sizes is None or _without_shapes(known, numbers) != _without_shapes(key, numbers):
                 continue
-            why_not = program.sizes.admits(inputs)
+            given = self._with_numbers(inputs, leaves, numbers)
+            why_not = program.sizes.admits(given) if given is not None else "a number it takes is not there"
             if why_not is None:
                 self._admitted[key] = known
                 return self._executables[known], known
             log.info("a program of symbolic sizes does not take this call: %s", why_not)
+        family = _without_shapes(key)
         if self._may_vary() and not any(_without_shapes(k) == family for k in self.programs):
             exe = self._family_from_cache(key, family, inputs)
             if exe is not None:
                 return exe, key
-        dims = self._varying(family, inputs)
-        if dims is None and self._may_vary() and family not in self._fixed_sizes:
-            dims = self._growing(args, kwargs, inputs)
+        found = self._varying(key, inputs)
+        if found is None and self._may_vary():
+            found = self._growing(args, kwargs, inputs)
+        dims, numbers = found or ({}, ())
+        family = _without_shapes(key, numbers)
+        if family in self._fixed_sizes:
+            dims, numbers = {}, ()
+        if self._with_numbers(inputs, leaves, numbers) is None:  # not an int of at least 0 at every path
+            dims, numbers = {}, ()
+        dims = {**dims, **{len(inputs) + j: (0,) for j in range(len(numbers))}}
         exe = None
         if dims:
-            log.info("one program for many input sizes: symbolic in %s (NOTE: [Dynamic sizes])", _dims_text(dims))
+            said = _dims_text(dims) + "".join(f", {_number_name(at, args, kwargs)}" for at in numbers)
+            log.info("one program for many input sizes: symbolic in %s (NOTE: [Dynamic sizes])", said)
             try:
-                exe = self._build(key, args, kwargs, needs_grad, trainable, dynamic=dims, entry=entry)
+                exe = self._build(key, args, kwargs, needs_grad, trainable, dynamic=dims, numbers=numbers, entry=entry)
             except Exception as e:  # a forward that needs its sizes as numbers (a size as a dict key, say)
                 self._fixed_sizes.add(family)
                 log.warning(
                     "fbmt: %s cannot be traced with symbolic sizes (%s), so each new input shape compiles a "
                     "program of its own (dynamic=False skips this attempt): %s",
                     type(self._orig).__name__,
-                    _dims_text(dims),
+                    said,
                     str(e).splitlines()[0] if str(e) else type(e).__name__,
                 )
             fixed = exe is not None and self.programs[key].sizes is not None and self.programs[key].sizes.fixed()
@@ -691,6 +731,18 @@ class CompiledModule(nn.Module):
             exe = self._build(key, args, kwargs, needs_grad, trainable, entry=entry)
         self._input_shapes[key] = [tuple(x.shape) for x in inputs]
         return exe, key
+
+    def _with_numbers(
+        self, inputs: list[torch.Tensor], leaves: list[Any], numbers: tuple[tuple[int, tuple], ...]
+    ) -> list[torch.Tensor] | None:
+        """A call's input tensors and, after them, an input for each of `numbers` (NOTE: [Numbers in an
+        object]); None where one is not an int of at least 0."""
+        if not numbers:
+            return inputs
+        values = [objects.number_at(leaves, at) for at in numbers]
+        if any(v is None or v < 0 for v in values):
+            return None
+        return [*inputs, *(sizes.number_input(v, self.device) for v in values)]
 
     def _may_vary(self) -> bool:
         """Whether programs of symbolic sizes are made (`dynamic=True`; CUDA graphs replay fixed shapes)."""
@@ -727,28 +779,35 @@ class CompiledModule(nn.Module):
         log.info("compile cache: the family's program of symbolic sizes takes this call (%s)", program.sizes)
         return exe
 
-    def _growing(self, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
-        """The dimensions of this call's inputs that the caller's next call passes longer, where its
-        convention says so at the first call (a cache each call extends): none for a plain module; a
-        subclass adds what its integration knows (NOTE: [A cache that grows])."""
+    def _growing(
+        self, args: tuple, kwargs: dict, inputs: list[torch.Tensor]
+    ) -> tuple[dict[int, tuple[int, ...]], tuple[tuple[int, tuple], ...]] | None:
+        """The dimensions of this call's inputs that the caller's next call passes longer, and the numbers
+        its argument objects hold that it passes larger ((argument leaf, path) each, NOTE: [Numbers in an
+        object]), where its convention says so at the first call (a cache each call extends): none for a
+        plain module; a subclass adds what its integration knows (NOTE: [A cache that grows])."""
         return None
 
-    def _varying(self, family: tuple, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
-        """The dimensions in which this call's inputs differ from a program of the same key but for
-        shapes (None: no such program, or `dynamic=False`, or CUDA graphs, which replay fixed shapes)."""
-        if not self._may_vary() or family in self._fixed_sizes:
+    def _varying(
+        self, key: tuple, inputs: list[torch.Tensor]
+    ) -> tuple[dict[int, tuple[int, ...]], tuple[tuple[int, tuple], ...]] | None:
+        """The dimensions in which this call's inputs differ from a program of the same key but for shapes
+        and the numbers argument objects hold, and those numbers (NOTE: [Numbers in an object]); None: no
+        such program, or `dynamic=False`, or CUDA graphs, which replay fixed shapes."""
+        if not self._may_vary():
             return None
         shapes = [tuple(x.shape) for x in inputs]
         for known, old in self._input_shapes.items():
-            if _without_shapes(known) != family or len(old) != len(shapes):
+            numbers = _numbers_between(known[1], key[1]) if len(known[1]) == len(key[1]) else ()
+            if _without_shapes(known, numbers) != _without_shapes(key, numbers) or len(old) != len(shapes):
                 continue
             dims = {
                 i: tuple(d for d, (a, b) in enumerate(zip(was, now)) if a != b)
                 for i, (was, now) in enumerate(zip(old, shapes))
                 if was != now and len(was) == len(now)
             }
-            if dims:
-                return dims
+            if dims or numbers:
+                return dims, numbers
         return None
 
     @pipeline.fewer_collections()  # NOTE: [Collections while compiling]
@@ -762,15 +821,17 @@ class CompiledModule(nn.Module):
         trainable: tuple[bool, ...],
         device: torch.device | str | None = None,
         dynamic: dict[int, tuple[int, ...]] | None = None,
+        numbers: tuple[tuple[int, tuple], ...] = (),
         entry: str = "",
     ) -> Executable:
         started = time.perf_counter()
         if self.programs:
-            self._say_why_new(key, args, kwargs)
+            self._say_why_new(key, args, kwargs, numbers)
         where = torch.device(device) if device is not None else self.device
         # the key is made once, before tracing: a forward may change its modules' attributes as it runs; a
         # symbolic program's: the call it was traced at and its symbolic dimensions (NOTE: [Symbolic programs on disk])
-        k, why_not = self._cache_key((*key, ("symbolic", sorted(dynamic.items()))) if dynamic else key, where)
+        symbolic = ("symbolic", sorted(dynamic.items()), *((numbers,) if numbers else ())) if dynamic else None
+        k, why_not = self._cache_key((*key, symbolic) if symbolic else key, where)
         before = self._attributes.values()
         cached = self._from_cache(k)
         if cached is not None:
@@ -792,12 +853,15 @@ class CompiledModule(nn.Module):
                     device=where,
                     search=self.search,
                     dynamic=dynamic,
+                    numbers=numbers,
                     entry=entry,
                 )
+            program.numbers = numbers
             program.origin = f"compiled in {time.perf_counter() - started:.2f}s"
             if k is not None:
                 why_not = self._to_cache(k, program, time.perf_counter() - started)
-            if k is not None and dynamic and not why_not:  # NOTE: [A family's program on disk]
+            # NOTE: [A family's program on disk]; not one that takes numbers, which a family's first call cannot name
+            if k is not None and dynamic and not numbers and not why_not:
                 family, _ = self._cache_key((*_without_shapes(key), ("symbolic family",)), where)
                 if family is not None:
                     self._to_cache(family, program, time.perf_counter() - started)
@@ -959,15 +1023,16 @@ class CompiledModule(nn.Module):
             names,
         )
 
-    def _say_why_new(self, key: tuple, args: tuple, kwargs: dict) -> None:
+    def _say_why_new(self, key: tuple, args: tuple, kwargs: dict, taken: tuple = ()) -> None:
         """Log what differs from the last program built; warn once when programs pile up for input
-        shapes alone (each new sequence length traces and compiles again)."""
+        shapes alone (each new sequence length traces and compiles again), or for numbers the program
+        does not take as sizes (`taken`: those it does)."""
         last = next(reversed(self.programs))
         why = _difference(last, key, args, kwargs, self._attributes)
         log.info("a new program for %s (%d built so far)", why, len(self.programs))
         # the programs of calls like this one but for shapes (and numbers): a prompt's program before them is not
         alike = [k for k in self.programs if k[0] == key[0] and k[2:] == key[2:]]
-        numbers = _numbers_differing(last[1], key[1], args, kwargs) if key[0] == last[0] else []
+        numbers = _numbers_differing(last[1], key[1], args, kwargs) if key[0] == last[0] and not taken else []
         by_number = numbers and sum(_same_but_shapes(k[1], key[1], numbers=True) for k in alike) + 1 >= _SHAPES_WARNING
         if by_number and not self._warned_numbers:
             self._warned_numbers = True
@@ -975,8 +1040,9 @@ class CompiledModule(nn.Module):
                 log.warning(
                     "fbmt: program %d for %s: a number an argument object holds (%s) is traced as a constant, so "
                     "each new value traces and compiles a program (%.1fs so far). A Hugging Face cache whose "
-                    "layers keep a sliding window counts its tokens so: generate() with it compiles a program for "
-                    "every token (fbmt takes no number as a program's input yet)",
+                    "layers keep a sliding window counts its tokens so. With dynamic=True (the default) and no "
+                    "CUDA graphs, a program takes such a number as a size where the forward computes with it as "
+                    "one (FBMT_LOG=info says why a program did not)",
                     len(self.programs) + 1,
                     why,
                     ", ".join(numbers[:3]) + (f" and {len(numbers) - 3} more" if len(numbers) > 3 else ""),

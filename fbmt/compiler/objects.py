@@ -23,6 +23,7 @@ treats such an object as its tensors plus a template:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import numbers
 import types
@@ -99,9 +100,10 @@ def fingerprint(obj: Any) -> Any:
     return fp(obj)
 
 
-def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
-    """Where two `fingerprint`s differ, as (path from the object, old, new): `.layers[0].cumulative_length`
-    for a value, a tensor's `("T", shape, ...)`, or a part whose structure differs as a whole."""
+def differences(old: Any, new: Any, path: tuple = ()) -> list[tuple[tuple, Any, Any]]:
+    """Where two `fingerprint`s differ, as (path from the object, old, new): the path in `state`'s steps
+    (`path_text` writes it as `.layers[0].cumulative_length`), old and new a value, a tensor's
+    `("T", shape, ...)`, or a part whose structure differs as a whole."""
     if old == new:
         return []
     same_kind = isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2
@@ -112,12 +114,32 @@ def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]
             found = []
             for i, (x, y) in enumerate(zip(a, b)):
                 if keyed:
-                    step = f"[{x[0]!r}]" if kind is dict else f".{x[0]}"
-                    found += differences(x[1], y[1], path + step)
+                    found += differences(x[1], y[1], (*path, ("key" if kind is dict else "attr", x[0])))
                 else:
-                    found += differences(x, y, f"{path}[{i}]")
+                    found += differences(x, y, (*path, ("item", i)))
             return found
     return [(path, old, new)]
+
+
+def path_text(path: tuple) -> str:
+    """A path of `state`'s steps as a user writes it after the object's name: `.layers[0].cumulative_length`."""
+    return "".join(f".{k}" if how == "attr" else f"[{k!r}]" for how, k in path)
+
+
+def replaced(fp: Any, path: tuple, value: Any) -> Any:
+    """The `fingerprint` `fp` with the value at `path` (`state`'s steps) replaced by `value`; `fp` itself
+    where nothing is there."""
+    if not path:
+        return value
+    if not (isinstance(fp, tuple) and len(fp) == 2 and isinstance(fp[0], type) and isinstance(fp[1], tuple)):
+        return fp
+    (how, k), rest = path[0], path[1:]
+    kind, parts = fp
+    if how == "item":
+        if not issubclass(kind, (list, tuple)) or not 0 <= k < len(parts):
+            return fp
+        return (kind, (*parts[:k], replaced(parts[k], rest, value), *parts[k + 1 :]))
+    return (kind, tuple((name, replaced(v, rest, value) if name == k else v) for name, v in parts))
 
 
 def rebuild(template: Any, tensors: list[torch.Tensor]) -> Any:
@@ -173,6 +195,41 @@ class DroppedCache:
 MISSING = ("missing",)  # what `get` gives for a path that holds nothing; `put` of it deletes the attribute
 
 
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A number an object holds after a call of a program of symbolic sizes, as an expression in its
+    symbols (the cache's count of tokens, one more than the number it was given: NOTE: [Numbers in an
+    object]); `value` is the number at a call's sizes."""
+
+    expr: Any  # a sympy expression
+
+    def value(self, sizes: dict[Any, int]) -> int:
+        return int(self.expr.xreplace(sizes))
+
+    def __deepcopy__(self, memo: dict) -> Size:  # immutable: every copy of a template shares it
+        return self
+
+
+def number_at(leaves: list[Any], where: tuple[int, tuple]) -> int | None:
+    """The int at `where` (an argument leaf, and a path in it of `state`'s steps); None where there is none."""
+    i, path = where
+    leaf = get(leaves[i], path) if i < len(leaves) else MISSING
+    ok = isinstance(leaf, tuple) and len(leaf) == 3 and leaf[0] == "plain" and leaf[1] is int
+    return leaf[2] if ok else None
+
+
+def sized(template: Any) -> list[tuple[tuple, Size]]:
+    """The numbers in `template` (an object as a symbolic trace left it) that are sizes (SymInts), made
+    `Size`s in place, by path: a template keeps no SymInt, which belongs to its trace (and cannot be saved)."""
+    found = []
+    for path, leaf in state(template).items():
+        if isinstance(leaf, tuple) and leaf[0] == "plain" and isinstance(leaf[2], torch.SymInt):
+            size = Size(leaf[2].node.expr)
+            put(template, path, ("plain", Size, size))
+            found.append((path, size))
+    return found
+
+
 def state(obj: Any) -> dict[tuple, Any]:
     """Every leaf reachable from `obj`, by path (("attr", name), ("item", i), ("key", k) steps): a tensor
     (itself), ("plain", type, value), ("opaque", id), and for each container or object on the way
@@ -183,7 +240,7 @@ def state(obj: Any) -> dict[tuple, Any]:
     def walk(x: Any, path: tuple) -> None:
         if isinstance(x, torch.Tensor):
             out[path] = x
-        elif isinstance(x, (*PLAIN, numbers.Number)):
+        elif isinstance(x, (*PLAIN, numbers.Number, torch.SymInt, Size)):
             out[path] = ("plain", type(x), x)
         elif isinstance(x, _OPAQUE):
             out[path] = ("opaque", id(x))
@@ -213,6 +270,9 @@ def state(obj: Any) -> dict[tuple, Any]:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b
+    if any(isinstance(x, tuple) and len(x) == 3 and isinstance(x[2], torch.SymInt) for x in (a, b)):
+        # sizes as expressions: comparing them as numbers would add a guard to the trace
+        return a[:2] == b[:2] and a[2].node.expr == b[2].node.expr
     try:
         return bool(a == b)
     except Exception:  # a value whose == is not a bool

@@ -126,10 +126,12 @@ def compile_program(
     device: torch.device,
     search: Search | None = None,
     dynamic: dict[int, tuple[int, ...]] | None = None,
+    numbers: tuple[tuple[int, tuple], ...] = (),
     entry: str = "",
 ) -> Program:
     """Trace one call and run the passes: what the compile cache keeps (NOTE: [Compile cache]).
-    `dynamic`: the input dimensions to trace as symbols (NOTE: [Dynamic sizes]); `entry`: the path of
+    `dynamic`: the input dimensions to trace as symbols (NOTE: [Dynamic sizes]); `numbers`: the numbers
+    argument objects hold that are inputs too (NOTE: [Numbers in an object]); `entry`: the path of
     the submodule called, "" for the module (NOTE: [Submodules through the program])."""
     # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
     what = "forward and backward" if needs_grad else "forward"
@@ -145,6 +147,7 @@ def compile_program(
             needs_grad=needs_grad,
             trainable=trainable,
             dynamic=dynamic,
+            numbers=numbers,
             entry=entry,
         )
         said["done"] = f"{len(program.graph.nodes)} nodes"

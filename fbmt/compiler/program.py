@@ -108,11 +108,17 @@ class Results:
     # value the forward assigned to a module's attribute ("attribute") or buffer ("buffer", "buffer, not
     # persistent": one it registered or assigned in another shape)
     kept: list[tuple[str, str, str, Any, list, tuple[int, ...]]] = field(default_factory=list)
+    # ("state", a) / ("object", i) / ("constant", i) -> (path, `objects.Size`) of each number its template holds
+    # (a constant: is) as an expression in a symbolic program's sizes (NOTE: [Numbers in an object])
+    sized: dict[tuple[str, int], list[tuple[tuple, Any]]] = field(default_factory=dict)
 
-    def assemble(self, values: dict[Any, Any], inputs: list[Any], root: nn.Module) -> list[Any]:
+    def assemble(
+        self, values: dict[Any, Any], inputs: list[Any], root: nn.Module, sizes: dict[Any, int] | None = None
+    ) -> list[Any]:
         """The result's leaves from the program's outputs by key; brings every argument object
         (`inputs`: the call's input leaves) to the state the forward leaves it in, and sets the
-        attributes of `root`'s modules the forward assigns."""
+        attributes of `root`'s modules the forward assigns. `sizes`: the call's value of each symbol of
+        a program of symbolic sizes whose objects hold numbers (`sized`)."""
         for k, (path, name, how, spec, template, tensors) in enumerate(self.kept):
             leaves = list(template)
             for j in tensors:
@@ -123,16 +129,19 @@ class Results:
             else:
                 owner.register_buffer(name, value, persistent=how == "buffer")
 
-        def held(where: str, i: int, template: Any) -> list[Any]:
-            return [values[(where, i, j)] for j in range(len(objects.tensors_in(template)))]
+        def held(where: str, i: int, template: Any) -> Any:
+            out = objects.rebuild(template, [values[(where, i, j)] for j in range(len(objects.tensors_in(template)))])
+            for path, size in self.sized.get((where, i), ()):
+                objects.put(out, path, ("plain", int, size.value(sizes)))
+            return out
 
         for a, template in self.states.items():
-            objects.update_in_place(inputs[a], objects.rebuild(template, held("state", a, template)))
+            objects.update_in_place(inputs[a], held("state", a, template))
         leaves: list[Any] = [values.get(i) for i in range(self.n_leaves)]
         for i, v in self.constants.items():
-            leaves[i] = v
+            leaves[i] = v.value(sizes) if isinstance(v, objects.Size) else v
         for i, template in self.objects.items():
-            leaves[i] = objects.rebuild(template, held("object", i, template))
+            leaves[i] = held("object", i, template)
         for i, a in self.returned.items():
             leaves[i] = inputs[a]
         return leaves
@@ -156,6 +165,9 @@ class Program:
     origin: str = ""
     # a program for many input sizes: which dimensions are symbolic, what it assumes (NOTE: [Dynamic sizes])
     sizes: Any = None
+    # (argument leaf, path in it) of each number an argument object holds that the program takes as the size of
+    # an input of its own, after the call's tensors (NOTE: [Numbers in an object])
+    numbers: tuple[tuple[int, tuple], ...] = ()
     # the submodule a call of it alone runs, "" for the model (NOTE: [Submodules through the program])
     entry: str = ""
     # (module path, attribute, value) of each value the forward set on its modules, as one run left it:

@@ -322,6 +322,30 @@ def largest(traced: int) -> int:
     return 1 << (4 * traced - 1).bit_length()
 
 
+# NOTE: [Numbers in an object]
+# An argument object may count in a Python int what it holds: a Hugging Face cache layer that keeps a
+# sliding window counts its tokens (`cumulative_length`), and its forward computes the mask's offset from
+# the count. Traced as a constant, each step of generate() was a program. So where two calls differ in
+# such ints (and otherwise in shapes alone), or where an integration says the next call passes them larger
+# (`CompiledModule._growing`), the program takes each as the size of an input of its own, after the call's
+# tensors: a byte tensor of that many elements (`number_input`), which no kernel reads. The trace puts that
+# size, a symbol, where the object's copy held the int, so the forward computes with it as with any size:
+# a branch on it is a guard, checked at every call (`SymbolicSizes.admits`), and the symbol is bounded as a
+# length is (NOTE: [Dynamic sizes]). What the forward leaves in the object (the count plus the new tokens)
+# is kept as an expression in the symbols (`objects.Size`) and evaluated at each call from its inputs'
+# sizes, so the caller's object holds the int eager's would. `Program.numbers` names each number by its
+# argument and path; programs are found for a call by its key without those numbers. A number of 0 or 1 is
+# a constant, as a size of 0 or 1 is; one the trace fixes makes a program for that value alone.
+
+
+def number_input(n: int | None, device: torch.device) -> torch.Tensor:
+    """The input that gives a program a number an argument object holds, as its size (NOTE: [Numbers in
+    an object]): a byte per unit, which no kernel reads."""
+    if n is None or n < 0:
+        raise ValueError(f"fbmt: a number a program takes as a size must be an int of at least 0, not {n!r}")
+    return torch.empty(n, dtype=torch.uint8, device=device)
+
+
 def fake_inputs(mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int, tuple[int, ...]]) -> list:
     """Fakes of `inputs` in `mode`, dimension d of input i symbolic where `dims[i]` holds d, each symbol
     at most `largest` of its traced size."""
@@ -375,6 +399,12 @@ class SymbolicSizes:
         """What the program assumes of its symbols, as sympy expressions (a program loaded from the
         compile cache: the saved ones too, NOTE: [Symbolic programs on disk])."""
         return getattr(self.shape_env, "fbmt_saved_guards", []) + [g.expr for g in self.shape_env.guards]
+
+    def values(self, inputs: list[torch.Tensor]) -> dict[Any, int]:
+        """Each symbol's value at a call with these inputs (one the program admits)."""
+        out = {sym: inputs[i].shape[d] for (i, d), sym in self.symbols.items()}
+        out.update({sym: inputs[i].stride(d) for (i, d), sym in self.strides.items()})
+        return out
 
     def admits(self, inputs: list[torch.Tensor]) -> str | None:
         """None if this program computes the call with these inputs; else why not."""

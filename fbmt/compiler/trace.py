@@ -489,12 +489,15 @@ def trace(
     needs_grad: bool,
     trainable: tuple[bool, ...] | None = None,
     dynamic: dict[int, tuple[int, ...]] | None = None,
+    numbers: tuple[tuple[int, tuple], ...] = (),
     entry: str = "",
 ) -> Program:
     """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring).
 
     `trainable[k]` says whether group k's parameters get gradients (default: `group.requires_grad`).
     `dynamic[i]`: the dimensions of input tensor i traced as symbols (NOTE: [Dynamic sizes]).
+    `numbers`: (argument leaf, path in it) of numbers argument objects hold, each the size of an input
+    after the call's tensors, which the forward gets in their place (NOTE: [Numbers in an object]).
     `entry`: call the submodule at this path instead, over the same parameters (NOTE: [Submodules
     through the program]); its nodes keep their paths in `module`.
     """
@@ -518,6 +521,8 @@ def trace(
     in_objects = {i: objects.tensors_in(x) for i, x in enumerate(leaves) if objects.is_object(x)}
     # an input made under inference_mode has no version counter, which the trace reads: traced from a copy
     real_inputs = [x.clone() if x.is_inference() else x for x in objects.input_tensors(leaves)]
+    n_held = len(real_inputs)
+    real_inputs += [sizes.number_input(objects.number_at(leaves, at), param_device) for at in numbers]
     symbolic = None
     if dynamic:
         fake_inputs = sizes.fake_inputs(fake_mode, real_inputs, dynamic)
@@ -541,6 +546,8 @@ def trace(
         for i, held in in_objects.items():  # a copy holding fakes: the caller's object is never touched
             full[i] = copies[i] = objects.rebuild(leaves[i], xs[at : at + len(held)])
             at += len(held)
+        for (i, path), x in zip(numbers, xs[n_held:]):  # NOTE: [Numbers in an object]
+            objects.put(copies[i], path, ("plain", int, x.shape[0]))
         a, kw = pytree.tree_unflatten(full, in_spec)
         tensors = dict(zip(names, [*ps, *bs]))
         given = {k: tensors[k] for k in names[len(ps) :]}  # the buffers, whose reassignment is written back
@@ -1160,12 +1167,17 @@ class _Results:
                     )
                     continue
                 self.plan.objects[i] = o
+                self._sized("object", i, o)
                 self.sources.append(("object", i))
                 self.keys += [("object", i, j) for j in range(len(objects.tensors_in(o)))]
+            elif isinstance(o, torch.SymInt):  # a size of a symbolic trace: the call's own
+                self.plan.constants[i] = size = objects.Size(o.node.expr)
+                self.plan.sized[("constant", i)] = [((), size)]
             else:
                 self.plan.constants[i] = o
         for a, c in copies.items():
             self.plan.states[a] = c
+            self._sized("state", a, c)
             self.sources.append(("state", a))
             self.keys += [("state", a, j) for j in range(len(objects.tensors_in(c)))]
         for k, ((path, name, how), v) in enumerate(zip(kept_at, kept)):  # NOTE: [What a forward keeps on its modules]
@@ -1175,6 +1187,13 @@ class _Results:
             self.plan.kept.append((path, name, how, spec, template, tensors))
             self.sources.append(("kept", k))
             self.keys += [("kept", k, j) for j in tensors]
+
+    def _sized(self, where: str, i: int, template: Any) -> None:
+        """The numbers `template` holds as sizes of a symbolic trace, kept as expressions to evaluate at
+        each call (NOTE: [Numbers in an object])."""
+        found = objects.sized(template)
+        if found:
+            self.plan.sized[(where, i)] = found
 
     def tensors(self, leaves: list[Any], copies: dict[int, Any], kept: list[Any]) -> list[torch.Tensor]:
         """The output tensors of one call of the forward, in the order of `keys`."""

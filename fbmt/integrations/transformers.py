@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from fbmt.compiler import CompiledModule, HostFunction, register_host_function, register_trace_hint
 
@@ -275,9 +276,11 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
     def _is_accelerate_prepared(self, value: bool) -> None:
         pass  # accelerate marks what it prepared; a compiled model stays prepared
 
-    def _growing(self, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
+    def _growing(
+        self, args: tuple, kwargs: dict, inputs: list[torch.Tensor]
+    ) -> tuple[dict[int, tuple[int, ...]], tuple[tuple[int, tuple], ...]] | None:
         """A step of generation: the cache's length, and the attention mask's, which covers the cache and the
-        new tokens.
+        new tokens; and the count of tokens each sliding window's layer keeps.
 
         NOTE: [A cache that grows]
         `generate()` calls the model once with the prompt, then once per new token with a `DynamicCache` that
@@ -286,26 +289,28 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         cache compiled a program for its exact sizes, and the second one for every length: three programs where
         two serve. A call that passes a `DynamicCache` holding tokens is such a step, and its next call passes
         the cache longer: its program is made symbolic at once in the length of the cache's tensors, and in the
-        mask's where that is the cache's length plus the new tokens'. Not where a layer of the cache keeps a
-        sliding window: it counts its tokens in a Python int, a constant of the program, so each step is a
-        program of its own. What the trace assumed of those sizes is checked at every call, as for any program
-        of symbolic sizes; a call it does not admit gets a program of its own."""
+        mask's where that is the cache's length plus the new tokens'. A layer that keeps a sliding window
+        counts its tokens in a Python int (`cumulative_length`), which the program takes as a size too (NOTE:
+        [Numbers in an object]); its keys stop growing once the window is full, and the first step after
+        that gets a program of its own. What the trace assumed of those sizes is checked at every call, as for
+        any program of symbolic sizes; a call it does not admit gets a program of its own."""
         try:
             from transformers.cache_utils import DynamicCache
         except ImportError:
             return None
         # `cache=` in recent transformers, `past_key_values=` before
         cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, DynamicCache)), None)
-        if cache is None or any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
-            return None  # a sliding window's layer counts its tokens in an int: each step is a program anyway
+        if cache is None:
+            return None
         try:
             held = cache.get_seq_length()
         except ValueError:  # a cache of recurrent states alone (Mamba's) has no length, and does not grow
             return None
         if not held:
             return None
+        layers = list(getattr(cache, "layers", ()))
         # its keys and values: by layer (`layers[i].keys`), or in lists (`key_cache[i]`, transformers 4)
-        held_tensors = [getattr(layer, k, None) for layer in getattr(cache, "layers", ()) for k in ("keys", "values")]
+        held_tensors = [getattr(layer, k, None) for layer in layers for k in ("keys", "values")]
         held_tensors += [*getattr(cache, "key_cache", ()), *getattr(cache, "value_cache", ())]
         where = {id(x): i for i, x in enumerate(inputs)}
         dims = {
@@ -325,7 +330,13 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
             and id(mask) in where
         ):
             dims[where[id(mask)]] = (1,)
-        return dims or None
+        leaf = next(i for i, x in enumerate(pytree.tree_leaves((args, kwargs))) if x is cache)
+        numbers = tuple(
+            (leaf, (("attr", "layers"), ("item", i), ("attr", "cumulative_length")))
+            for i, layer in enumerate(layers)
+            if getattr(layer, "is_sliding", False) and type(getattr(layer, "cumulative_length", None)) is int
+        )
+        return (dims, numbers) if dims or numbers else None
 
     # NOTE: [Generation on every rank]
     # A compiled model's every call gathers parameters from every rank, so every rank must make the same
