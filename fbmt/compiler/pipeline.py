@@ -177,7 +177,11 @@ def lower(program: Program, plan: Plan, regions: RegionCache, send: bool = True)
         exe = partition(program, casts_where_read=plan.backend == "inductor" and plan.fp8 is not None)
     # 4. with backend="inductor", compile the compute between collectives (identical blocks share it)
     if plan.backend == "inductor":
-        exe.forward = split_regions(exe.forward, regions, send=send)
+        # a call's tensors may come laid out otherwise at the next call of the program (a view: the window of
+        # keys a Hugging Face cache keeps), which the key, made of shapes, does not tell
+        placeholders = exe.forward.graph.find_nodes(op="placeholder")
+        given = {n for n, role in zip(placeholders, exe.fwd_inputs) if role.kind == "input"}
+        exe.forward = split_regions(exe.forward, regions, varying=given, send=send)
         if exe.backward is not None:
             # its tangents follow the saved values; those that may come as one expanded zero vary in layout
             tangents = [n for n in exe.backward.graph.nodes if n.op == "placeholder"][1:]

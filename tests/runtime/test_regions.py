@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -166,6 +168,17 @@ def test_a_region_of_symbolic_sizes_over_views_at_offsets_compiles_from_their_la
     other = torch.randn(3, 70)[:, 9:40]
     assert made.admits((other,)) and not made.admits((torch.randn(3, 9),))
     torch.testing.assert_close(fn(other)[0], other.cos())
+
+
+def test_a_programs_regions_read_each_call_of_its_tensors_in_its_layout():
+    """A call of the same shapes as one before, in another layout (a transposed view), runs the regions
+    compiled for its own layout: the program's key, made of shapes, does not tell layouts apart."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, backend="inductor")
+    for x in (torch.randn(3, 4), torch.randn(4, 3).t(), torch.randn(3, 4)):
+        torch.testing.assert_close(model(x), ref(x))
+    assert len(model.programs) == 1
 
 
 def _guarding(monkeypatch, guard):

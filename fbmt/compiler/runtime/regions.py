@@ -1334,7 +1334,8 @@ def split_regions(
 ) -> fx.GraphModule:
     """`gm` with each run of pure compute replaced by a Region (see NOTE: [Regions]). `varying`: inputs of
     `gm` whose strides may differ between calls (a tangent given as one expanded zero, NOTE: [Unused
-    outputs' gradients]): a region reading one, or a view of one, checks its inputs' layout every call."""
+    outputs' gradients]; a call's tensor): a region reading one, or a view of one, checks its inputs' layout
+    every call."""
     g = gm.graph
     order = ops.node_order(g)
     for n in list(g.nodes):  # unpacking stays next to its op, in its region, wherever a schedule put a collective
