@@ -235,6 +235,21 @@ _KERNEL_LINEAR = torch._C._nn.linear  # what F.linear and F.scaled_dot_product_a
 _KERNEL_ATTENTION = torch._C._nn.scaled_dot_product_attention
 
 
+def _rows_aligned(mask: torch.Tensor) -> torch.Tensor:
+    """`mask` as a view of rows padded to a multiple of 8 elements, where its length is symbolic.
+
+    SDPA's fused CUDA kernels read a mask whose rows are aligned to 8 elements, and copy one that is not
+    into rows that are: at symbolic sizes whether a row is aligned is a guard on the length's residue, so a
+    stream of lengths (a mask one longer at each step of generate()) made a program for each class. Padded
+    here by an expression of the length, 2 to 9 elements (never 0 or 1, whose sizes are guards of their
+    own), its rows are aligned at every length, and the kernel copies nothing."""
+    n = mask.shape[-1]
+    if mask.dim() < 2 or not isinstance(n, torch.SymInt):
+        return mask
+    extra = mask.new_zeros(*mask.shape[:-1], (n + 9) // 8 * 8 - n)
+    return torch.cat([mask, extra], -1)[..., :n]
+
+
 def _attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -256,6 +271,8 @@ def _attention(
         out = _math_attention(*args)
         if out is not None:
             return out
+    if query.device.type == "cuda" and attn_mask is not None:
+        attn_mask = _rows_aligned(attn_mask)
     flash_first = contextlib.nullcontext()
     if query.device.type == "cuda" and dropout_p == 0:
         if "flash" in _cuda_kernels_taking(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
