@@ -515,10 +515,20 @@ def test_a_symbolic_programs_attention_on_cuda_gets_a_mask_whose_rows_are_aligne
         kv = torch.empty(2, 4, mask.shape[-1], 8, device="cuda")
         sizes._attention(q, kv, kv, mask, math_as_ops=False)
     (seen,) = given
-    assert seen.shape == mask.shape
+    assert seen.shape == mask.shape and seen.dtype == q.dtype  # additive, as SDPA makes a boolean mask
     assert all(statically_known_true(stride % 8 == 0) for stride in seen.stride()[:-1]), seen.stride()
     length = mask.shape[-1].node.expr
     assert all(bool(g.expr.xreplace({length: n})) for g in mode.shape_env.guards for n in range(2, 200))
+    # traced at one length, run at others: SDPA's additive mask, whatever the length's residue
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(lambda m: sizes._rows_aligned(m, torch.float32), tracing_mode="symbolic")(
+        torch.ones(2, 1, 3, 13, dtype=torch.bool)
+    )
+    for n in (5, 8, 15, 16):
+        keep = torch.rand(2, 1, 3, n) > 0.3
+        want = torch.zeros(keep.shape).masked_fill(keep.logical_not(), float("-inf"))
+        assert torch.equal(traced(keep), want), n
 
 
 def test_the_math_attention_route_refuses_what_sdpa_refuses():
