@@ -496,41 +496,6 @@ def test_a_symbolic_programs_attention_on_cuda_runs_flash_where_flash_takes_it(
     assert torch.backends.cuda.cudnn_sdp_enabled()  # as it was
 
 
-def test_a_symbolic_programs_attention_on_cuda_gets_a_mask_whose_rows_are_aligned_at_every_length(monkeypatch):
-    """SDPA's fused CUDA kernels copy a mask whose rows are not aligned to 8 elements: at symbolic sizes, a
-    guard on the length's residue, and a program per class (generate()'s mask, one longer each step). The
-    mask the kernel gets has aligned rows at every length (a view of the mask's values, padded), and what the
-    padding assumed holds at every length."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    from fbmt.compiler import sizes
-
-    given = []
-    monkeypatch.setattr(sizes, "_cuda_kernels_taking", lambda *args: set())
-    monkeypatch.setattr(sizes, "_KERNEL_ATTENTION", lambda q, k, v, mask, *args, **kwargs: given.append(mask))
-    mode = sizes.symbolic_mode()
-    mask = sizes.fake_inputs(mode, [torch.ones(2, 1, 1, 13, dtype=torch.bool)], {0: (3,)})[0]
-    with mode:
-        q = torch.empty(2, 4, 1, 8, device="cuda")
-        kv = torch.empty(2, 4, mask.shape[-1], 8, device="cuda")
-        sizes._attention(q, kv, kv, mask, math_as_ops=False)
-    (seen,) = given
-    assert seen.shape == mask.shape and seen.dtype == q.dtype  # additive, as SDPA makes a boolean mask
-    assert all(statically_known_true(stride % 8 == 0) for stride in seen.stride()[:-1]), seen.stride()
-    length = mask.shape[-1].node.expr
-    assert all(bool(g.expr.xreplace({length: n})) for g in mode.shape_env.guards for n in range(2, 200))
-    # traced at one length, run at others: SDPA's additive mask, whatever the length's residue
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    traced = make_fx(lambda m: sizes._rows_aligned(m, torch.float32), tracing_mode="symbolic")(
-        torch.ones(2, 1, 3, 13, dtype=torch.bool)
-    )
-    for n in (5, 8, 15, 16):
-        keep = torch.rand(2, 1, 3, n) > 0.3
-        want = torch.zeros(keep.shape).masked_fill(keep.logical_not(), float("-inf"))
-        assert torch.equal(traced(keep), want), n
-
-
 def test_the_math_attention_route_refuses_what_sdpa_refuses():
     """A mask and is_causal together: SDPA raises, so the route must not compute an answer."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -235,26 +235,6 @@ _KERNEL_LINEAR = torch._C._nn.linear  # what F.linear and F.scaled_dot_product_a
 _KERNEL_ATTENTION = torch._C._nn.scaled_dot_product_attention
 
 
-def _rows_aligned(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`mask` as SDPA's fused CUDA kernels read it, in rows padded to a multiple of 8 elements, where its length
-    is symbolic.
-
-    Those kernels take a boolean mask as the additive one SDPA makes of it (0 and -inf in the query's dtype, a
-    new tensor), and copy one whose rows are not 8-aligned into rows that are: at symbolic sizes whether a row
-    is aligned is a guard on the length's residue, so a stream of lengths (a mask one longer at each step of
-    generate()) made a program for each class. Made here as SDPA makes it, padded by an expression of the
-    length, 2 to 9 elements (never 0 or 1, whose sizes are guards of their own), and viewed back, its rows are
-    aligned at every length, and the kernel copies nothing."""
-    n = mask.shape[-1]
-    if mask.dim() < 2 or not isinstance(n, torch.SymInt):
-        return mask
-    if mask.dtype == torch.bool:
-        zero = torch.zeros((), dtype=dtype, device=mask.device)
-        mask = torch.where(mask, zero, torch.full((), float("-inf"), dtype=dtype, device=mask.device))
-    extra = mask.new_zeros(*mask.shape[:-1], (n + 9) // 8 * 8 - n)
-    return torch.cat([mask, extra], -1)[..., :n]
-
-
 def _attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -276,8 +256,6 @@ def _attention(
         out = _math_attention(*args)
         if out is not None:
             return out
-    if query.device.type == "cuda" and attn_mask is not None:
-        attn_mask = _rows_aligned(attn_mask, query.dtype)
     flash_first = contextlib.nullcontext()
     if query.device.type == "cuda" and dropout_p == 0:
         if "flash" in _cuda_kernels_taking(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
