@@ -546,7 +546,9 @@ class CompiledModule(nn.Module):
         leaves, _ = pytree.tree_flatten((args, kwargs))
         inputs = objects.input_tensors(leaves)
         for i, x in enumerate(inputs):
-            if x.device != self.device:
+            # a number in a CPU tensor of no dimensions, which eager's ops take beside any device's (the size
+            # of a sliding window a Hugging Face cache layer keeps before its first update)
+            if x.device != self.device and not (x.dim() == 0 and x.device.type == "cpu"):
                 raise ValueError(
                     f"fbmt: tensor input #{i} (shape {tuple(x.shape)}) is on {x.device}, but this "
                     f"model's parameters are on {self.device}; move the inputs with .to({str(self.device)!r})"

@@ -8,7 +8,8 @@ batches of five lengths on one GPU: every step's loss and gradients against eage
 for the first length, one symbolic for the rest), and the symbolic program's attention on the kernel the exact
 program's runs, flash's where that is cuDNN's (NOTE: [Attention at symbolic sizes]), never SDPA's math backend in
 float32 products where the exact program has a fused kernel. What fbmt warns is printed, so a trace that fixes
-the size says where. Then the HF Llama's `generate()`: eager's tokens from two programs. Exits non-zero on a
+the size says where. Then the HF Llama's `generate()`: eager's tokens from two programs; Mistral's with a
+window that fills, from at most five. Exits non-zero on a
 mismatch, a program per length or another attention kernel.
 """
 
@@ -21,6 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -80,16 +82,22 @@ def stream(
     return worst, attention_kernels(model), said.messages, repr(model.regions)
 
 
-def generation(backend: str, device: torch.device) -> tuple[int, int, int]:
-    """A tiny HF Llama's `generate()` of 12 tokens with its default cache, float32 (NOTE: [A cache that
-    grows]): the tokens equal to eager's, of how many, and the programs it compiled (two: the prompt's, and
-    one for every next token)."""
+def generation(backend: str, device: torch.device, family: str = "llama", new: int = 12) -> tuple[int, int, int]:
+    """A tiny HF model's `generate()` of `new` tokens with its default cache, float32 (NOTE: [A cache that
+    grows]): the tokens equal to eager's, of how many, and the programs it compiled (Llama: two, the prompt's
+    and one for every next token; Mistral's window of 10 fills on the way, NOTE: [Numbers in an object])."""
     torch.manual_seed(0)
-    ref = hf.build("llama").to(device).eval()
+    if family == "llama":
+        ref = hf.build("llama")
+    else:
+        ref = transformers.AutoModelForCausalLM.from_config(
+            transformers.MistralConfig(**hf.DECODER, vocab_size=hf.VOCAB, sliding_window=10)
+        )
+    ref = ref.to(device).eval()
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, backend=backend, device=device)
     prompt = torch.randint(3, hf.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0)).to(device)
-    want = ref.generate(prompt, max_new_tokens=12, do_sample=False)
-    got = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    want = ref.generate(prompt, max_new_tokens=new, do_sample=False)
+    got = model.generate(prompt, max_new_tokens=new, do_sample=False)
     return int((got == want).sum()), want.numel(), len(model.programs)
 
 
@@ -113,11 +121,12 @@ def main() -> None:
                     print(f"    {compiles}")
                 for message in said:
                     print(f"    fbmt said: {message[:600]}")
-    for backend in ("eager", "inductor"):
-        same, total, programs = generation(backend, device)
-        # Inductor's float32 kernels round otherwise than eager's, which may turn a near tie of a random model
-        ok &= programs == 2 and (same == total or backend == "inductor")
-        print(f"hf llama generate, {backend}: {same} of {total} tokens as eager's, {programs} programs")
+    for family, new, most in (("llama", 12, 2), ("mistral", 30, 5)):
+        for backend in ("eager", "inductor"):
+            same, total, programs = generation(backend, device, family, new)
+            # Inductor's float32 kernels round otherwise than eager's, which may turn a near tie of a random model
+            ok &= programs <= most and (same == total or backend == "inductor")
+            print(f"hf {family} generate, {backend}: {same} of {total} tokens as eager's, {programs} programs")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "the CPU"
     print(f"lengths GPU check {'PASSED' if ok else 'FAILED'} on {gpu} with torch {torch.__version__}")
     raise SystemExit(0 if ok else 1)
