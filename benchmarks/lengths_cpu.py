@@ -6,6 +6,7 @@
     PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 16 --stream --model hf-no-cache   # HF's Llama
     FBMT_STAMP=0 PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 24 --stream   # every layer traced
     PYTHONPATH=. python benchmarks/lengths_cpu.py --background   # Inductor's compiles in the step / in workers
+    PYTHONPATH=. python benchmarks/lengths_cpu.py --generate --family mistral   # a sliding window of 10 that fills
 
 A GPT of 4 layers (width 64) trains on one rank on batches of 12 lengths from 16 to 128 (inputs and
 targets sliced from one token tensor), and a tiny Hugging Face Llama generates 20 tokens with its
@@ -68,8 +69,15 @@ def stream(
     return len(m.programs), m.compile_seconds, time.perf_counter() - t, m
 
 
-def gen(dynamic: bool) -> tuple[int, float, float, object]:
-    ref = hf.build("llama")
+def gen(dynamic: bool, family: str = "llama") -> tuple[int, float, float, object]:
+    """generate() of 20 tokens from a prompt of 5; Mistral with a window of 10, which fills on the way (its
+    layers count their tokens in an int: NOTE: [Numbers in an object])."""
+    if family == "llama":
+        ref = hf.build("llama")
+    else:
+        config = transformers.MistralConfig(**hf.DECODER, vocab_size=hf.VOCAB, sliding_window=10)
+        torch.manual_seed(0)
+        ref = transformers.AutoModelForCausalLM.from_config(config)
     m = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, dynamic=dynamic)
     prompt = torch.randint(3, hf.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
@@ -84,12 +92,13 @@ def main() -> None:
     ap.add_argument("--model", choices=("gpt", "hf-no-cache", "hf"), default="gpt", help="with --stream")
     ap.add_argument("--background", action="store_true", help="the Inductor stream, compiles in the step / in workers")
     ap.add_argument("--generate", action="store_true", help="generate() alone, dynamic=False / True")
+    ap.add_argument("--family", choices=("llama", "mistral"), default="llama", help="with --generate")
     args = ap.parse_args()
     if args.generate:
         for dynamic in (False, True):
-            p, c, w, _ = gen(dynamic)
+            p, c, w, _ = gen(dynamic, args.family)
             print(
-                f"generate 20 tokens, tiny HF Llama | dynamic={dynamic} | {p} programs | compile {c:.2f} s "
+                f"generate 20 tokens, tiny HF {args.family} | dynamic={dynamic} | {p} programs | compile {c:.2f} s "
                 f"| wall {w:.2f} s"
             )
         return
