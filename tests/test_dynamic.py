@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import transformers
 
 import fbmt
@@ -610,3 +611,34 @@ def test_a_size_a_program_of_symbolic_sizes_returns_is_the_calls_own_number():
         out, n = model(torch.randn(2, length, 4))
         assert type(n) is int and n == length
     assert len(model.programs) == 2
+
+
+def test_a_pad_that_aligns_a_symbolic_length_assumes_nothing_of_its_residue():
+    """SDPA pads an attention mask of a length not a multiple of 8 by `8 - s % 8` (its kernels read aligned
+    rows); traced as a cat of the mask and its padding, cat's choice of layout asked whether the padding is 1
+    wide: a guard on the length's residue, and generate() on CUDA compiled a program per class. The trace's
+    pad assumes nothing of the residue, and equals F.pad at lengths of every residue, where it pads, crops and
+    pads several dimensions."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fbmt.compiler import sizes, trace
+
+    for shape in ((2, 1, 1, 13), (2, 4, 5, 13), (3, 13)):
+        mode = sizes.symbolic_mode()
+        mask = sizes.fake_inputs(mode, [torch.ones(*shape, dtype=torch.bool)], {0: (len(shape) - 1,)})[0]
+        with mode:
+            padded = trace._constant_pad_nd(mask, [0, 8 - mask.shape[-1] % 8])
+        assert not mode.shape_env.guards, (shape, mode.shape_env.guards)
+        assert padded.shape[:-1] == mask.shape[:-1]
+
+    def aligned(x):
+        return trace._constant_pad_nd(x, [0, 8 - x.shape[-1] % 8])
+
+    def several(x):  # crop one at the left, pad two at the right; pad one row above
+        return trace._constant_pad_nd(x, [-1, 2, 1, 0], value=-1.5)
+
+    traced = [make_fx(f, tracing_mode="symbolic")(torch.randn(2, 3, 13)) for f in (aligned, several)]
+    for n in (5, 8, 15, 16, 23):
+        x = torch.randn(2, 3, n)
+        torch.testing.assert_close(traced[0](x), F.pad(x, (0, 8 - n % 8)))
+        torch.testing.assert_close(traced[1](x), F.pad(x, (-1, 2, 1, 0), value=-1.5))

@@ -111,23 +111,26 @@ _DECOMPOSITIONS = {aten.native_batch_norm.default: _native_batch_norm, aten.bern
 
 
 def _constant_pad_nd(input: torch.Tensor, pad: list, value: Any = 0) -> torch.Tensor:
-    """`constant_pad_nd` as narrows and a cat: its own fake kernel reads the input's sizes as plain
-    integers, which fixes a symbolic size (Hugging Face's loss pads the labels by one). Traced
-    this way only where sizes are symbolic (NOTE: [Dynamic sizes])."""
+    """`constant_pad_nd` as narrows and, for each padded dimension, the input written into a tensor of
+    `value`: its own fake kernel reads the input's sizes as plain integers, which fixes a symbolic size
+    (Hugging Face's loss pads the labels by one). Not as a cat of the input and its padding: the padding's
+    own size is then a size of its own, and cat's choice of layout asks whether it is 1, a guard on the
+    length's residue where the padding aligns it (SDPA pads a mask to a multiple of 8 elements, `8 - s % 8`:
+    generate() compiled a step's program per class). Contiguous, as the input is in a trace of symbolic
+    sizes. Traced this way only where sizes are symbolic (NOTE: [Dynamic sizes])."""
     x = input
     for k in range(len(pad) // 2):
         dim, left, right = input.dim() - 1 - k, pad[2 * k], pad[2 * k + 1]
         if left < 0:
-            x = x.narrow(dim, -left, x.shape[dim] + left)
+            x, left = x.narrow(dim, -left, x.shape[dim] + left), 0
         if right < 0:
-            x = x.narrow(dim, 0, x.shape[dim] + right)
-        parts = [x]
-        for side, at in ((left, 0), (right, len(parts) + 1)):
-            if side > 0:
-                shape = list(x.shape)
-                shape[dim] = side
-                parts.insert(at, x.new_full(shape, value))
-        x = torch.cat(parts, dim) if len(parts) > 1 else x
+            x, right = x.narrow(dim, 0, x.shape[dim] + right), 0
+        if isinstance(left, int) and isinstance(right, int) and left == right == 0:
+            continue
+        shape = list(x.shape)
+        n = shape[dim]
+        shape[dim] = left + n + right
+        x = x.new_full(shape, value).slice_scatter(x, dim, left, left + n)
     return x.clone() if x is input else x
 
 
