@@ -272,6 +272,17 @@ def test_generate_with_a_sliding_window_that_fills_gives_the_eager_tokens_and_ca
         torch.testing.assert_close(mine.keys, theirs.keys)
 
 
+def test_generate_with_a_static_cache_of_sliding_windows_compiles_a_prompt_program_and_one_for_every_token():
+    """A static cache keeps its tensors' shapes; its sliding window's layers count their tokens in an int
+    (`cumulative_length_int`), which the first step's program takes as a size (NOTE: [Numbers in an object])."""
+    ref = _model("gemma2", transformers.AutoModelForCausalLM).eval()
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    call = dict(input_ids=ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert torch.equal(model.generate(**call), ref.generate(**call))
+    assert len(model.programs) == 2, [str(p.sizes) for p in model.programs.values()]
+
+
 def test_a_cache_built_by_a_program_of_symbolic_sizes_holds_eagers_counts():
     """Mistral called with use_cache=True at three lengths: the cache the symbolic program's forward builds
     counts its tokens in an int (its sliding window's layers), which came back as the trace's symbol."""

@@ -290,27 +290,46 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         two serve. A call that passes a `DynamicCache` holding tokens is such a step, and its next call passes
         the cache longer: its program is made symbolic at once in the length of the cache's tensors, and in the
         mask's where that is the cache's length plus the new tokens'. A layer that keeps a sliding window
-        counts its tokens in a Python int (`cumulative_length`), which the program takes as a size too (NOTE:
-        [Numbers in an object]); its keys stop growing once the window is full, and the first step after
-        that gets a program of its own. What the trace assumed of those sizes is checked at every call, as for
-        any program of symbolic sizes; a call it does not admit gets a program of its own."""
+        counts its tokens in a Python int (`cumulative_length`; a static cache's, whose tensors keep their shapes,
+        `cumulative_length_int`), which the program takes as a size too (NOTE: [Numbers in an object]); its keys
+        stop growing once the window is full, and the steps at its edge get programs of their own. What the
+        trace assumed of those sizes is checked at every call, as for any program of symbolic sizes; a call it
+        does not admit gets a program of its own."""
         try:
-            from transformers.cache_utils import DynamicCache
+            from transformers.cache_utils import Cache, DynamicCache
         except ImportError:
             return None
         # `cache=` in recent transformers, `past_key_values=` before
-        cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, DynamicCache)), None)
+        cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
         if cache is None:
             return None
+        layers = list(getattr(cache, "layers", ()))
+        leaf = next((i for i, x in enumerate(pytree.tree_leaves((args, kwargs))) if x is cache), None)
+        # a sliding window's count of the tokens it has seen: `cumulative_length` (`_int` in a static cache)
+        numbers = tuple(
+            (leaf, (("attr", "layers"), ("item", i), ("attr", name)))
+            for i, layer in enumerate(layers)
+            if leaf is not None and getattr(layer, "is_sliding", False)
+            for name in ("cumulative_length", "cumulative_length_int")
+            if type(getattr(layer, name, None)) is int and getattr(layer, name) > 0
+        )
+        dims = self._grown(cache, kwargs, inputs) if isinstance(cache, DynamicCache) else {}
+        if dims is None:  # no tokens held yet: the prompt's call
+            return None
+        return (dims, numbers) if dims or numbers else None
+
+    @staticmethod
+    def _grown(cache: Any, kwargs: dict, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
+        """The dimensions a `DynamicCache` and the attention mask grow in at each step (NOTE: [A cache that
+        grows]); None where the cache holds no tokens yet, or has no length (Mamba's recurrent states)."""
         try:
             held = cache.get_seq_length()
         except ValueError:  # a cache of recurrent states alone (Mamba's) has no length, and does not grow
             return None
         if not held:
             return None
-        layers = list(getattr(cache, "layers", ()))
         # its keys and values: by layer (`layers[i].keys`), or in lists (`key_cache[i]`, transformers 4)
-        held_tensors = [getattr(layer, k, None) for layer in layers for k in ("keys", "values")]
+        held_tensors = [getattr(layer, k, None) for layer in getattr(cache, "layers", ()) for k in ("keys", "values")]
         held_tensors += [*getattr(cache, "key_cache", ()), *getattr(cache, "value_cache", ())]
         where = {id(x): i for i, x in enumerate(inputs)}
         dims = {
@@ -330,13 +349,7 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
             and id(mask) in where
         ):
             dims[where[id(mask)]] = (1,)
-        leaf = next(i for i, x in enumerate(pytree.tree_leaves((args, kwargs))) if x is cache)
-        numbers = tuple(
-            (leaf, (("attr", "layers"), ("item", i), ("attr", "cumulative_length")))
-            for i, layer in enumerate(layers)
-            if getattr(layer, "is_sliding", False) and type(getattr(layer, "cumulative_length", None)) is int
-        )
-        return (dims, numbers) if dims or numbers else None
+        return dims
 
     # NOTE: [Generation on every rank]
     # A compiled model's every call gathers parameters from every rank, so every rank must make the same
