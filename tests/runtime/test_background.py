@@ -705,7 +705,10 @@ def test_a_script_that_ends_while_its_regions_compile_exits_cleanly(tmp_path):
 
 
 INTERRUPTED = """
-import atexit, time, torch, fbmt
+import atexit, signal, time, torch, fbmt
+# Ctrl-C as a terminal's foreground job has it: a suite started in the background by a shell without job
+# control hands its processes SIGINT ignored, and this script would sleep on through the test's signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 atexit.register(time.sleep, 2)  # an exit handler that takes a while (a logger's upload), run before fbmt's
 import torch.nn.functional as F
 from fbmt.compiler.runtime import background
