@@ -116,8 +116,8 @@ def _constant_pad_nd(input: torch.Tensor, pad: list, value: Any = 0) -> torch.Te
     (Hugging Face's loss pads the labels by one). Not as a cat of the input and its padding: the padding's
     own size is then a size of its own, and cat's choice of layout asks whether it is 1, a guard on the
     length's residue where the padding aligns it (SDPA pads a mask to a multiple of 8 elements, `8 - s % 8`:
-    generate() compiled a step's program per class). Contiguous, as the input is in a trace of symbolic
-    sizes. Traced this way only where sizes are symbolic (NOTE: [Dynamic sizes])."""
+    generate() compiled a step's program per class). The result is contiguous, as eager's is for a contiguous
+    input. Traced this way only where sizes are symbolic (NOTE: [Dynamic sizes])."""
     x = input
     for k in range(len(pad) // 2):
         dim, left, right = input.dim() - 1 - k, pad[2 * k], pad[2 * k + 1]
