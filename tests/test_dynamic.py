@@ -592,6 +592,14 @@ def test_a_number_an_argument_object_holds_is_one_program_for_every_value():
     assert symbolic.numbers == ((1, (("attr", "seen"),)),), symbolic.numbers
 
 
+def test_a_large_number_is_given_to_its_program_without_memory_for_its_size():
+    """A number an argument object holds may be large (every token a layer has seen): its input is one byte."""
+    from fbmt.compiler import sizes
+
+    given = sizes.number_input(2**40, torch.device("cpu"))
+    assert given.shape == (2**40,) and given.untyped_storage().nbytes() == 1
+
+
 class Lengths(nn.Module):
     def __init__(self):
         super().__init__()

@@ -340,10 +340,11 @@ def largest(traced: int) -> int:
 
 def number_input(n: int | None, device: torch.device) -> torch.Tensor:
     """The input that gives a program a number an argument object holds, as its size (NOTE: [Numbers in
-    an object]): a byte per unit, which no kernel reads."""
+    an object]): one byte seen `n` times (a number may be large: a count of every token seen), which no
+    kernel reads."""
     if n is None or n < 0:
         raise ValueError(f"fbmt: a number a program takes as a size must be an int of at least 0, not {n!r}")
-    return torch.empty(n, dtype=torch.uint8, device=device)
+    return torch.empty(1, dtype=torch.uint8, device=device).expand(n)
 
 
 def fake_inputs(mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int, tuple[int, ...]]) -> list:
