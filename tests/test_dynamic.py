@@ -497,6 +497,30 @@ def test_a_symbolic_programs_attention_on_cuda_runs_flash_where_flash_takes_it(
     assert torch.backends.cuda.cudnn_sdp_enabled()  # as it was
 
 
+@pytest.mark.parametrize("learned", [True, False])
+def test_a_symbolic_programs_attention_with_a_learned_bias_on_cuda_runs_as_ops(monkeypatch, learned):
+    """NOTE: [Attention at symbolic sizes]: a mask that takes a gradient (T5's position bias, the conformer's)
+    is computed as SDPA's math as ops on CUDA, where a fused kernel would take it (torch 2.11's trace of that
+    kernel's backward stopped inside torch); a mask without a gradient still reaches the kernel. As a machine
+    without CUDA shows it: the kernels' checks stood in for, the call on CUDA fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fbmt.compiler import sizes
+
+    called = []
+    monkeypatch.setattr(sizes, "_cuda_kernels_taking", lambda *args: {"efficient"})
+    monkeypatch.setattr(sizes, "_KERNEL_ATTENTION", lambda *args, **kwargs: called.append(1))
+    # a torch built without CUDA cannot record autograd on CUDA fakes: no_grad, as the route reads only
+    # whether the mask takes a gradient
+    with FakeTensorMode(), torch.no_grad():
+        q = torch.empty(2, 4, 16, 8, device="cuda")
+        bias = torch.empty(1, 4, 16, 16, device="cuda", requires_grad=learned)
+        for math_as_ops in (False, True):
+            out = sizes._attention(q, q, q, attn_mask=bias, math_as_ops=math_as_ops)
+            assert (out is not None and out.shape == q.shape) if learned else out is None
+    assert called == ([] if learned else [1, 1])
+
+
 def test_the_math_attention_route_refuses_what_sdpa_refuses():
     """A mask and is_causal together: SDPA raises, so the route must not compute an answer."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

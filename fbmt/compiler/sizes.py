@@ -109,6 +109,11 @@ def _traced_code_line() -> str:
 # is asked through the checks SDPA's kernel itself asks (`torch.backends.cuda.can_use_*`), with the
 # fakes as they are: the op that answers the same question (`_fused_sdp_choice`) runs its meta kernel on
 # fakes and answers "math" for every one, so a symbolic program's attention once ran as float32 products.
+# A mask that takes a gradient (a learned position bias: T5's, the wav2vec2 conformer's) runs as SDPA's math
+# as ops there instead, as it did before this route: traced at symbolic sizes on torch 2.11, the fused
+# kernel's backward with a bias gradient stopped in torch's own argument parser ("dispatch_on_subclass ...
+# INTERNAL ASSERT", outside every module's forward: in the backward, which CUDA runs on a thread of its
+# own), and each length then compiled a program of its own.
 
 
 @functools.lru_cache(None)
@@ -197,11 +202,17 @@ def _math_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    or_fused: bool = False,
 ) -> torch.Tensor | None:
-    """SDPA's math backend as ops, where SDPA would choose it; else None (its own kernel runs)."""
+    """SDPA's math backend as ops, where SDPA would choose it (`or_fused`: also where a fused kernel would
+    take the call); else None (its own kernel runs)."""
     from torch._decomp.decompositions import matmul
 
-    if dropout_p > 0 or _fused_attention_takes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    fused = not or_fused and _fused_attention_takes(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    )
+    if dropout_p > 0 or fused:
         return None  # dropout: the kernel's own random stream
     if attn_mask is not None and is_causal:  # the kernel refuses both; so must this
         return None
@@ -252,8 +263,9 @@ def _attention(
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if math_as_ops:
-        out = _math_attention(*args)
+    learned_bias = query.device.type == "cuda" and attn_mask is not None and attn_mask.requires_grad
+    if math_as_ops or learned_bias:
+        out = _math_attention(*args, or_fused=learned_bias)
         if out is not None:
             return out
     flash_first = contextlib.nullcontext()
