@@ -732,6 +732,38 @@ def test_untraceable_code_names_module_op_and_line():
     assert "torch.where" in msg
 
 
+class _BackwardFails(torch.autograd.Function):
+    """A function whose gradient formula fails where the trace runs it, as a kernel's backward may."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("no gradient formula here")
+
+
+class FailsInBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _BackwardFails.apply(self.fc(x)).sum()
+
+
+def test_a_failure_in_the_backward_is_named_as_the_backward_not_an_unknown_module():
+    """No module's forward runs while autograd traces the gradient formulas: the error says it was the
+    backward, where it once said module '<unknown>'."""
+    model = fbmt.compile(FailsInBackward())
+    with pytest.raises(fbmt.TraceError) as err:
+        model(torch.randn(2, 4)).backward()
+    msg = str(err.value)
+    assert "could not trace the backward of FailsInBackward" in msg and "no gradient formula here" in msg
+    assert "<unknown>" not in msg
+
+
 class ConvertsItsLayer(nn.Module):
     """Converts a submodule in its forward on every call, as SwitchTransformers' router does."""
 

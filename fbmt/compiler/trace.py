@@ -618,7 +618,7 @@ def trace(
             if not needs_grad:
                 return tensors
             wrt = [ps[i] for i in wrt_params] + [xs[i] for i in wrt_inputs]
-            grads = torch.autograd.grad([tensors[i] for i in diff_pos], wrt, ts, allow_unused=True)
+            grads = _backward([tensors[i] for i in diff_pos], wrt, ts, allow_unused=True)
             return [*tensors, *grads]
 
         if needs_grad:  # leaves that require grad as they come in: a detach of each inside would cost a traced op
@@ -782,9 +782,7 @@ def _trace_kind(
             raise TraceError("traced alone, it wrote to its argument objects otherwise than in the forward")
         if not diff:
             return [*tensors, *written]
-        grads = torch.autograd.grad(
-            [tensors[i] for i in diff], [ins[i] for i in wrt], list(flat[n:]), allow_unused=True
-        )
+        grads = _backward([tensors[i] for i in diff], [ins[i] for i in wrt], list(flat[n:]), allow_unused=True)
         return [*tensors, *written, *grads]
 
     try:
@@ -1943,6 +1941,16 @@ def _outside_tensor_hint(module: nn.Module) -> str:
     )
 
 
+def _backward(*args: Any, **kwargs: Any) -> tuple:
+    """`torch.autograd.grad`, a failure in it marked as the backward's: no module's forward is running
+    then, and the trace's error names the backward instead."""
+    try:
+        return torch.autograd.grad(*args, **kwargs)
+    except Exception as e:
+        e.fbmt_in_backward = True
+        raise
+
+
 @contextmanager
 def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
     tagger = _ModuleTagger(module)
@@ -1968,8 +1976,14 @@ def _translate_errors(module: nn.Module) -> Iterator[_ModuleTagger]:
         for provider in _HINT_PROVIDERS:  # what libraries around the compiler know (integrations)
             hint = provider(module, kind) or hint
         at = _user_frame(e)
+        backward = where is None and getattr(e, "fbmt_in_backward", False)
         msg = (
-            f"fbmt.compile could not trace module '{path}' ({mod})"
+            (
+                f"fbmt.compile could not trace the backward of {mod} (the gradient formulas autograd runs after "
+                "the forward traced)"
+                if backward
+                else f"fbmt.compile could not trace module '{path}' ({mod})"
+            )
             + (f", op {op}" if op is not None else "")
             + f": {kind}: {first}\n"
             + (f"  at {at}\n" if at else "")
