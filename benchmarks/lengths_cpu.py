@@ -69,8 +69,8 @@ def stream(
     return len(m.programs), m.compile_seconds, time.perf_counter() - t, m
 
 
-def gen(dynamic: bool, family: str = "llama") -> tuple[int, float, float, object]:
-    """generate() of 20 tokens from a prompt of 5; Mistral with a window of 10, which fills on the way (its
+def gen(dynamic: bool, family: str = "llama", tokens: int = 20) -> tuple[int, float, float, object]:
+    """generate() of `tokens` tokens from a prompt of 5; Mistral with a window of 10, which fills on the way (its
     layers count their tokens in an int: NOTE: [Numbers in an object])."""
     if family == "llama":
         ref = hf.build("llama")
@@ -81,7 +81,7 @@ def gen(dynamic: bool, family: str = "llama") -> tuple[int, float, float, object
     m = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, dynamic=dynamic)
     prompt = torch.randint(3, hf.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
-    m.generate(prompt, max_new_tokens=20, do_sample=False)
+    m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     return len(m.programs), m.compile_seconds, time.perf_counter() - t, None
 
 
@@ -93,12 +93,14 @@ def main() -> None:
     ap.add_argument("--background", action="store_true", help="the Inductor stream, compiles in the step / in workers")
     ap.add_argument("--generate", action="store_true", help="generate() alone, dynamic=False / True")
     ap.add_argument("--family", choices=("llama", "mistral"), default="llama", help="with --generate")
+    ap.add_argument("--new-tokens", type=int, default=20, help="with --generate: how many tokens it generates")
     args = ap.parse_args()
     if args.generate:
         for dynamic in (False, True):
-            p, c, w, _ = gen(dynamic, args.family)
+            p, c, w, _ = gen(dynamic, args.family, args.new_tokens)
             print(
-                f"generate 20 tokens, tiny HF {args.family} | dynamic={dynamic} | {p} programs | compile {c:.2f} s "
+                f"generate {args.new_tokens} tokens, tiny HF {args.family} | dynamic={dynamic} | {p} programs | "
+                f"compile {c:.2f} s "
                 f"| wall {w:.2f} s"
             )
         return

@@ -295,21 +295,23 @@ def test_with_inductor_regions_compile_once_for_every_length_and_equal_eager():
 def test_generate_with_the_default_cache_compiles_a_prompt_program_and_one_for_every_next_token(masked):
     """The cache passed back in is one token longer at each step (NOTE: [A cache that grows]): the first step
     with a cache is traced with its length symbolic, and the mask's (left padding, as a tokenizer pads a
-    batch for generation), and serves every later step."""
+    batch for generation), and serves every later step, up to the model's longest position: 40 tokens after
+    a prompt of 5 once took a third program past four times the traced length."""
     ref = hf.build("llama")
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False)
     prompt = torch.randint(3, hf.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     call = {"input_ids": prompt}
     if masked:
         call["attention_mask"] = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    want = ref.generate(**call, max_new_tokens=12, do_sample=False)
-    got = model.generate(**call, max_new_tokens=12, do_sample=False)
+    how = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    want, got = ref.generate(**call, **how), model.generate(**call, **how)
     assert torch.equal(got, want)
     # the prompt's program, then one for every next token
     assert [p.sizes is not None for p in model.programs.values()] == [False, True]
     symbolic = next(p for p in model.programs.values() if p.sizes is not None)
     # the length of the keys and values of 2 layers, and the mask's (its dimension 1)
     assert sorted(d for _, d in symbolic.sizes.symbols) == [1] * masked + [2] * 4, symbolic.sizes.symbols
+    assert f"at most {ref.config.max_position_embeddings})" in str(symbolic.sizes)
 
 
 class SizeKeyed(nn.Module):

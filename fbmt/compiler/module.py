@@ -694,9 +694,10 @@ class CompiledModule(nn.Module):
             exe = self._family_from_cache(key, family, inputs)
             if exe is not None:
                 return exe, key
-        found = self._varying(key, inputs)
+        found, at_most = self._varying(key, inputs), 0
         if found is None and self._may_vary():
             found = self._growing(args, kwargs, inputs)
+            at_most = self._grows_to() if found and not needs_grad else 0  # generation: NOTE: [A cache that grows]
         dims, numbers = found or ({}, ())
         family = _without_shapes(key, numbers)
         if family in self._fixed_sizes:
@@ -709,7 +710,17 @@ class CompiledModule(nn.Module):
             said = _dims_text(dims) + "".join(f", {_number_name(at, args, kwargs)}" for at in numbers)
             log.info("one program for many input sizes: symbolic in %s (NOTE: [Dynamic sizes])", said)
             try:
-                exe = self._build(key, args, kwargs, needs_grad, trainable, dynamic=dims, numbers=numbers, entry=entry)
+                exe = self._build(
+                    key,
+                    args,
+                    kwargs,
+                    needs_grad,
+                    trainable,
+                    dynamic=dims,
+                    numbers=numbers,
+                    at_most=at_most,
+                    entry=entry,
+                )
             except Exception as e:  # a forward that needs its sizes as numbers (a size as a dict key, say)
                 self._fixed_sizes.add(family)
                 log.warning(
@@ -790,6 +801,12 @@ class CompiledModule(nn.Module):
         plain module; a subclass adds what its integration knows (NOTE: [A cache that grows])."""
         return None
 
+    def _grows_to(self) -> int:
+        """How long the sizes `_growing` names may grow in the calls of one generation, where its convention
+        bounds them (a model's longest position): a program of symbolic sizes for those calls admits that
+        much instead of four times its traced sizes (NOTE: [A cache that grows]); 0 for a plain module."""
+        return 0
+
     def _varying(
         self, key: tuple, inputs: list[torch.Tensor]
     ) -> tuple[dict[int, tuple[int, ...]], tuple[tuple[int, tuple], ...]] | None:
@@ -824,6 +841,7 @@ class CompiledModule(nn.Module):
         device: torch.device | str | None = None,
         dynamic: dict[int, tuple[int, ...]] | None = None,
         numbers: tuple[tuple[int, tuple], ...] = (),
+        at_most: int = 0,
         entry: str = "",
     ) -> Executable:
         started = time.perf_counter()
@@ -832,7 +850,8 @@ class CompiledModule(nn.Module):
         where = torch.device(device) if device is not None else self.device
         # the key is made once, before tracing: a forward may change its modules' attributes as it runs; a
         # symbolic program's: the call it was traced at and its symbolic dimensions (NOTE: [Symbolic programs on disk])
-        symbolic = ("symbolic", sorted(dynamic.items()), *((numbers,) if numbers else ())) if dynamic else None
+        extra = ((numbers,) if numbers else ()) + ((("at most", at_most),) if at_most else ())
+        symbolic = ("symbolic", sorted(dynamic.items()), *extra) if dynamic else None
         k, why_not = self._cache_key((*key, symbolic) if symbolic else key, where)
         before = self._attributes.values()
         cached = self._from_cache(k)
@@ -856,6 +875,7 @@ class CompiledModule(nn.Module):
                     search=self.search,
                     dynamic=dynamic,
                     numbers=numbers,
+                    at_most=at_most,
                     entry=entry,
                 )
             program.numbers = numbers

@@ -127,11 +127,13 @@ def compile_program(
     search: Search | None = None,
     dynamic: dict[int, tuple[int, ...]] | None = None,
     numbers: tuple[tuple[int, tuple], ...] = (),
+    at_most: int = 0,
     entry: str = "",
 ) -> Program:
     """Trace one call and run the passes: what the compile cache keeps (NOTE: [Compile cache]).
     `dynamic`: the input dimensions to trace as symbols (NOTE: [Dynamic sizes]); `numbers`: the numbers
-    argument objects hold that are inputs too (NOTE: [Numbers in an object]); `entry`: the path of
+    argument objects hold that are inputs too (NOTE: [Numbers in an object]); `at_most`: the symbols' bound,
+    where above their own (NOTE: [A cache that grows]); `entry`: the path of
     the submodule called, "" for the module (NOTE: [Submodules through the program])."""
     # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
     what = "forward and backward" if needs_grad else "forward"
@@ -148,6 +150,7 @@ def compile_program(
             trainable=trainable,
             dynamic=dynamic,
             numbers=numbers,
+            at_most=at_most,
             entry=entry,
         )
         said["done"] = f"{len(program.graph.nodes)} nodes"

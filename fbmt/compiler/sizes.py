@@ -359,9 +359,11 @@ def number_input(n: int | None, device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.uint8, device=device).expand(n)
 
 
-def fake_inputs(mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int, tuple[int, ...]]) -> list:
+def fake_inputs(
+    mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int, tuple[int, ...]], at_most: int = 0
+) -> list:
     """Fakes of `inputs` in `mode`, dimension d of input i symbolic where `dims[i]` holds d, each symbol
-    at most `largest` of its traced size."""
+    at most `largest` of its traced size, or `at_most` where that is larger (NOTE: [A cache that grows])."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
     out = []
@@ -371,7 +373,9 @@ def fake_inputs(mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int
         fake = mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=kinds))
         for n, size in zip(x.shape, fake.shape):
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                mode.shape_env.constrain_symbol_range(size.node.expr, compiler_min=2, compiler_max=largest(n))
+                mode.shape_env.constrain_symbol_range(
+                    size.node.expr, compiler_min=2, compiler_max=max(largest(n), at_most)
+                )
         out.append(fake)
     return out
 

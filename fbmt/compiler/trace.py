@@ -493,6 +493,7 @@ def trace(
     trainable: tuple[bool, ...] | None = None,
     dynamic: dict[int, tuple[int, ...]] | None = None,
     numbers: tuple[tuple[int, tuple], ...] = (),
+    at_most: int = 0,
     entry: str = "",
 ) -> Program:
     """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring).
@@ -501,6 +502,7 @@ def trace(
     `dynamic[i]`: the dimensions of input tensor i traced as symbols (NOTE: [Dynamic sizes]).
     `numbers`: (argument leaf, path in it) of numbers argument objects hold, each the size of an input
     after the call's tensors, which the forward gets in their place (NOTE: [Numbers in an object]).
+    `at_most`: the symbols' bound where it is above four times their traced sizes (`sizes.fake_inputs`).
     `entry`: call the submodule at this path instead, over the same parameters (NOTE: [Submodules
     through the program]); its nodes keep their paths in `module`.
     """
@@ -528,7 +530,7 @@ def trace(
     real_inputs += [sizes.number_input(objects.number_at(leaves, at), param_device) for at in numbers]
     symbolic = None
     if dynamic:
-        fake_inputs = sizes.fake_inputs(fake_mode, real_inputs, dynamic)
+        fake_inputs = sizes.fake_inputs(fake_mode, real_inputs, dynamic, at_most)
         symbolic = sizes.SymbolicSizes.of(fake_inputs, real_inputs)  # the symbols as made, before any guard
     else:
         fake_inputs = [fake_mode.from_tensor(x) for x in real_inputs]

@@ -294,7 +294,10 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         `cumulative_length_int`), which the program takes as a size too (NOTE: [Numbers in an object]); its keys
         stop growing once the window is full, and the steps at its edge get programs of their own. What the
         trace assumed of those sizes is checked at every call, as for any program of symbolic sizes; a call it
-        does not admit gets a program of its own."""
+        does not admit gets a program of its own. A step's program admits lengths up to the model's longest
+        position (`max_position_embeddings`, `_grows_to`), not four times the length it was traced at: a
+        generation runs far past four times its prompt (5 tokens, then 60: three programs), and a program
+        without gradients keeps no activations whose memory the bound would decide (NOTE: [Dynamic sizes])."""
         try:
             from transformers.cache_utils import Cache, DynamicCache
         except ImportError:
@@ -317,6 +320,13 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         if dims is None:  # no tokens held yet: the prompt's call
             return None
         return (dims, numbers) if dims or numbers else None
+
+    def _grows_to(self) -> int:
+        """The model's longest position, which bounds a generation's cache (NOTE: [A cache that grows])."""
+        config = getattr(self._orig, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        longest = getattr(text, "max_position_embeddings", None)
+        return longest if isinstance(longest, int) and longest > 0 else 0
 
     @staticmethod
     def _grown(cache: Any, kwargs: dict, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
