@@ -296,7 +296,7 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         trace assumed of those sizes is checked at every call, as for any program of symbolic sizes; a call it
         does not admit gets a program of its own. A step's program admits lengths up to the model's longest
         position (`max_position_embeddings`, `_grows_to`), not four times the length it was traced at: a
-        generation runs far past four times its prompt (5 tokens, then 60: three programs), and a program
+        generation runs far past four times its prompt, which cost a program for every fourfold, and a program
         without gradients keeps no activations whose memory the bound would decide (NOTE: [Dynamic sizes])."""
         try:
             from transformers.cache_utils import Cache, DynamicCache
