@@ -161,6 +161,28 @@ def test_encoder_decoder_generate_runs_the_encoder_as_a_program_and_gives_the_ea
     run_ranks(2, _generates_from_an_encoder, name)
 
 
+@pytest.mark.parametrize("name", ["bart", "whisper"])
+def test_encoder_decoder_generate_compiles_one_decoder_program_for_every_step_past_the_second(name):
+    """An encoder-decoder's cache (`EncoderDecoderCache`) grows in its self-attention part (NOTE: [A cache that
+    grows]): from the third step one program serves every length up to the decoder's longest position. The
+    first step's cache is empty and the second's holds one token, a size traced as a constant: 3 decoder
+    programs for 20 tokens, where one per fourfold made 4."""
+    from tests import test_families as fam
+
+    if name == "whisper":
+        ref = hf.build("whisper").eval()
+        inputs = {k: v[:2] for k, v in hf.inputs(name, 0).items() if k != "labels"}
+    else:
+        ref = fam._model(name, transformers.AutoModelForSeq2SeqLM).eval()
+        inputs = {"input_ids": torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(0))}
+    model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False).eval()
+    how = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    want, got = ref.generate(**inputs, **how), model.generate(**inputs, **how)
+    assert torch.equal(got, want), (got, want)
+    decoder = [p for p in model.programs.values() if "encoder" not in p.entry]
+    assert len(decoder) == 3, [str(p.sizes) for p in decoder]
+
+
 def _submodules_run_over_the_shards(rank: int, world: int) -> None:
     ref = hf.build("llama")
     model = fbmt.compile(copy.deepcopy(ref))

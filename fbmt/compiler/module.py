@@ -695,9 +695,10 @@ class CompiledModule(nn.Module):
             if exe is not None:
                 return exe, key
         found, at_most = self._varying(key, inputs), 0
-        if found is None and self._may_vary():
-            found = self._growing(args, kwargs, inputs)
-            at_most = self._grows_to() if found and not needs_grad else 0  # generation: NOTE: [A cache that grows]
+        growing = self._growing(args, kwargs, inputs) if self._may_vary() else None
+        found = growing if found is None else found
+        if growing and not needs_grad:  # a generation's step (NOTE: [A cache that grows])
+            at_most = self._grows_to()
         dims, numbers = found or ({}, ())
         family = _without_shapes(key, numbers)
         if family in self._fixed_sizes:

@@ -289,8 +289,9 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
         cache compiled a program for its exact sizes, and the second one for every length: three programs where
         two serve. A call that passes a `DynamicCache` holding tokens is such a step, and its next call passes
         the cache longer: its program is made symbolic at once in the length of the cache's tensors, and in the
-        mask's where that is the cache's length plus the new tokens'. A layer that keeps a sliding window
-        counts its tokens in a Python int (`cumulative_length`; a static cache's, whose tensors keep their shapes,
+        mask's where that is the cache's length plus the new tokens' (an encoder-decoder's cache: its
+        self-attention's part, once it holds two tokens). A layer that keeps a sliding window counts its tokens
+        in a Python int (`cumulative_length`; a static cache's, whose tensors keep their shapes,
         `cumulative_length_int`), which the program takes as a size too (NOTE: [Numbers in an object]); its keys
         stop growing once the window is full, and the steps at its edge get programs of their own. What the
         trace assumed of those sizes is checked at every call, as for any program of symbolic sizes; a call it
@@ -316,27 +317,34 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
             for name in ("cumulative_length", "cumulative_length_int")
             if type(getattr(layer, name, None)) is int and getattr(layer, name) > 0
         )
-        dims = self._grown(cache, kwargs, inputs) if isinstance(cache, DynamicCache) else {}
+        # an encoder-decoder's: its self-attention's part grows, its cross-attention's is the encoder's length
+        own = getattr(cache, "self_attention_cache", cache)
+        dims = self._grown(own, kwargs, inputs) if isinstance(own, DynamicCache) else {}
         if dims is None:  # no tokens held yet: the prompt's call
             return None
         return (dims, numbers) if dims or numbers else None
 
     def _grows_to(self) -> int:
-        """The model's longest position, which bounds a generation's cache (NOTE: [A cache that grows])."""
+        """The model's longest position, which bounds a generation's cache (NOTE: [A cache that grows]):
+        its decoder's, where the config names that apart (Whisper's `max_target_positions`); 0 where it has
+        none (T5's relative positions)."""
         config = getattr(self._orig, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        longest = getattr(text, "max_position_embeddings", None)
-        return longest if isinstance(longest, int) and longest > 0 else 0
+        for name in ("max_target_positions", "max_position_embeddings"):
+            longest = getattr(text, name, None)
+            if isinstance(longest, int) and longest > 0:
+                return longest
+        return 0
 
     @staticmethod
     def _grown(cache: Any, kwargs: dict, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
         """The dimensions a `DynamicCache` and the attention mask grow in at each step (NOTE: [A cache that
-        grows]); None where the cache holds no tokens yet, or has no length (Mamba's recurrent states)."""
+        grows]); None where the cache holds fewer than two tokens, or has no length (Mamba's recurrent states)."""
         try:
             held = cache.get_seq_length()
         except ValueError:  # a cache of recurrent states alone (Mamba's) has no length, and does not grow
             return None
-        if not held:
+        if held < 2:  # none yet (the prompt's call), or one: a size of one is traced as a constant
             return None
         # its keys and values: by layer (`layers[i].keys`), or in lists (`key_cache[i]`, transformers 4)
         held_tensors = [getattr(layer, k, None) for layer in getattr(cache, "layers", ()) for k in ("keys", "values")]
