@@ -694,11 +694,11 @@ class CompiledModule(nn.Module):
             exe = self._family_from_cache(key, family, inputs)
             if exe is not None:
                 return exe, key
-        found, at_most = self._varying(key, inputs), 0
         growing = self._growing(args, kwargs, inputs) if self._may_vary() else None
-        found = growing if found is None else found
-        if growing and not needs_grad:  # a generation's step (NOTE: [A cache that grows])
-            at_most = self._grows_to()
+        found = self._varying(key, inputs) or growing
+        at_most = (
+            self._grows_to() if growing and not needs_grad else 0
+        )  # a generation's step: NOTE: [A cache that grows]
         dims, numbers = found or ({}, ())
         family = _without_shapes(key, numbers)
         if family in self._fixed_sizes:
