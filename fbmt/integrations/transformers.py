@@ -197,6 +197,14 @@ def check_model(model: nn.Module, remat: Any) -> None:
         _checkpointing_said(type(model).__name__, remat)
 
 
+# A generation's bound where the config names no longest position (T5's positions are relative, so any
+# length runs): the fourfold bound cost T5 a decoder program at each of 8, 32, 128, ... tokens. The bound
+# only widens what a program admits (every call is still checked against its guards), and a step without
+# gradients keeps no activations whose memory an estimate at the bound would decide; models that do name a
+# longest position name 2048 to 131072, so this sits among them (NOTE: [A cache that grows]).
+_UNNAMED_LONGEST = 1 << 15
+
+
 class Forwarding(CompiledModule, metaclass=_Wrapping):
     """A compiled module that answers for the module it wraps (NOTE: [The wrapped model's methods])."""
 
@@ -326,15 +334,15 @@ class Forwarding(CompiledModule, metaclass=_Wrapping):
 
     def _grows_to(self) -> int:
         """The model's longest position, which bounds a generation's cache (NOTE: [A cache that grows]):
-        its decoder's, where the config names that apart (Whisper's `max_target_positions`); 0 where it has
-        none (T5's relative positions)."""
+        its decoder's, where the config names that apart (Whisper's `max_target_positions`);
+        `_UNNAMED_LONGEST` where it names none (T5's relative positions)."""
         config = getattr(self._orig, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         for name in ("max_target_positions", "max_position_embeddings"):
             longest = getattr(text, name, None)
             if isinstance(longest, int) and longest > 0:
                 return longest
-        return 0
+        return _UNNAMED_LONGEST
 
     @staticmethod
     def _grown(cache: Any, kwargs: dict, inputs: list[torch.Tensor]) -> dict[int, tuple[int, ...]] | None:
