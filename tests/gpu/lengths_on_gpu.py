@@ -2,7 +2,8 @@
 
     python tests/gpu/lengths_on_gpu.py [reference|hf]   (both by default)
 
-A Llama of the reference models and a tiny random HF `LlamaForCausalLM`, in fp32 (SDPA's
+A Llama of the reference models, a tiny random HF `LlamaForCausalLM` and a T5 (its learned position bias
+an attention mask that takes a gradient), in fp32 (SDPA's
 memory-efficient kernel) and bf16 (its flash kernel), eager backend and Inductor, each train on
 batches of five lengths on one GPU: every step's loss and gradients against eager's, at most two programs (one
 for the first length, one symbolic for the rest), and the symbolic program's attention on the kernel the exact
@@ -50,8 +51,9 @@ def stream(
     torch.manual_seed(0)
     if name == "reference llama":
         ref = Llama(vocab=256, d=128, heads=4, ff=256, n_layer=2, seq=max(LENGTHS)).to(device, dtype)
-    else:
-        ref = hf.build("llama").to(device, dtype)
+    else:  # T5 hands SDPA its learned position bias as the mask, which takes a gradient (NOTE: [Attention
+        # at symbolic sizes])
+        ref = hf.build(name.split()[1]).to(device, dtype)
     model = fbmt.compile(copy.deepcopy(ref), world_size=1, cache_dir=False, backend=backend, device=device)
     said = Said()
     logging.getLogger("fbmt").addHandler(said)
@@ -64,8 +66,9 @@ def stream(
             if name == "reference llama":
                 want = F.cross_entropy(ref(x).flatten(0, 1).float(), y.flatten())
                 got = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-            else:
-                want, got = ref(input_ids=x, labels=x).loss, model(input_ids=x, labels=x).loss
+            else:  # T5's loss views its labels, which a slice of the tokens is not
+                labels = x.contiguous() if name == "hf t5" else x
+                want, got = ref(input_ids=x, labels=labels).loss, model(input_ids=x, labels=labels).loss
             worst = max(worst, abs(got.item() - want.item()) / abs(want.item()))
             got.backward()
             want.backward()
@@ -104,9 +107,11 @@ def generation(backend: str, device: torch.device, family: str = "llama", new: i
 def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # cpu: a dry run
     ok = True
-    names = [n for n in ("reference llama", "hf llama") if n.startswith(tuple(sys.argv[1:]) or "")]
+    names = [n for n in ("reference llama", "hf llama", "hf t5") if n.startswith(tuple(sys.argv[1:]) or "")]
     for name in names:
-        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        # T5 in fp32 alone: in bf16 its gradients round up to 12% apart from eager's (dry run on the CPU), too far
+        # for a check to tell from a wrong one
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2))[: 1 if name == "hf t5" else 2]:
             for backend in ("eager", "inductor"):
                 err, kernels, said, compiles = stream(name, dtype, backend, device)
                 # on the CPU (a dry run), a torch whose matmul fixes sizes runs the math backend's ops at symbolic
