@@ -93,6 +93,56 @@ def test_a_stream_of_lengths_on_two_ranks_compiles_two_programs_and_trains_as_ea
         torch.testing.assert_close(got[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
+SHAPES = [(2, 16), (2, 24), (3, 16), (4, 40), (3, 20), (2, 33)]  # (sequences per rank, length)
+
+
+def _hf_shapes(rank: int | None) -> list[dict]:
+    """Each step's call of a stream whose batch size varies as well as its length (evaluation at another
+    batch size, a last batch cut short): rank r's half, or (None) the whole batch."""
+    calls = []
+    for step, (per_rank, length) in enumerate(SHAPES):
+        ids = torch.randint(3, hf.VOCAB, (2 * per_rank, length), generator=torch.Generator().manual_seed(step))
+        part = ids if rank is None else ids[rank * per_rank : (rank + 1) * per_rank]
+        calls.append({"input_ids": part, "labels": part})
+    return calls
+
+
+def _train_hf_shapes(rank: int, world: int) -> dict:
+    model = fbmt.compile(hf.build("llama"), cache_dir=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for call in _hf_shapes(rank):
+        loss = model(**call).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    sizes = [str(p.sizes) for p in model.programs.values()]
+    return {"losses": losses, "params": model.full_parameters(), "sizes": sizes}
+
+
+def test_batches_of_other_sizes_and_lengths_on_two_ranks_compile_three_programs_and_train_as_eager():
+    """The first shape's program, one symbolic in the length, then, at the first batch of another size, one
+    symbolic in both the batch and the length (every earlier program counts in what varies), which serves
+    every later shape: three programs, where comparing with the first program alone made a fourth."""
+    got = run_ranks(2, _train_hf_shapes)
+    ref = hf.build("llama")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for call in _hf_shapes(None):
+        loss = ref(**call).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert [len(r["sizes"]) for r in got] == [3, 3], got[0]["sizes"]
+    assert "input 0 dim 0" in got[0]["sizes"][2] and "input 0 dim 1" in got[0]["sizes"][2], got[0]["sizes"]
+    both = (torch.tensor(got[0]["losses"]) + torch.tensor(got[1]["losses"])) / 2
+    torch.testing.assert_close(both, torch.tensor(losses), rtol=1e-4, atol=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_hugging_face_llama_with_padding_masks_at_unseen_lengths_matches_eager(backend):
     """As a data collator pads: each batch to its longest sequence, the rest masked, labels -100."""

@@ -811,24 +811,29 @@ class CompiledModule(nn.Module):
     def _varying(
         self, key: tuple, inputs: list[torch.Tensor]
     ) -> tuple[dict[int, tuple[int, ...]], tuple[tuple[int, tuple], ...]] | None:
-        """The dimensions in which this call's inputs differ from a program of the same key but for shapes
+        """The dimensions in which this call's inputs differ from the programs of the same key but for shapes
         and the numbers argument objects hold, and those numbers (NOTE: [Numbers in an object]); None: no
-        such program, or `dynamic=False`, or CUDA graphs, which replay fixed shapes."""
+        such program, or `dynamic=False`, or CUDA graphs, which replay fixed shapes.
+
+        Every such program counts, not only the first: a batch of another size after lengths that varied
+        differs from the first program in its batch alone, and from the one of many lengths in both, so the
+        new program takes both as symbols, and the next batch of another size and length runs on it too."""
         if not self._may_vary():
             return None
         shapes = [tuple(x.shape) for x in inputs]
+        dims: dict[int, set[int]] = {}
+        numbers: dict[tuple[int, tuple], None] = {}  # ordered, without repeats
         for known, old in self._input_shapes.items():
-            numbers = _numbers_between(known[1], key[1]) if len(known[1]) == len(key[1]) else ()
-            if _without_shapes(known, numbers) != _without_shapes(key, numbers) or len(old) != len(shapes):
+            differ = _numbers_between(known[1], key[1]) if len(known[1]) == len(key[1]) else ()
+            if _without_shapes(known, differ) != _without_shapes(key, differ) or len(old) != len(shapes):
                 continue
-            dims = {
-                i: tuple(d for d, (a, b) in enumerate(zip(was, now)) if a != b)
-                for i, (was, now) in enumerate(zip(old, shapes))
-                if was != now and len(was) == len(now)
-            }
-            if dims or numbers:
-                return dims, numbers
-        return None
+            for i, (was, now) in enumerate(zip(old, shapes)):
+                if was != now and len(was) == len(now):
+                    dims.setdefault(i, set()).update(d for d, (a, b) in enumerate(zip(was, now)) if a != b)
+            numbers.update(dict.fromkeys(differ))
+        if not dims and not numbers:
+            return None
+        return {i: tuple(sorted(ds)) for i, ds in sorted(dims.items())}, tuple(numbers)
 
     @pipeline.fewer_collections()  # NOTE: [Collections while compiling]
     @_apart_from_the_callers_autograd_modes()

@@ -5,7 +5,9 @@ A language model is called with batches of many lengths; a program per length wo
 most steps of a real run. So when a call's inputs differ from an existing program's only in the
 sizes of some dimensions (the same ranks, dtypes, modes and everything else of the key), fbmt
 compiles one more program with exactly those dimensions symbolic (`dynamic=True`, the default), and
-every later call that program admits runs it. Tracing runs in a fake mode with a shape environment:
+every later call that program admits runs it. Every earlier program of the key counts, not only the
+first (`CompiledModule._varying`): a batch of another size after many lengths differs from the
+first program in its batch, from the symbolic one in both, so its program takes both as symbols. Tracing runs in a fake mode with a shape environment:
 the symbolic sizes flow through the model's code, the gradient formulas and the passes, and the
 graph computes every size from its inputs' sizes (`sym_size` nodes), so the layout, the sharding and
 the schedule are the same for every length.
