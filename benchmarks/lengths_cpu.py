@@ -7,6 +7,7 @@
     FBMT_STAMP=0 PYTHONPATH=. python benchmarks/lengths_cpu.py --layers 24 --stream   # every layer traced
     PYTHONPATH=. python benchmarks/lengths_cpu.py --background   # Inductor's compiles in the step / in workers
     PYTHONPATH=. python benchmarks/lengths_cpu.py --generate --family mistral   # a sliding window of 10 that fills
+    PYTHONPATH=. python benchmarks/lengths_cpu.py --shapes   # batch sizes vary too, then an evaluation
 
 A GPT of 4 layers (width 64) trains on one rank on batches of 12 lengths from 16 to 128 (inputs and
 targets sliced from one token tensor), and a tiny Hugging Face Llama generates 20 tokens with its
@@ -85,6 +86,25 @@ def gen(dynamic: bool, family: str = "llama", tokens: int = 20) -> tuple[int, fl
     return len(m.programs), m.compile_seconds, time.perf_counter() - t, None
 
 
+def shapes(layers: int = 4) -> tuple[int, float, float, object]:
+    """The tiny HF Llama (`layers` deep) trains on batches whose size varies as well as their length (a last
+    batch cut short, another batch size), then evaluates (`eval()`, `no_grad()`) at three other shapes."""
+    config = hf.config("llama")
+    config.num_hidden_layers, config.max_position_embeddings = layers, 256
+    torch.manual_seed(0)
+    m = fbmt.compile(transformers.AutoModelForCausalLM.from_config(config), world_size=1, cache_dir=False)
+    t = time.perf_counter()
+    for batch, n in [(4, 16), (4, 24), (3, 16), (8, 40), (6, 20), (4, 33), (2, 90), (4, 57)]:
+        x = torch.randint(3, hf.VOCAB, (batch, n))
+        m(input_ids=x, labels=x).loss.backward()
+    m.eval()
+    with torch.no_grad():
+        for batch, n in [(4, 20), (6, 28), (8, 12)]:
+            x = torch.randint(3, hf.VOCAB, (batch, n))
+            m(input_ids=x, labels=x)
+    return len(m.programs), m.compile_seconds, time.perf_counter() - t, m
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4, help="the model's depth")
@@ -94,7 +114,15 @@ def main() -> None:
     ap.add_argument("--generate", action="store_true", help="generate() alone, dynamic=False / True")
     ap.add_argument("--family", choices=("llama", "mistral"), default="llama", help="with --generate")
     ap.add_argument("--new-tokens", type=int, default=20, help="with --generate: how many tokens it generates")
+    ap.add_argument("--shapes", action="store_true", help="batch sizes and lengths both vary, then an evaluation")
     args = ap.parse_args()
+    if args.shapes:
+        p, c, w, _ = shapes(args.layers)
+        print(
+            f"8 training shapes, 3 evaluated, tiny HF Llama {args.layers} layers | {p} programs | compile {c:.2f} s "
+            f"| wall {w:.2f} s"
+        )
+        return
     if args.generate:
         for dynamic in (False, True):
             p, c, w, _ = gen(dynamic, args.family, args.new_tokens)

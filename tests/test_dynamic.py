@@ -94,51 +94,57 @@ def test_a_stream_of_lengths_on_two_ranks_compiles_two_programs_and_trains_as_ea
 
 
 SHAPES = [(2, 16), (2, 24), (3, 16), (4, 40), (3, 20), (2, 33)]  # (sequences per rank, length)
+EVALUATED = [(2, 20), (3, 28), (4, 12)]
 
 
-def _hf_shapes(rank: int | None) -> list[dict]:
+def _hf_shapes(rank: int | None, shapes: list[tuple[int, int]], seed: int = 0) -> list[dict]:
     """Each step's call of a stream whose batch size varies as well as its length (evaluation at another
     batch size, a last batch cut short): rank r's half, or (None) the whole batch."""
     calls = []
-    for step, (per_rank, length) in enumerate(SHAPES):
-        ids = torch.randint(3, hf.VOCAB, (2 * per_rank, length), generator=torch.Generator().manual_seed(step))
+    for step, (per_rank, length) in enumerate(shapes):
+        g = torch.Generator().manual_seed(seed + step)
+        ids = torch.randint(3, hf.VOCAB, (2 * per_rank, length), generator=g)
         part = ids if rank is None else ids[rank * per_rank : (rank + 1) * per_rank]
         calls.append({"input_ids": part, "labels": part})
     return calls
 
 
-def _train_hf_shapes(rank: int, world: int) -> dict:
-    model = fbmt.compile(hf.build("llama"), cache_dir=False)
+def _train_and_evaluate(model: nn.Module, rank: int | None) -> tuple[list[float], list[float]]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for call in _hf_shapes(rank):
+    for call in _hf_shapes(rank, SHAPES):
         loss = model(**call).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        evaluated = [model(**call).loss.item() for call in _hf_shapes(rank, EVALUATED, seed=100)]
+    return losses, evaluated
+
+
+def _train_hf_shapes(rank: int, world: int) -> dict:
+    model = fbmt.compile(hf.build("llama"), cache_dir=False)
+    losses, evaluated = _train_and_evaluate(model, rank)
     sizes = [str(p.sizes) for p in model.programs.values()]
-    return {"losses": losses, "params": model.full_parameters(), "sizes": sizes}
+    return {"losses": losses, "evaluated": evaluated, "params": model.full_parameters(), "sizes": sizes}
 
 
 def test_batches_of_other_sizes_and_lengths_on_two_ranks_compile_three_programs_and_train_as_eager():
     """The first shape's program, one symbolic in the length, then, at the first batch of another size, one
     symbolic in both the batch and the length (every earlier program counts in what varies), which serves
-    every later shape: three programs, where comparing with the first program alone made a fourth."""
+    every later shape: three programs, where comparing with the first program alone made a fourth. The
+    evaluation that follows (no gradients, eval mode) takes what varied in training as symbols at its first
+    call: one program for its three shapes, not two."""
     got = run_ranks(2, _train_hf_shapes)
     ref = hf.build("llama")
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    losses = []
-    for call in _hf_shapes(None):
-        loss = ref(**call).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    assert [len(r["sizes"]) for r in got] == [3, 3], got[0]["sizes"]
-    assert "input 0 dim 0" in got[0]["sizes"][2] and "input 0 dim 1" in got[0]["sizes"][2], got[0]["sizes"]
-    both = (torch.tensor(got[0]["losses"]) + torch.tensor(got[1]["losses"])) / 2
-    torch.testing.assert_close(both, torch.tensor(losses), rtol=1e-4, atol=1e-5)
+    losses, evaluated = _train_and_evaluate(ref, None)
+    assert [len(r["sizes"]) for r in got] == [4, 4], got[0]["sizes"]
+    assert all("input 0 dim 0" in got[0]["sizes"][i] and "input 0 dim 1" in got[0]["sizes"][i] for i in (2, 3))
+    for mine, want in (("losses", losses), ("evaluated", evaluated)):
+        both = (torch.tensor(got[0][mine]) + torch.tensor(got[1][mine])) / 2
+        torch.testing.assert_close(both, torch.tensor(want), rtol=1e-4, atol=1e-5, msg=mine)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
 

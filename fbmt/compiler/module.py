@@ -695,7 +695,7 @@ class CompiledModule(nn.Module):
             if exe is not None:
                 return exe, key
         growing = self._growing(args, kwargs, inputs) if self._may_vary() else None
-        found = self._varying(key, inputs) or growing
+        found = self._varying(key, inputs) or growing or self._varied_in_other_modes(key, inputs)
         at_most = (
             self._grows_to() if growing and not needs_grad else 0
         )  # a generation's step: NOTE: [A cache that grows]
@@ -834,6 +834,29 @@ class CompiledModule(nn.Module):
         if not dims and not numbers:
             return None
         return {i: tuple(sorted(ds)) for i, ds in sorted(dims.items())}, tuple(numbers)
+
+    def _varied_in_other_modes(self, key: tuple, inputs: list[torch.Tensor]) -> tuple[dict, tuple] | None:
+        """The dimensions in which the calls of the same arguments in other modes (with gradients or without,
+        training or evaluating) varied: a first evaluation after training at many lengths takes them as symbols
+        at once, as their next call would (NOTE: [Dynamic sizes]). None: no such calls, or none that varied."""
+        if not self._may_vary():
+            return None
+
+        def bare(k: tuple) -> tuple:  # the arguments without shapes, nor whether a tensor requires grad
+            spec, sig = _without_shapes(k)[:2]
+            return spec, tuple(
+                x[:3] if isinstance(x, tuple) and len(x) == 4 and isinstance(x[0], int) else x for x in sig
+            )
+
+        mine = bare(key)
+        seen = [old for known, old in self._input_shapes.items() if bare(known) == mine and len(old) == len(inputs)]
+        dims = {}
+        for i, x in enumerate(inputs):
+            shapes = {s[i] for s in seen if len(s[i]) == x.dim()}
+            varied = tuple(d for d in range(x.dim()) if len({s[d] for s in shapes}) > 1)
+            if varied:
+                dims[i] = varied
+        return (dims, ()) if dims else None
 
     @pipeline.fewer_collections()  # NOTE: [Collections while compiling]
     @_apart_from_the_callers_autograd_modes()

@@ -7,10 +7,14 @@ sizes of some dimensions (the same ranks, dtypes, modes and everything else of t
 compiles one more program with exactly those dimensions symbolic (`dynamic=True`, the default), and
 every later call that program admits runs it. Every earlier program of the key counts, not only the
 first (`CompiledModule._varying`): a batch of another size after many lengths differs from the
-first program in its batch, from the symbolic one in both, so its program takes both as symbols. Tracing runs in a fake mode with a shape environment:
-the symbolic sizes flow through the model's code, the gradient formulas and the passes, and the
-graph computes every size from its inputs' sizes (`sym_size` nodes), so the layout, the sharding and
-the schedule are the same for every length.
+first program in its batch, from the symbolic one in both, so its program takes both as symbols.
+And the first call in another mode (an evaluation without gradients after training at many lengths)
+takes as symbols what varied in the calls of the same arguments in other modes
+(`CompiledModule._varied_in_other_modes`): one evaluation program, not one for its first length too.
+
+Tracing runs in a fake mode with a shape environment: the symbolic sizes flow through the model's
+code, the gradient formulas and the passes, and the graph computes every size from its inputs' sizes
+(`sym_size` nodes), so the layout, the sharding and the schedule are the same for every length.
 
 A symbolic size is at most four times the size it was traced at, up to a power of two (`largest`:
 traced at 24, at most 128), and what the passes estimate from sizes (memory, work) they read there
