@@ -93,7 +93,8 @@ def test_a_stream_of_lengths_on_two_ranks_compiles_two_programs_and_trains_as_ea
         torch.testing.assert_close(got[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
-SHAPES = [(2, 16), (2, 24), (3, 16), (4, 40), (3, 20), (2, 33)]  # (sequences per rank, length)
+# (sequences per rank, length); 100: past four times 16, within the bound of the program of lengths
+SHAPES = [(2, 16), (2, 24), (3, 16), (4, 40), (3, 20), (2, 33), (3, 100)]
 EVALUATED = [(2, 20), (3, 28), (4, 12)]
 
 
@@ -134,7 +135,8 @@ def _train_hf_shapes(rank: int, world: int) -> dict:
 def test_batches_of_other_sizes_and_lengths_on_two_ranks_compile_three_programs_and_train_as_eager():
     """The first shape's program, one symbolic in the length, then, at the first batch of another size, one
     symbolic in both the batch and the length (every earlier program counts in what varies), which serves
-    every later shape: three programs, where comparing with the first program alone made a fourth. The
+    every later shape: three programs, where comparing with the first program alone made a fourth. It admits
+    the lengths the program before it admitted (up to 128, traced at 24), though traced at 16. The
     evaluation that follows (no gradients, eval mode) takes what varied in training as symbols at its first
     call: one program for its three shapes, not two."""
     got = run_ranks(2, _train_hf_shapes)

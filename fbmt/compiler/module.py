@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import sympy
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -696,9 +697,6 @@ class CompiledModule(nn.Module):
                 return exe, key
         growing = self._growing(args, kwargs, inputs) if self._may_vary() else None
         found = self._varying(key, inputs) or growing or self._varied_in_other_modes(key, inputs)
-        at_most = (
-            self._grows_to() if growing and not needs_grad else 0
-        )  # a generation's step: NOTE: [A cache that grows]
         dims, numbers = found or ({}, ())
         family = _without_shapes(key, numbers)
         if family in self._fixed_sizes:
@@ -706,6 +704,7 @@ class CompiledModule(nn.Module):
         if self._with_numbers(inputs, leaves, numbers) is None:  # not an int of at least 0 at every path
             dims, numbers = {}, ()
         dims = {**dims, **{len(inputs) + j: (0,) for j in range(len(numbers))}}
+        at_most = self._bounds(key, dims, generating=bool(growing) and not needs_grad)
         exe = None
         if dims:
             said = _dims_text(dims) + "".join(f", {_number_name(at, args, kwargs)}" for at in numbers)
@@ -835,6 +834,25 @@ class CompiledModule(nn.Module):
             return None
         return {i: tuple(sorted(ds)) for i, ds in sorted(dims.items())}, tuple(numbers)
 
+    def _bounds(self, key: tuple, dims: dict[int, tuple[int, ...]], generating: bool) -> dict[tuple[int, int], int]:
+        """The bound of each symbol of a new program where it is above four times its traced size (NOTE:
+        [Dynamic sizes]): a generation step's, the model's longest position (NOTE: [A cache that grows]);
+        a dimension an earlier program of the key took as a symbol keeps that program's bound at least, so
+        a program made for a batch of another size admits every length the one before admitted."""
+        if generating:
+            longest = self._grows_to()
+            return {(i, d): longest for i, ds in dims.items() for d in ds} if longest else {}
+        family, bounds = _without_shapes(key), {}
+        for known, program in self.programs.items():
+            if program.sizes is None or program.numbers or _without_shapes(known) != family:
+                continue
+            for at, symbol in program.sizes.symbols.items():
+                span = program.sizes.shape_env.var_to_range.get(symbol)
+                # sympy.Integer: not int_oo, torch's unbounded
+                if span is not None and isinstance(span.upper, sympy.Integer) and at[1] in dims.get(at[0], ()):
+                    bounds[at] = max(bounds.get(at, 0), int(span.upper))
+        return bounds
+
     def _varied_in_other_modes(self, key: tuple, inputs: list[torch.Tensor]) -> tuple[dict, tuple] | None:
         """The dimensions in which the calls of the same arguments in other modes (with gradients or without,
         training or evaluating) varied: a first evaluation after training at many lengths takes them as symbols
@@ -870,7 +888,7 @@ class CompiledModule(nn.Module):
         device: torch.device | str | None = None,
         dynamic: dict[int, tuple[int, ...]] | None = None,
         numbers: tuple[tuple[int, tuple], ...] = (),
-        at_most: int = 0,
+        at_most: dict[tuple[int, int], int] | None = None,
         entry: str = "",
     ) -> Executable:
         started = time.perf_counter()
@@ -879,7 +897,7 @@ class CompiledModule(nn.Module):
         where = torch.device(device) if device is not None else self.device
         # the key is made once, before tracing: a forward may change its modules' attributes as it runs; a
         # symbolic program's: the call it was traced at and its symbolic dimensions (NOTE: [Symbolic programs on disk])
-        extra = ((numbers,) if numbers else ()) + ((("at most", at_most),) if at_most else ())
+        extra = ((numbers,) if numbers else ()) + ((("at most", tuple(sorted(at_most.items()))),) if at_most else ())
         symbolic = ("symbolic", sorted(dynamic.items()), *extra) if dynamic else None
         k, why_not = self._cache_key((*key, symbolic) if symbolic else key, where)
         before = self._attributes.values()

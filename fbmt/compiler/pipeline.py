@@ -127,13 +127,13 @@ def compile_program(
     search: Search | None = None,
     dynamic: dict[int, tuple[int, ...]] | None = None,
     numbers: tuple[tuple[int, tuple], ...] = (),
-    at_most: int = 0,
+    at_most: dict[tuple[int, int], int] | None = None,
     entry: str = "",
 ) -> Program:
     """Trace one call and run the passes: what the compile cache keeps (NOTE: [Compile cache]).
     `dynamic`: the input dimensions to trace as symbols (NOTE: [Dynamic sizes]); `numbers`: the numbers
-    argument objects hold that are inputs too (NOTE: [Numbers in an object]); `at_most`: the symbols' bound,
-    where above their own (NOTE: [A cache that grows]); `entry`: the path of
+    argument objects hold that are inputs too (NOTE: [Numbers in an object]); `at_most`: (input, dimension) ->
+    that symbol's bound, where above its own (NOTE: [Dynamic sizes]); `entry`: the path of
     the submodule called, "" for the module (NOTE: [Submodules through the program])."""
     # 1. trace one call, forward and backward, into a joint aten-level graph (on fake tensors)
     what = "forward and backward" if needs_grad else "forward"

@@ -22,9 +22,10 @@ traced at 24, at most 128), and what the passes estimate from sizes (memory, wor
 their activations although their policy recomputes them (NOTE: [Trailing blocks]: a program traced at
 24 tokens that kept them held more at 128 than the program of exactly 128 would). The loss's chunk
 count is the exception, decided at the traced size (NOTE: [Chunked cross-entropy] says why). A longer
-call gets a program of its own, bounded likewise, so a stream of lengths compiles a few programs (16-128
-from a symbolic program traced at 24: one; a stream that grows on, one more for every fourfold) rather
-than one, with no length's activations decided at another.
+call gets a program of its own, bounded likewise (a dimension an earlier program of the key took as a
+symbol at least as that one was: `CompiledModule._bounds`), so a stream of lengths compiles a few
+programs (16-128 from a symbolic program traced at 24: one; a stream that grows on, one more for every
+fourfold) rather than one, with no length's activations decided at another.
 
 What the program assumed while it was traced is kept by the shape environment as guards: a model's
 `if seq_len > 1024:` is `s0 > 1024`, a specialization is `Eq(s0, 16)`, and every symbol is at least 2
@@ -366,10 +367,13 @@ def number_input(n: int | None, device: torch.device) -> torch.Tensor:
 
 
 def fake_inputs(
-    mode: FakeTensorMode, inputs: list[torch.Tensor], dims: dict[int, tuple[int, ...]], at_most: int = 0
+    mode: FakeTensorMode,
+    inputs: list[torch.Tensor],
+    dims: dict[int, tuple[int, ...]],
+    at_most: dict[tuple[int, int], int] | None = None,
 ) -> list:
     """Fakes of `inputs` in `mode`, dimension d of input i symbolic where `dims[i]` holds d, each symbol
-    at most `largest` of its traced size, or `at_most` where that is larger (NOTE: [A cache that grows])."""
+    at most `largest` of its traced size, or `at_most[i, d]` where that is larger (NOTE: [Dynamic sizes])."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
     out = []
@@ -377,11 +381,10 @@ def fake_inputs(
         varying = dims.get(i, ())
         kinds = [DimDynamic.DYNAMIC if d in varying else DimDynamic.STATIC for d in range(x.dim())]
         fake = mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=kinds))
-        for n, size in zip(x.shape, fake.shape):
+        for d, (n, size) in enumerate(zip(x.shape, fake.shape)):
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                mode.shape_env.constrain_symbol_range(
-                    size.node.expr, compiler_min=2, compiler_max=max(largest(n), at_most)
-                )
+                most = max(largest(n), (at_most or {}).get((i, d), 0))
+                mode.shape_env.constrain_symbol_range(size.node.expr, compiler_min=2, compiler_max=most)
         out.append(fake)
     return out
 

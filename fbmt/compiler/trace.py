@@ -493,7 +493,7 @@ def trace(
     trainable: tuple[bool, ...] | None = None,
     dynamic: dict[int, tuple[int, ...]] | None = None,
     numbers: tuple[tuple[int, tuple], ...] = (),
-    at_most: int = 0,
+    at_most: dict[tuple[int, int], int] | None = None,
     entry: str = "",
 ) -> Program:
     """Trace one call `module(*args, **kwargs)` into a joint Program (see the module docstring).
@@ -502,7 +502,8 @@ def trace(
     `dynamic[i]`: the dimensions of input tensor i traced as symbols (NOTE: [Dynamic sizes]).
     `numbers`: (argument leaf, path in it) of numbers argument objects hold, each the size of an input
     after the call's tensors, which the forward gets in their place (NOTE: [Numbers in an object]).
-    `at_most`: the symbols' bound where it is above four times their traced sizes (`sizes.fake_inputs`).
+    `at_most`: (input, dimension) -> that symbol's bound, where above four times its traced size
+    (`sizes.fake_inputs`).
     `entry`: call the submodule at this path instead, over the same parameters (NOTE: [Submodules
     through the program]); its nodes keep their paths in `module`.
     """
