@@ -860,11 +860,10 @@ class CompiledModule(nn.Module):
         if not self._may_vary():
             return None
 
-        def bare(k: tuple) -> tuple:  # the arguments without shapes, nor whether a tensor requires grad
+        def bare(k: tuple) -> tuple:  # the arguments without shapes, nor whether a tensor requires grad; the entry
             spec, sig = _without_shapes(k)[:2]
-            return spec, tuple(
-                x[:3] if isinstance(x, tuple) and len(x) == 4 and isinstance(x[0], int) else x for x in sig
-            )
+            tensors = tuple(x[:3] if isinstance(x, tuple) and len(x) == 4 and isinstance(x[0], int) else x for x in sig)
+            return spec, tensors, k[7]
 
         mine = bare(key)
         seen = [old for known, old in self._input_shapes.items() if bare(known) == mine and len(old) == len(inputs)]
