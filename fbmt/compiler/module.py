@@ -267,6 +267,7 @@ class _Attributes:
         return bool(differing) and differing <= set(names)
 
 
+_ENTRY = 7  # where a call's key (`CompiledModule._key`) holds the submodule called ("" the model)
 _ATTRIBUTES = 8  # where a call's key (`CompiledModule._key`) holds the values of the attributes
 
 
@@ -661,7 +662,7 @@ class CompiledModule(nn.Module):
             trainable,
             record.active(),
             autocast,
-            entry,
+            entry,  # at _ENTRY
             self._attributes.values(),  # at _ATTRIBUTES
         )
 
@@ -863,7 +864,7 @@ class CompiledModule(nn.Module):
         def bare(k: tuple) -> tuple:  # the arguments without shapes, nor whether a tensor requires grad; the entry
             spec, sig = _without_shapes(k)[:2]
             tensors = tuple(x[:3] if isinstance(x, tuple) and len(x) == 4 and isinstance(x[0], int) else x for x in sig)
-            return spec, tensors, k[7]
+            return spec, tensors, k[_ENTRY]
 
         mine = bare(key)
         seen = [old for known, old in self._input_shapes.items() if bare(known) == mine and len(old) == len(inputs)]
