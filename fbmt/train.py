@@ -4,7 +4,8 @@
     python -m fbmt.train --steps 50 --ranks 4 --zero 2 --remat none
 
 Without a launcher it starts itself under torchrun (`torch.distributed.run`) with one rank per GPU,
-or `--ranks` CPU ranks. The corpus is the standard library's .py files, read as bytes, so every
+or `--ranks` CPU ranks; one rank is this process. A `--resume` that cannot go on is refused before
+any rank starts. The corpus is the standard library's .py files, read as bytes, so every
 machine has it and nothing is downloaded. Rank 0 prints loss, tokens/s and every rank's peak memory
 each step, and appends them to `<checkpoints>/metrics.csv`. Every `--save-every` steps and at the
 end it writes a sharded checkpoint (`fbmt.checkpoint`); run it again, or let `torchrun
@@ -171,6 +172,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# torchrun as the launcher runs it, less its traceback: a rank that fails has said why (fbmt's errors name
+# what to do), and torchrun's ChildFailedError would print 25 lines of its own after that, burying it
+_AGENT = """import sys
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+try:
+    main()
+except ChildFailedError as e:
+    for rank, f in sorted(e.failures.items()):
+        how = f"was stopped by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode} (why: above)"
+        print(f"fbmt.train: rank {rank} {how}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
 def launch(args: argparse.Namespace) -> int:
     """Re-run this module under torchrun with `--ranks` ranks on this machine."""
     with socket.socket() as s:
@@ -178,8 +194,8 @@ def launch(args: argparse.Namespace) -> int:
         port = s.getsockname()[1]
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        "-c",
+        _AGENT,
         f"--nproc_per_node={args.ranks}",
         "--master_addr=127.0.0.1",
         f"--master_port={port}",
@@ -189,8 +205,7 @@ def launch(args: argparse.Namespace) -> int:
     ]
     threads = max(1, (os.cpu_count() or 2) // args.ranks)  # CPU ranks share the cores instead of oversubscribing
     env = dict(os.environ, OMP_NUM_THREADS=str(flags.OMP_NUM_THREADS.get() or threads))
-    ranks = f"{args.ranks} rank{'s' if args.ranks > 1 else ''}"
-    print(f"fbmt.train: launching {ranks}: {' '.join(cmd[1:])}", flush=True)
+    print(f"fbmt.train: launching {args.ranks} ranks: torchrun {' '.join(cmd[3:])}", flush=True)
     return subprocess.call(cmd, env=env)
 
 
@@ -354,8 +369,10 @@ def _nothing_at(where: str, what: str, args: argparse.Namespace) -> str:
     )
 
 
-def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, log) -> int:
-    """The step the run continues after (0: a fresh start), having loaded the checkpoint if any."""
+def refuse_what_cannot_resume(args: argparse.Namespace) -> None:
+    """Exit saying why where `--resume` cannot go on as asked: a path given that holds no checkpoint (a
+    typo, not a fresh start), or `--resume no` over an earlier run's checkpoints. The launcher asks before
+    it starts any rank; a rank asks again (launched by torchrun directly)."""
     if args.resume == "no":
         found = fbmt.checkpoint.latest(args.checkpoints)
         if found is not None:
@@ -363,12 +380,25 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Op
                 f"fbmt.train: {args.checkpoints} holds an earlier run's checkpoints (newest: {found}); "
                 "continue it with --resume auto (the default), or pass another --checkpoints folder"
             )
+    elif args.resume != "auto":
+        if not os.path.exists(args.resume):
+            raise SystemExit(_nothing_at(args.resume, "does not exist", args))
+        complete = os.path.isfile(os.path.join(args.resume, fbmt.checkpoint.MARKER))
+        if not complete and not fbmt.checkpoint.checkpoints(args.resume):
+            raise SystemExit(_nothing_at(args.resume, "holds no complete checkpoint", args))
+
+
+def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, log) -> int:
+    """The step the run continues after (0: a fresh start), having loaded the checkpoint if any."""
+    refuse_what_cannot_resume(args)
+    if args.resume == "no":
         return 0
     where = args.checkpoints if args.resume == "auto" else args.resume
-    given = args.resume != "auto"  # a path given on purpose that holds nothing is a mistake (a typo), not a fresh start
-    if given and not os.path.exists(where):
-        raise SystemExit(_nothing_at(where, "does not exist", args))
-    resumed = fbmt.checkpoint.load(where, model=model, optimizer=opt)
+    given = args.resume != "auto"
+    try:
+        resumed = fbmt.checkpoint.load(where, model=model, optimizer=opt)
+    except fbmt.checkpoint.CheckpointError as e:  # it says what to do: no traceback on top of that
+        raise SystemExit(str(e)) from None
     if resumed is None and given:
         raise SystemExit(_nothing_at(where, "holds no complete checkpoint", args))
     if resumed is None:
@@ -441,7 +471,10 @@ def generate(model: torch.nn.Module, prompt: bytes, n: int, seq: int, device: to
 if __name__ == "__main__":
     arguments = parse_args()
     if not flags.is_set(flags.RANK):
-        sys.exit(launch(arguments))
+        refuse_what_cannot_resume(arguments)  # in a second, not after the ranks have started
+        if arguments.ranks > 1:
+            sys.exit(launch(arguments))
+        # one rank: this process is it (a group of one, as without a launcher), not a torchrun of one
     main(arguments)
     # The run is saved and the group is gone: skip interpreter finalization, where gloo's worker
     # threads can still hold work objects and abort a rank that finished ("terminate called without

@@ -45,18 +45,47 @@ def test_main_job_trains_checkpoints_and_exports_a_plain_model(tmp_path):
     model.load_state_dict(ck["model"])  # a plain nn.Module loads it: full tensors, original keys
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.csv", "model.pt", "step-00000030"]
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 31  # a header and a row per step
-    # a --resume that names nothing (a typo) is an error, and the earlier run's checkpoint stays as it was;
-    # so does a model of other sizes than the checkpoint's, named by its first differing tensor
+    # a --resume that names nothing (a typo) is an error, said before any rank starts; a model of other sizes
+    # than the checkpoint's is one too, named by its first differing tensor, and torchrun's traceback does not
+    # bury it; the earlier run's checkpoint stays as it was
     before = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "step-00000030").iterdir()}
-    for extra, says in [
-        (["--resume", str(tmp_path / "step-00000300")], "does not exist; nothing was trained or overwritten"),
-        (["--resume", str(tmp_path.parent)], "holds no complete checkpoint; nothing was trained"),
-        (["--layers", "3", "--steps", "40"], r"does not fit this GPT: it lacks \d+ the model has, the first 'h\.2\."),
+    for extra, says, launched in [
+        (["--resume", str(tmp_path / "step-00000300")], "does not exist; nothing was trained or overwritten", False),
+        (["--resume", str(tmp_path.parent)], "holds no complete checkpoint; nothing was trained", False),
+        (
+            ["--layers", "3", "--steps", "40"],
+            r"does not fit this GPT: it lacks \d+ the model has, the first 'h\.2\.",
+            True,
+        ),
     ]:
-        bad = [*cmd[:3], "--ranks", "1", *cmd[5:], *extra]
-        run = subprocess.run(bad, capture_output=True, text=True, timeout=300)
-        assert run.returncode != 0 and re.search(says, run.stdout + run.stderr), (extra, run.stderr[-2000:])
+        run = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=300)
+        out = run.stdout + run.stderr
+        assert run.returncode != 0 and re.search(says, out), (extra, out[-2000:])
+        assert ("launching" in run.stdout) == launched and "Traceback" not in out, (extra, out[-2000:])
+    assert "fbmt.train: rank 0 exited with code 1" in out, out[-2000:]
     assert before == {f.name: f.stat().st_mtime_ns for f in (tmp_path / "step-00000030").iterdir()}
+
+
+def test_main_job_on_one_rank_runs_in_its_own_process_and_trains(tmp_path):
+    """`--ranks 1` (a machine of one GPU) is a group of one in this process: no torchrun, no second start."""
+    cmd = [sys.executable, "-m", "fbmt.train", "--ranks", "1", "--steps", "8", "--layers", "1", "--d-model", "32"]
+    cmd += [
+        "--heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--corpus-mb",
+        "0.5",
+        "--save-every",
+        "0",
+        "--checkpoints",
+        str(tmp_path),
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "launching" not in run.stdout and "1 rank on cpu" in run.stdout, run.stdout[-2000:]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 8 and (tmp_path / "model.pt").exists()
 
 
 def test_main_job_options_that_cannot_work_are_refused_before_anything_starts(capsys):
