@@ -96,7 +96,7 @@ CAUSAL: dict[str, dict[str, Any]] = {
         num_experts=4,
         shared_expert_intermediate_size=32,
     ),
-    "bamba": dict(attn_layer_indices=[1]),
+    "bamba": dict(attn_layer_indices=[1], mamba_chunk_size=8),  # 2 chunks a call; 256 (its default) pads to 256
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=8),
 }
 MASKED = ["roberta", "electra", "deberta-v2", "modernbert", "distilbert", "albert"]

@@ -200,7 +200,7 @@ def test_the_fine_tuning_example_beats_the_majority_class(tmp_path):
     """examples/finetune_bert.py on 2 ranks: pretrained folder made, loaded on meta, fine-tuned, evaluated."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(ROOT / "examples/finetune_bert.py")]
-    args = ["--out", str(tmp_path / "bert"), "--pretrain-steps", "150", "--epochs", "6"]
+    args = ["--out", str(tmp_path / "bert"), "--pretrain-steps", "100", "--epochs", "5"]
     run = subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     found = re.search(r"held-out accuracy ([\d.]+)% after \d+ steps; the majority class alone: ([\d.]+)%", run.stdout)
