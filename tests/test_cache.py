@@ -388,7 +388,8 @@ def test_the_command_lists_sizes_and_clears(tmp_path):
 
     listed = cli("list")
     assert listed.count("fbmt.models.gpt.GPT") == 2 and "2 entries" in listed, listed
-    assert "KiB" in cli("size") or "MiB" in cli("size")
+    sized = cli("size")
+    assert "KiB" in sized or "MiB" in sized, sized
     assert "cleared 2 entries" in cli("clear")
     assert cache.entries(tmp_path) == [] and "0 entries" in cli("list")
 
