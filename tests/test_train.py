@@ -11,34 +11,33 @@ import torch
 
 from fbmt.models import GPT, GPTConfig
 
+SMALL = "--layers 2 --d-model 64 --heads 2 --seq-len 64 --corpus-mb 1".split()
+
+
+def _main_job(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """`python -m fbmt.train ARGS`, as a user runs it; `ok`: it must succeed."""
+    run = subprocess.run(
+        [sys.executable, "-m", "fbmt.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    if ok:
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(line.split("loss ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("step ")]
+
 
 def test_main_job_trains_checkpoints_and_exports_a_plain_model(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "fbmt.train",
-        "--ranks",
-        "2",
-        "--steps",
-        "30",
-        "--layers",
-        "2",
-        "--d-model",
-        "64",
-        "--heads",
-        "2",
-        "--seq-len",
-        "64",
-        "--corpus-mb",
-        "1",
-        "--checkpoints",
-        str(tmp_path),
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    args = ["--ranks", "2", "--steps", "30", *SMALL, "--checkpoints", str(tmp_path)]
+    run = _main_job(*args)
     lines = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 30 and "tok/s" in lines[-1] and "r1:" in lines[-1]
-    losses = [float(line.split("loss ")[1].split()[0]) for line in lines]
+    losses = _losses(run.stdout)
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses  # the loss falls
     ck = torch.load(tmp_path / "model.pt", weights_only=False)
     model = GPT(GPTConfig(**ck["config"]))
@@ -58,7 +57,7 @@ def test_main_job_trains_checkpoints_and_exports_a_plain_model(tmp_path):
             True,
         ),
     ]:
-        run = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=300)
+        run = _main_job(*args, *extra, ok=False)
         out = run.stdout + run.stderr
         assert run.returncode != 0 and re.search(says, out), (extra, out[-2000:])
         assert ("launching" in run.stdout) == launched and "Traceback" not in out, (extra, out[-2000:])
@@ -68,24 +67,9 @@ def test_main_job_trains_checkpoints_and_exports_a_plain_model(tmp_path):
 
 def test_main_job_on_one_rank_runs_in_its_own_process_and_trains(tmp_path):
     """`--ranks 1` (a machine of one GPU) is a group of one in this process: no torchrun, no second start."""
-    cmd = [sys.executable, "-m", "fbmt.train", "--ranks", "1", "--steps", "8", "--layers", "1", "--d-model", "32"]
-    cmd += [
-        "--heads",
-        "2",
-        "--seq-len",
-        "32",
-        "--corpus-mb",
-        "0.5",
-        "--save-every",
-        "0",
-        "--checkpoints",
-        str(tmp_path),
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _main_job("--ranks", "1", "--steps", "8", *SMALL, "--save-every", "0", "--checkpoints", str(tmp_path))
     assert "launching" not in run.stdout and "1 rank on cpu" in run.stdout, run.stdout[-2000:]
-    losses = [float(line.split("loss ")[1].split()[0]) for line in run.stdout.splitlines() if line.startswith("step ")]
-    assert len(losses) == 8 and (tmp_path / "model.pt").exists()
+    assert len(_losses(run.stdout)) == 8 and (tmp_path / "model.pt").exists()
 
 
 def test_main_job_options_that_cannot_work_are_refused_before_anything_starts(capsys):
@@ -130,18 +114,13 @@ def test_the_schedule_argument_takes_every_strategy_its_options_and_saved_schedu
 
 def test_main_job_with_offload_trains_and_resumes_its_host_optimizer(tmp_path):
     """`--offload`: fbmt.compile(offload=True) stepped by AdamOffloadOptimizer; its checkpoint resumes."""
-    small = ["--ranks", "2", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq-len", "64", "--corpus-mb", "1"]
-    small += ["--checkpoints", str(tmp_path), "--offload", "--save-every", "8"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     losses = []
     for steps in ("16", "20"):
-        cmd = [sys.executable, "-m", "fbmt.train", *small, "--steps", steps]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        run = _main_job(
+            "--ranks", "2", *SMALL, "--checkpoints", str(tmp_path), "--offload", "--save-every", "8", "--steps", steps
+        )
         assert ", offload," in run.stdout
-        losses += [
-            float(line.split("loss ")[1].split()[0]) for line in run.stdout.splitlines() if line.startswith("step ")
-        ]
+        losses += _losses(run.stdout)
     assert "fbmt.train: resumed from" in run.stdout and "(step 16 of 20)" in run.stdout, run.stdout[-2000:]
     assert len(losses) == 20 and sum(losses[-4:]) / 4 < losses[0] - 0.5, losses  # resumed at 16, and learning
 
@@ -149,25 +128,10 @@ def test_main_job_with_offload_trains_and_resumes_its_host_optimizer(tmp_path):
 def test_main_job_trains_in_fp8(tmp_path):
     """`--fp8 tensorwise`: the blocks' products in FP8 (fbmt.compile(fp8=...)), on the CPU ranks' _scaled_mm
     (a reference kernel, slow at the main job's sizes: hence 4 sequences a step)."""
-    cmd = [sys.executable, "-m", "fbmt.train", "--ranks", "2", "--layers", "2", "--d-model", "64", "--heads", "2"]
-    cmd += [
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "64",
-        "--corpus-mb",
-        "1",
-        "--steps",
-        "16",
-        "--checkpoints",
-        str(tmp_path),
-        "--fp8",
-        "tensorwise",
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    fp8 = "--batch-size 4 --steps 16 --fp8 tensorwise".split()
+    run = _main_job("--ranks", "2", *SMALL, *fp8, "--checkpoints", str(tmp_path))
     assert ", fp8 tensorwise," in run.stdout
-    losses = [float(line.split("loss ")[1].split()[0]) for line in run.stdout.splitlines() if line.startswith("step ")]
+    losses = _losses(run.stdout)
     assert len(losses) == 16 and sum(losses[-4:]) / 4 < losses[0] - 0.5, losses
 
 
